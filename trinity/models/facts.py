@@ -1,0 +1,166 @@
+"""Model facts read from a Hugging Face `config.json`, without importing torch or transformers.
+
+The validator needs layers, heads, experts and vocabulary size before any process starts, and
+`trinity validate` must stay instant, so this module reads the JSON itself. The same facts then
+drive the megatron-core TransformerConfig (trinity.models.build) and the weight maps
+(trinity.convert), so all three agree on one reading of the HF config.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from trinity.errors import UserError
+
+
+@dataclass(frozen=True)
+class ArchitectureInfo:
+    """What differs between the supported HF architectures, declared once per family."""
+
+    family: str  # key of the weight map in trinity.convert.registry
+    qk_norm: bool = False  # Qwen3: RMSNorm on q and k per head
+    qkv_bias: bool | None = None  # None: read `attention_bias` from the config (Llama)
+    moe: bool = False
+
+
+# HF `architectures[0]` -> family facts. Adding an architecture means one row here and one weight-map
+# module in trinity/convert/; never a string test in code.
+SUPPORTED_ARCHITECTURES: dict[str, ArchitectureInfo] = {
+    "LlamaForCausalLM": ArchitectureInfo(family="llama"),
+    "Qwen2ForCausalLM": ArchitectureInfo(family="qwen2", qkv_bias=True),
+    "Qwen3ForCausalLM": ArchitectureInfo(family="qwen3", qk_norm=True, qkv_bias=False),
+    "Qwen3MoeForCausalLM": ArchitectureInfo(family="qwen3_moe", qk_norm=True, qkv_bias=False, moe=True),
+    "MixtralForCausalLM": ArchitectureInfo(family="mixtral", qkv_bias=False, moe=True),
+}
+
+
+def supported_list() -> str:
+    return ", ".join(sorted(SUPPORTED_ARCHITECTURES))
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """The numbers trinity needs from an HF causal-LM config."""
+
+    architecture: str
+    family: str
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int  # = num_key_value_heads
+    head_dim: int
+    vocab_size: int
+    max_position_embeddings: int
+    rope_theta: float
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    qk_norm: bool
+    num_experts: int | None = None  # None for dense models
+    moe_ffn_hidden_size: int | None = None
+    moe_router_topk: int | None = None
+    moe_norm_topk_prob: bool = True
+    hidden_act: str = "silu"
+    rope_scaling: dict[str, Any] | None = field(default=None, compare=False)
+    torch_dtype: str | None = None
+    source: str = ""  # the config.json this was read from
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts is not None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_hf_dir(cls, path: str | Path) -> "ModelFacts":
+        """Read `<path>/config.json`; raise UserError naming the file on any problem."""
+        cfg_path = Path(path) / "config.json"
+        if not Path(path).exists():
+            raise UserError(f"{path}: model folder does not exist")
+        if not cfg_path.is_file():
+            raise UserError(f"{cfg_path}: no config.json in the model folder")
+        try:
+            raw = json.loads(cfg_path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise UserError(f"{cfg_path}: not valid JSON ({exc})") from None
+        return cls.from_hf_dict(raw, source=str(cfg_path))
+
+    @classmethod
+    def from_hf_dict(cls, raw: dict[str, Any], source: str = "config.json") -> "ModelFacts":
+        archs = raw.get("architectures") or []
+        arch = archs[0] if archs else None
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise UserError(
+                f"{source}: architecture {arch!r} is not supported; supported: {supported_list()}"
+            )
+        info = SUPPORTED_ARCHITECTURES[arch]
+
+        def need(key: str) -> Any:
+            if key not in raw or raw[key] is None:
+                raise UserError(f"{source}: missing required field {key!r} for {arch}")
+            return raw[key]
+
+        heads = int(need("num_attention_heads"))
+        hidden = int(need("hidden_size"))
+        kv_heads = int(raw.get("num_key_value_heads") or heads)
+        head_dim = int(raw.get("head_dim") or hidden // heads)
+        # transformers 5 moved rope_theta into rope_parameters; older configs keep it at top level.
+        rope_params = raw.get("rope_parameters") or {}
+        rope_theta = float(raw.get("rope_theta") or rope_params.get("rope_theta") or 10000.0)
+        rope_type = rope_params.get("rope_type", "default")
+        rope_scaling = raw.get("rope_scaling") or (rope_params if rope_type != "default" else None)
+        qkv_bias = info.qkv_bias if info.qkv_bias is not None else bool(raw.get("attention_bias", False))
+
+        num_experts = moe_ffn = topk = None
+        if info.moe:
+            num_experts = int(raw.get("num_local_experts") or raw.get("num_experts") or 0) or None
+            if num_experts is None:
+                raise UserError(f"{source}: MoE architecture {arch} without num_experts/num_local_experts")
+            moe_ffn = int(raw.get("moe_intermediate_size") or need("intermediate_size"))
+            topk = int(need("num_experts_per_tok"))
+        return cls(
+            architecture=arch,
+            family=info.family,
+            num_layers=int(need("num_hidden_layers")),
+            hidden_size=hidden,
+            ffn_hidden_size=int(raw.get("intermediate_size") or 4 * hidden),
+            num_attention_heads=heads,
+            num_query_groups=kv_heads,
+            head_dim=head_dim,
+            vocab_size=int(need("vocab_size")),
+            max_position_embeddings=int(raw.get("max_position_embeddings") or 4096),
+            rope_theta=rope_theta,
+            rms_norm_eps=float(raw.get("rms_norm_eps") or 1e-6),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            qkv_bias=qkv_bias,
+            qk_norm=info.qk_norm,
+            num_experts=num_experts,
+            moe_ffn_hidden_size=moe_ffn,
+            moe_router_topk=topk,
+            # Mixtral always renormalises the top-k weights; Qwen3-MoE reads norm_topk_prob.
+            moe_norm_topk_prob=bool(raw.get("norm_topk_prob", True)) if info.moe else True,
+            hidden_act=str(raw.get("hidden_act", "silu")),
+            rope_scaling=rope_scaling,
+            torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
+            source=source,
+        )
+
+    def num_parameters(self) -> int:
+        """Parameter count of the HF model (used by the memory estimate)."""
+        h, L = self.hidden_size, self.num_layers
+        q = self.num_attention_heads * self.head_dim
+        kv = self.num_query_groups * self.head_dim
+        attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.qkv_bias else 0)
+        attn += 2 * self.head_dim if self.qk_norm else 0
+        if self.is_moe:
+            mlp = self.num_experts * 3 * h * self.moe_ffn_hidden_size + h * self.num_experts
+        else:
+            mlp = 3 * h * self.ffn_hidden_size
+        norms = 2 * h
+        embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return L * (attn + mlp + norms) + embed + h
