@@ -1,0 +1,299 @@
+"""The job config: one Pydantic model per section, every field documented.
+
+Sections: algorithm, model, data, cluster, trainer, actor_rollout_ref (actor, ref, rollout), critic,
+reward. Field docstrings are the reference documentation (docs/configuration.md is generated from
+them) and the JSON Schema descriptions (`trinity schema`).
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Literal
+
+from pydantic import Field
+
+from trinity.config.megatron import MegatronConfig, StrictModel
+
+
+class AlgorithmName(str, enum.Enum):
+    sft = "sft"
+    grpo = "grpo"
+    ppo = "ppo"
+
+
+class KLEstimator(str, enum.Enum):
+    """Token-level KL estimators (names as in verl)."""
+
+    kl = "kl"  # k1: logp - ref_logp
+    abs = "abs"
+    mse = "mse"  # k2
+    low_var_kl = "low_var_kl"  # k3, clamped
+
+
+class LossAggMode(str, enum.Enum):
+    token_mean = "token-mean"
+    seq_mean_token_sum = "seq-mean-token-sum"
+    seq_mean_token_mean = "seq-mean-token-mean"
+
+
+class AlgorithmConfig(StrictModel):
+    """Which fine-tuning algorithm runs, and its advantage / KL-in-reward settings."""
+
+    name: AlgorithmName = AlgorithmName.sft
+    """`sft` (supervised), `grpo` (group-relative policy optimisation) or `ppo` (with a critic)."""
+    gamma: float = Field(default=1.0, ge=0.0, le=1.0)
+    """PPO: discount factor of GAE."""
+    lam: float = Field(default=1.0, ge=0.0, le=1.0)
+    """PPO: lambda of GAE."""
+    norm_adv_by_std_in_grpo: bool = True
+    """GRPO: divide group-centred rewards by the group's standard deviation."""
+    use_kl_in_reward: bool = False
+    """Subtract kl_coef x KL(actor || ref) from the token rewards (needs the ref role)."""
+    kl_penalty: KLEstimator = KLEstimator.kl
+    """KL estimator used for the in-reward penalty."""
+    kl_coef: float = Field(default=0.001, ge=0.0)
+    """Coefficient of the in-reward KL penalty."""
+
+
+class ModelConfig(StrictModel):
+    """The Hugging Face model to fine-tune."""
+
+    path: str
+    """Local folder of an HF causal-LM checkpoint (config.json + safetensors + tokenizer files)."""
+    tokenizer_path: str | None = None
+    """Tokenizer folder; unset means model.path."""
+    dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
+    """Training dtype: auto is bf16 on cuda and fp32 on cpu."""
+
+
+class DataConfig(StrictModel):
+    """Local training data (jsonl or parquet)."""
+
+    train_files: list[str] = Field(default_factory=list)
+    """Training files: SFT samples (prompt/response or messages) or RL prompts (prompt + answer)."""
+    prompt_key: str = "prompt"
+    """Field holding the prompt text."""
+    response_key: str = "response"
+    """SFT: field holding the target response text."""
+    messages_key: str = "messages"
+    """Field holding a chat (list of {role, content}); used when present instead of prompt/response."""
+    answer_key: str = "answer"
+    """RL: field holding the ground-truth answer passed to the reward function."""
+    seq_length: int = Field(default=1024, ge=8)
+    """SFT: tokens per training row (samples are packed into or padded to this length)."""
+    packing: bool = True
+    """SFT: pack several samples per row with per-document attention masks instead of padding."""
+    shuffle: bool = True
+    """Shuffle rows each epoch (deterministically from trainer.seed)."""
+    max_prompt_length: int = Field(default=256, ge=1)
+    """RL: prompts longer than this (in tokens) are truncated from the left."""
+    train_batch_size: int = Field(default=8, ge=1)
+    """RL: prompts per training step (each gets rollout.n responses)."""
+
+
+class ClusterConfig(StrictModel):
+    """Where the job runs; matches torchrun's options."""
+
+    device: Literal["cuda", "cpu"] = "cuda"
+    """`cuda` (NCCL, bf16) or `cpu` (gloo, fp32; for tiny jobs and debugging configs)."""
+    nnodes: int = Field(default=1, ge=1)
+    """Number of nodes (one `trinity run` per node)."""
+    nproc_per_node: int = Field(default=1, ge=1)
+    """Processes per node: one per GPU on cuda."""
+    node_rank: int = Field(default=0, ge=0)
+    """This node's rank in [0, nnodes)."""
+    master_addr: str = "127.0.0.1"
+    """Address of node 0 (multi-node)."""
+    master_port: int = Field(default=29500, ge=1, le=65535)
+    """Port on node 0 for the rendezvous."""
+    rdzv_endpoint: str | None = None
+    """Optional `host:port` of a c10d rendezvous (elastic); replaces master_addr/master_port."""
+    max_restarts: int = Field(default=0, ge=0)
+    """Times torchrun restarts the workers after a failure."""
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.nproc_per_node
+
+
+class OptimConfig(StrictModel):
+    """Adam optimizer and learning-rate schedule of a trained role."""
+
+    lr: float = Field(default=1e-5, gt=0)
+    """Peak learning rate."""
+    min_lr: float = Field(default=0.0, ge=0)
+    """Learning rate at the end of the cosine decay."""
+    lr_warmup_steps: int = Field(default=0, ge=0)
+    """Linear warm-up steps from 0 to lr."""
+    lr_scheduler: Literal["cosine", "constant"] = "constant"
+    """Schedule after warm-up."""
+    weight_decay: float = Field(default=0.01, ge=0)
+    """Decoupled weight decay (AdamW)."""
+    adam_beta1: float = Field(default=0.9, ge=0, lt=1)
+    """Adam beta1."""
+    adam_beta2: float = Field(default=0.999, ge=0, lt=1)
+    """Adam beta2."""
+    adam_eps: float = Field(default=1e-8, gt=0)
+    """Adam epsilon."""
+    clip_grad: float = Field(default=1.0, ge=0)
+    """Clip the global gradient norm to this value (0 disables)."""
+
+
+class TrainerConfig(StrictModel):
+    """Steps, batch sizes, checkpoints and logging."""
+
+    total_steps: int | None = Field(default=None, ge=1)
+    """Optimizer steps to run; unset means total_epochs over the data."""
+    total_epochs: int = Field(default=1, ge=1)
+    """Epochs over the data when total_steps is unset."""
+    global_batch_size: int = Field(default=8, ge=1)
+    """SFT: rows per optimizer step across all data-parallel ranks."""
+    micro_batch_size: int = Field(default=1, ge=1)
+    """Rows per forward pass on one GPU (gradient accumulation covers the rest)."""
+    output_dir: str = "runs/job"
+    """Run folder: resolved config, logs, metrics.jsonl, checkpoints, HF export."""
+    save_interval: int | None = Field(default=None, ge=1)
+    """Save a checkpoint every N steps (unset: only at the end)."""
+    keep_last: int = Field(default=2, ge=1)
+    """Checkpoints to keep; older ones are deleted after a newer one is complete."""
+    resume: str = "auto"
+    """`auto` (newest complete checkpoint in output_dir), `disable`, or a checkpoint folder."""
+    export_hf: bool = True
+    """Export HF safetensors of the trained actor at the end (<output_dir>/hf)."""
+    log_interval: int = Field(default=1, ge=1)
+    """Print a step line every N steps (metrics.jsonl gets every step)."""
+    seed: int = 1234
+    """Seed of data order and sampling."""
+    tensorboard: bool = True
+    """Write TensorBoard events to <output_dir>/tensorboard when tensorboard is installed."""
+
+
+class ActorConfig(StrictModel):
+    """The trained policy."""
+
+    megatron: MegatronConfig = Field(default_factory=MegatronConfig)
+    """Parallelism and memory options of the actor."""
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    """Optimizer of the actor."""
+    ppo_mini_batch_size: int = Field(default=8, ge=1)
+    """RL: prompts per optimizer update (each with rollout.n responses)."""
+    ppo_epochs: int = Field(default=1, ge=1)
+    """RL: passes over each rollout batch."""
+    clip_ratio_low: float = Field(default=0.2, ge=0)
+    """RL: lower PPO clip range (ratio >= 1 - clip_ratio_low)."""
+    clip_ratio_high: float = Field(default=0.2, ge=0)
+    """RL: upper PPO clip range (ratio <= 1 + clip_ratio_high)."""
+    clip_ratio_c: float | None = Field(default=3.0, gt=1)
+    """RL: dual-clip bound for negative advantages (unset disables)."""
+    entropy_coeff: float = Field(default=0.0, ge=0)
+    """RL: weight of the entropy bonus."""
+    loss_agg_mode: LossAggMode = LossAggMode.token_mean
+    """RL: how token losses become one number."""
+    use_kl_loss: bool = False
+    """RL: add kl_loss_coef x KL(actor || ref) to the loss (needs the ref role)."""
+    kl_loss_coef: float = Field(default=0.001, ge=0)
+    """RL: coefficient of the KL loss."""
+    kl_loss_type: KLEstimator = KLEstimator.low_var_kl
+    """RL: KL estimator of the KL loss."""
+
+
+class RefConfig(StrictModel):
+    """The frozen reference policy (forward only), used for KL."""
+
+    megatron: MegatronConfig = Field(default_factory=MegatronConfig)
+    """Parallelism and memory options of the reference model."""
+
+
+class RolloutConfig(StrictModel):
+    """Generation with the actor's own megatron-core model."""
+
+    n: int = Field(default=4, ge=1)
+    """Responses per prompt (the GRPO group size)."""
+    temperature: float = Field(default=1.0, ge=0)
+    """Sampling temperature (0 = greedy)."""
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    """Nucleus sampling threshold."""
+    top_k: int = Field(default=0, ge=0)
+    """Keep only the k most likely tokens (0 = off)."""
+    response_length: int = Field(default=128, ge=1)
+    """Maximum new tokens per response."""
+
+
+class ActorRolloutRefConfig(StrictModel):
+    """The policy roles that share GPUs: actor (trained), ref (frozen), rollout (generation)."""
+
+    actor: ActorConfig = Field(default_factory=ActorConfig)
+    """The trained policy."""
+    ref: RefConfig = Field(default_factory=RefConfig)
+    """The reference policy (GRPO/PPO with KL)."""
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    """Generation settings."""
+
+
+class CriticConfig(StrictModel):
+    """The PPO value model (same backbone as the actor, scalar head)."""
+
+    megatron: MegatronConfig = Field(default_factory=MegatronConfig)
+    """Parallelism and memory options of the critic."""
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    """Optimizer of the critic."""
+    cliprange_value: float = Field(default=0.5, ge=0)
+    """Value clipping range around the old values."""
+    ppo_epochs: int = Field(default=1, ge=1)
+    """Passes over each rollout batch."""
+    warmup_steps: int = Field(default=0, ge=0)
+    """Steps during which only the critic trains."""
+
+
+class RewardConfig(StrictModel):
+    """How responses are scored in RL."""
+
+    function: str = "math_exact_match"
+    """A built-in reward (`math_exact_match`, `format`) or a user function `module.path:function`."""
+    extractor: Literal["last_number", "boxed", "after_marker"] = "last_number"
+    """How math_exact_match finds the answer in a response."""
+    marker: str = "####"
+    """Marker for the after_marker extractor."""
+    format_pattern: str | None = None
+    """Regex for the `format` reward (full match scores 1)."""
+
+
+class JobConfig(StrictModel):
+    """A trinity job: what to train, on what data, where, with which parallel layout."""
+
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    """Algorithm and its advantage/KL settings."""
+    model: ModelConfig
+    """The HF model to fine-tune."""
+    data: DataConfig = Field(default_factory=DataConfig)
+    """Training data."""
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+    """Devices, nodes and processes."""
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    """Steps, batches, checkpoints, logging."""
+    actor_rollout_ref: ActorRolloutRefConfig = Field(default_factory=ActorRolloutRefConfig)
+    """Actor, reference and rollout."""
+    critic: CriticConfig | None = None
+    """PPO critic; required for ppo, not allowed for sft and grpo."""
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    """RL reward function."""
+
+    def roles(self) -> dict[str, MegatronConfig]:
+        """Megatron blocks of the roles that exist in this job, keyed by their config path."""
+        out = {"actor_rollout_ref.actor": self.actor_rollout_ref.actor.megatron}
+        if self.needs_ref:
+            out["actor_rollout_ref.ref"] = self.actor_rollout_ref.ref.megatron
+        if self.critic is not None:
+            out["critic"] = self.critic.megatron
+        return out
+
+    @property
+    def needs_ref(self) -> bool:
+        """The reference model exists only for RL jobs that use KL."""
+        return self.algorithm.name != AlgorithmName.sft and (
+            self.actor_rollout_ref.actor.use_kl_loss or self.algorithm.use_kl_in_reward
+        )
+
+    @property
+    def is_rl(self) -> bool:
+        return self.algorithm.name != AlgorithmName.sft
