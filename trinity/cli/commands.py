@@ -1,0 +1,123 @@
+"""Plain typed functions behind the CLI commands; tests call them directly.
+
+Heavy modules (torch, megatron, transformers) are imported inside the functions that need them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shlex
+from pathlib import Path
+
+import yaml
+
+from trinity.config.loader import LoadedConfig, load_config
+from trinity.config.plan import build_plan, render_plan
+from trinity.config.schema import JobConfig
+from trinity.errors import UserError
+
+
+def validate(config: Path, overrides: list[str], *, json_out: bool = False) -> int:
+    loaded = load_config(config, overrides)
+    plan = build_plan(loaded.config, loaded.facts, loaded.warnings)
+    print(json.dumps(plan.to_dict(), indent=2) if json_out else render_plan(plan))
+    return 0
+
+
+def schema() -> str:
+    return json.dumps(JobConfig.model_json_schema(), indent=2)
+
+
+def run(config: Path, overrides: list[str], *, dry_run: bool = False, debug: bool = False) -> int:
+    from trinity.launch.torchrun import preflight, supervise, torchrun_command
+
+    loaded = load_config(config, overrides)
+    cfg = loaded.config
+    print(render_plan(build_plan(cfg, loaded.facts, loaded.warnings)))
+    out = Path(cfg.trainer.output_dir)
+    resolved = out / "resolved_config.yaml"
+    cmd = torchrun_command(cfg, resolved)
+    if dry_run:
+        print("command: " + shlex.join(cmd))
+        return 0
+    preflight(cfg)
+    out.mkdir(parents=True, exist_ok=True)
+    prepare_weights(loaded, out)
+    write_resolved(cfg, resolved)
+    print("command: " + shlex.join(cmd), flush=True)
+    code = supervise(cmd)
+    if code != 0:
+        print(f"job failed with exit code {code}; every rank's log is under {out / 'logs'}")
+    return code
+
+
+def write_resolved(cfg: JobConfig, path: Path) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    tmp.replace(path)
+
+
+def source_fingerprint(hf_dir: Path) -> str:
+    """Identity of an HF folder's weights and config (names, sizes, mtimes): the cache key."""
+    h = hashlib.sha256()
+    for f in sorted(hf_dir.iterdir()):
+        if f.is_file() and f.suffix in (".json", ".safetensors", ".bin"):
+            st = f.stat()
+            h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns};".encode())
+    return h.hexdigest()[:16]
+
+
+def prepare_weights(loaded: LoadedConfig, out: Path) -> None:
+    """The seeds' convert-then-launch flow: roles that load neither through mbridge nor from a dist
+    checkpoint get one converted from the HF model, cached under <output_dir>/mcore_cache/<fingerprint>
+    and reused while the source is unchanged."""
+    cfg = loaded.config
+    roles = [m for m in cfg.roles().values() if not m.use_mbridge and not m.use_dist_checkpointing]
+    if not roles:
+        return
+    src = Path(cfg.model.path)
+    cache = out / "mcore_cache" / source_fingerprint(src)
+    if not (cache / "trinity_meta.json").is_file():
+        from trinity.convert.api import hf_to_mcore
+
+        dtype = cfg.model.dtype if cfg.model.dtype != "auto" else ("fp32" if cfg.cluster.device == "cpu" else "bf16")
+        print(f"converting {src} to a megatron-core checkpoint in {cache} (cached for later runs)", flush=True)
+        hf_to_mcore(str(src), str(cache), dtype=dtype, force=True)
+    else:
+        print(f"using the cached megatron-core checkpoint {cache}", flush=True)
+    for m in roles:
+        m.use_dist_checkpointing = True
+        m.dist_checkpointing_path = str(cache)
+
+
+def tiny_assets(output: Path) -> int:
+    from trinity.testing.tiny_assets import make_quickstart_assets
+
+    paths = make_quickstart_assets(output)
+    for name, p in paths.items():
+        print(f"{name}: {p}")
+    return 0
+
+
+def convert_hf_to_mcore(hf_path: Path, output: Path, **kwargs) -> int:
+    from trinity.convert.api import hf_to_mcore
+
+    _require_dir(hf_path, "--hf-path")
+    report = hf_to_mcore(str(hf_path), str(output), **kwargs)
+    print(report)
+    return 0
+
+
+def convert_mcore_to_hf(mcore_path: Path, output: Path, **kwargs) -> int:
+    from trinity.convert.api import mcore_to_hf
+
+    _require_dir(mcore_path, "--mcore-path")
+    report = mcore_to_hf(str(mcore_path), str(output), **kwargs)
+    print(report)
+    return 0
+
+
+def _require_dir(path: Path, flag: str) -> None:
+    if not path.is_dir():
+        raise UserError(f"{flag}: {path} does not exist or is not a folder")

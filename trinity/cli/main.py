@@ -1,0 +1,137 @@
+"""The `trinity` command line: thin Typer wrappers around plain functions in trinity.cli.commands.
+
+Nothing heavy is imported here (no torch, megatron, mbridge, transformers): `trinity --help` and
+`trinity validate` must start instantly. Each command body imports what it needs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable, Optional
+
+import typer
+
+from trinity import __version__
+
+app = typer.Typer(
+    name="trinity",
+    help="Fine-tune LLMs (SFT, GRPO, PPO) on megatron-core from one YAML file.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+convert_app = typer.Typer(help="Move checkpoints between Hugging Face and megatron-core.", no_args_is_help=True)
+app.add_typer(convert_app, name="convert")
+
+ConfigOpt = typer.Option(..., "--config", "-c", help="Job YAML file.", show_default=False)
+OverridesArg = typer.Argument(None, help="dotted.key=value overrides, e.g. trainer.total_steps=10", show_default=False)
+DebugOpt = typer.Option(False, "--debug", help="Show tracebacks of internal errors.")
+
+
+def _guard(fn: Callable[[], int | None], debug: bool) -> None:
+    """Run a command body: user errors print one clean block (exit 2); bugs a traceback with --debug."""
+    from trinity.cli.report import run_guarded
+
+    raise typer.Exit(run_guarded(fn, debug))
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"trinity-mcore {__version__}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version and exit."),
+) -> None:
+    """trinity-mcore: validate, convert and train on megatron-core."""
+
+
+@app.command()
+def validate(
+    config: Path = ConfigOpt,
+    overrides: Optional[list[str]] = OverridesArg,
+    json_out: bool = typer.Option(False, "--json", help="Print the plan as JSON."),
+    debug: bool = DebugOpt,
+) -> None:
+    """Check a job config and print the resolved plan: layout per role and GPU memory per device."""
+    from trinity.cli import commands
+
+    _guard(lambda: commands.validate(config, overrides or [], json_out=json_out), debug)
+
+
+@app.command()
+def run(
+    config: Path = ConfigOpt,
+    overrides: Optional[list[str]] = OverridesArg,
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan and the torchrun command, start nothing."),
+    debug: bool = DebugOpt,
+) -> None:
+    """Validate, convert weights if needed, and launch the job with torchrun."""
+    from trinity.cli import commands
+
+    _guard(lambda: commands.run(config, overrides or [], dry_run=dry_run, debug=debug), debug)
+
+
+@app.command()
+def schema() -> None:
+    """Print the JSON Schema of the job config (for editor completion)."""
+    from trinity.cli import commands
+
+    typer.echo(commands.schema())
+
+
+@app.command("tiny-assets")
+def tiny_assets(
+    output: Path = typer.Argument(Path("quickstart_assets"), help="Folder for the tiny model, tokenizer and data."),
+    debug: bool = DebugOpt,
+) -> None:
+    """Create the quickstart's tiny Qwen2 model, tokenizer and arithmetic data locally (no network)."""
+    from trinity.cli import commands
+
+    _guard(lambda: commands.tiny_assets(output), debug)
+
+
+@convert_app.command("hf-to-mcore")
+def hf_to_mcore(
+    hf_path: Path = typer.Option(..., "--hf-path", help="Hugging Face model folder.", show_default=False),
+    output: Path = typer.Option(..., "--output", "-o", help="Dist checkpoint folder to write.", show_default=False),
+    tp: int = typer.Option(1, "--tp", min=1, help="Tensor-parallel size of the writing job."),
+    pp: int = typer.Option(1, "--pp", min=1, help="Pipeline-parallel size of the writing job."),
+    vpp: Optional[int] = typer.Option(None, "--vpp", min=1, help="Virtual pipeline stages per PP rank."),
+    ep: int = typer.Option(1, "--ep", min=1, help="Expert-parallel size of the writing job."),
+    backend: str = typer.Option("builtin", "--backend", help="builtin or mbridge."),
+    dtype: str = typer.Option("bf16", "--dtype", help="bf16, fp16 or fp32."),
+    verify: bool = typer.Option(False, "--verify", help="Compare logits of the HF and converted models."),
+    force: bool = typer.Option(False, "--force", help="Replace a non-empty output folder."),
+    debug: bool = DebugOpt,
+) -> None:
+    """Convert a Hugging Face checkpoint to a megatron-core dist checkpoint."""
+    from trinity.cli import commands
+
+    _guard(lambda: commands.convert_hf_to_mcore(hf_path, output, tp=tp, pp=pp, vpp=vpp, ep=ep, backend=backend,
+                                                dtype=dtype, verify=verify, force=force), debug)
+
+
+@convert_app.command("mcore-to-hf")
+def mcore_to_hf(
+    mcore_path: Path = typer.Option(..., "--mcore-path", help="Dist checkpoint folder (convert or run output).", show_default=False),
+    output: Path = typer.Option(..., "--output", "-o", help="Hugging Face folder to write.", show_default=False),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="bf16, fp16 or fp32 (default: the checkpoint's)."),
+    verify: bool = typer.Option(False, "--verify", help="Compare every exported tensor with the source."),
+    force: bool = typer.Option(False, "--force", help="Replace a non-empty output folder."),
+    debug: bool = DebugOpt,
+) -> None:
+    """Convert a megatron-core dist checkpoint to a Hugging Face folder."""
+    from trinity.cli import commands
+
+    _guard(lambda: commands.convert_mcore_to_hf(mcore_path, output, dtype=dtype, verify=verify, force=force), debug)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

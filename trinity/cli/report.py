@@ -1,0 +1,40 @@
+"""How the CLI reports outcomes: user errors as one clean block, bugs with a hint (or a traceback)."""
+
+from __future__ import annotations
+
+import sys
+from typing import Callable
+
+from trinity.errors import ConfigError, UserError
+
+
+def run_guarded(fn: Callable[[], int | None], debug: bool) -> int:
+    """Run a command body and turn its outcome into an exit code.
+
+    UserError -> its message on stderr, exit 2 (no traceback: the user can fix it from the message).
+    Any other exception is a bug: re-raised with --debug, otherwise one line saying how to see it.
+    """
+    try:
+        code = fn()
+        return int(code or 0)
+    except ConfigError as exc:
+        n = len(exc.problems)
+        print(f"error: the config has {n} problem{'s' if n != 1 else ''}:", file=sys.stderr)
+        for p in exc.problems:
+            print(f"  {p}", file=sys.stderr)
+        return exc.exit_code
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # a bug: never hide it, but keep the default output short
+        if debug:
+            raise
+        print(
+            f"internal error: {type(exc).__name__}: {exc}\n"
+            "This is a bug in trinity; re-run with --debug for the traceback and report it.",
+            file=sys.stderr,
+        )
+        return 1

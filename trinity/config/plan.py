@@ -1,0 +1,201 @@
+"""The resolved plan of a job: per role its parallel layout and a GPU-memory estimate per device.
+
+The estimate is arithmetic on the model facts, documented in docs/memory-estimate.md; it is meant
+to catch layouts that cannot fit before launch, not to replace a measurement. Sizes are for the
+busiest GPU (the first or last pipeline stage, whichever holds more).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from trinity.config.megatron import MegatronConfig, RecomputeGranularity, RecomputeMethod, RecomputeModule
+from trinity.config.schema import JobConfig
+from trinity.models.facts import ModelFacts
+
+GIB = 1024**3
+# Per-layer activation bytes per token per hidden unit, Korthikanti et al. 2022 (eq. 2) without the
+# attention-score term 5as/h: SDPA/flash attention never stores the s x s scores.
+ACT_PER_LAYER = 34
+ACT_MLP_SHARE = 19  # the MLP's part of the 34 (recompute_modules: mlp)
+ACT_NORM_SHARE = 4  # the two norms' inputs (recompute_modules: layernorm)
+
+
+@dataclass
+class MemoryEstimate:
+    """Bytes on the busiest GPU of one role."""
+
+    params_per_gpu: int
+    weights: int
+    grads: int
+    optimizer: int
+    activations: int
+    logits: int
+    trained: bool
+    offloaded: list[str] = field(default_factory=list)
+
+    @property
+    def active(self) -> int:
+        """While this role runs (trains, or runs forward if frozen)."""
+        return self.weights + self.grads + self.optimizer + self.activations + self.logits
+
+    @property
+    def idle(self) -> int:
+        """What stays on the GPU while another role runs, after offload."""
+        keep = 0 if "param_offload" in self.offloaded else self.weights
+        keep += 0 if "grad_offload" in self.offloaded else self.grads
+        keep += 0 if "optimizer_offload" in self.offloaded else self.optimizer
+        return keep
+
+
+@dataclass
+class RolePlan:
+    path: str
+    layout: str
+    dp: int
+    microbatches: int
+    memory: MemoryEstimate
+
+
+@dataclass
+class JobPlan:
+    algorithm: str
+    device: str
+    world_size: int
+    model: str
+    num_parameters: int
+    roles: list[RolePlan]
+    peak_per_gpu: int
+    warnings: list[str]
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        for role, plan in zip(out["roles"], self.roles):
+            role["memory"]["active"] = plan.memory.active
+            role["memory"]["idle"] = plan.memory.idle
+        return out
+
+
+def padded_vocab(vocab: int, tp: int, multiple: int = 128) -> int:
+    step = multiple * tp
+    return -(-vocab // step) * step
+
+
+def estimate_memory(
+    f: ModelFacts, m: MegatronConfig, *, world: int, seq: int, micro: int, microbatches: int,
+    bytes_per_param: int, trained: bool,
+) -> MemoryEstimate:
+    lay = m.layout()
+    tp, pp, cp, dp = lay.tp, lay.pp, lay.cp, lay.dp(world)
+    h, L = f.hidden_size, f.num_layers
+    vocab = padded_vocab(f.vocab_size, tp)
+    q, kv = f.num_attention_heads * f.head_dim, f.num_query_groups * f.head_dim
+    dense_layer = h * q + 2 * h * kv + q * h + 2 * h + (q + 2 * kv if f.qkv_bias else 0) + (2 * f.head_dim if f.qk_norm else 0)
+    if f.is_moe:
+        expert_layer = f.num_experts * 3 * h * f.moe_ffn_hidden_size
+        dense_layer += h * f.num_experts  # router, replicated over TP
+    else:
+        expert_layer, dense_layer = 0, dense_layer + 3 * h * f.ffn_hidden_size
+    layers = L // pp
+    embed = vocab * h // tp
+    first = embed
+    last = h + (embed if (not f.tie_word_embeddings or pp > 1) else 0)
+    ends = first + last if pp == 1 else max(first, last)
+    dense_params = layers * dense_layer // tp + ends
+    expert_params = layers * expert_layer // (lay.ep * lay.expert_tp)
+    params = dense_params + expert_params
+    weights = params * bytes_per_param
+    grads = optimizer = acts = logits = 0
+    if trained:
+        grads = params * 4  # fp32 gradient buffers (grad_reduce_in_fp32)
+        per_param = 12 if bytes_per_param < 4 else 8  # fp32 master + Adam m, v (fp32 params are their own master)
+        if m.use_distributed_optimizer:
+            edp = lay.expert_dp(world) if f.is_moe else dp
+            optimizer = per_param * (dense_params // dp + expert_params // max(edp, 1))
+        else:
+            optimizer = per_param * params
+        acts = _activations(f, m, seq // cp, micro, layers, microbatches)
+    else:
+        acts = ACT_PER_LAYER * (seq // cp) * micro * h * 2 // (tp if m.sequence_parallel else 1)
+    logits = (seq // cp) * micro * vocab // tp * 6  # bf16 logits + one fp32 copy for the loss
+    offloaded = [k for k in ("param_offload", "grad_offload", "optimizer_offload") if getattr(m, k)]
+    return MemoryEstimate(params, weights, grads, optimizer, acts, logits, trained, offloaded)
+
+
+def _activations(f: ModelFacts, m: MegatronConfig, s: int, b: int, layers: int, microbatches: int) -> int:
+    lay = m.layout()
+    tp = lay.tp
+    sp = m.sequence_parallel and tp > 1
+    per_layer = s * b * f.hidden_size * (ACT_PER_LAYER / tp if sp else 10 + 24 / tp)
+    checkpoint = 2 * s * b * f.hidden_size / (tp if sp else 1)  # bf16 layer input kept by full recompute
+    o = m.override_transformer_config
+    if o.recompute_granularity == RecomputeGranularity.full:
+        n = o.recompute_num_layers or 1
+        if o.recompute_method == RecomputeMethod.block:
+            stage = min(n, layers) * checkpoint + max(layers - n, 0) * per_layer
+        else:  # uniform: one checkpoint per unit of n layers, plus one unit recomputed at a time
+            stage = -(-layers // n) * checkpoint + n * per_layer
+    else:
+        if o.recompute_granularity == RecomputeGranularity.selective:
+            mods = set(o.recompute_modules or [RecomputeModule.core_attn])
+            share = (ACT_MLP_SHARE if RecomputeModule.mlp in mods else 0) + (ACT_NORM_SHARE if RecomputeModule.layernorm in mods else 0)
+            per_layer *= (ACT_PER_LAYER - share) / ACT_PER_LAYER
+        stage = layers * per_layer
+    # 1F1B: the first stage holds min(PP, microbatches) micro batches in flight; interleaving adds
+    # (PP-1)/(PP*VPP) of a stage more.
+    in_flight = min(lay.pp, microbatches)
+    if lay.vpp:
+        in_flight *= 1 + (lay.pp - 1) / (lay.pp * lay.vpp)
+    return int(stage * in_flight)
+
+
+def build_plan(cfg: JobConfig, facts: ModelFacts, warnings: list[str]) -> JobPlan:
+    world = cfg.cluster.world_size
+    dtype = cfg.model.dtype
+    if dtype == "auto":
+        dtype = "fp32" if cfg.cluster.device == "cpu" else "bf16"
+    bpp = 4 if dtype == "fp32" else 2
+    seq = cfg.data.seq_length if not cfg.is_rl else cfg.data.max_prompt_length + cfg.actor_rollout_ref.rollout.response_length
+    micro = cfg.trainer.micro_batch_size
+    roles = []
+    for path, m in cfg.roles().items():
+        lay = m.layout()
+        dp = lay.dp(world)
+        if cfg.is_rl:
+            seqs = cfg.actor_rollout_ref.actor.ppo_mini_batch_size * cfg.actor_rollout_ref.rollout.n
+            mbs = max(seqs // (micro * dp), 1)
+        else:
+            mbs = lay.num_microbatches(cfg.trainer.global_batch_size, micro, world)
+        trained = not path.endswith(".ref")
+        mem = estimate_memory(facts, m, world=world, seq=seq, micro=micro, microbatches=mbs, bytes_per_param=bpp, trained=trained)
+        roles.append(RolePlan(path=path, layout=lay.describe(world), dp=dp, microbatches=mbs, memory=mem))
+    # Roles share the GPUs: the peak is one role active while the others keep what is not offloaded.
+    peak = max(r.memory.active + sum(o.memory.idle for o in roles if o is not r) for r in roles)
+    return JobPlan(
+        algorithm=cfg.algorithm.name.value, device=cfg.cluster.device, world_size=world,
+        model=f"{facts.architecture} ({cfg.model.path})", num_parameters=facts.num_parameters(),
+        roles=roles, peak_per_gpu=peak, warnings=list(warnings),
+    )
+
+
+def human_bytes(n: float) -> str:
+    for unit, scale in (("GiB", GIB), ("MiB", 1024**2), ("KiB", 1024)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def render_plan(plan: JobPlan) -> str:
+    g = human_bytes
+    n = plan.num_parameters
+    size = f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.2f} M"
+    lines = [f"job: {plan.algorithm} on {plan.world_size} x {plan.device}; model {plan.model}, {size} parameters"]
+    for r in plan.roles:
+        m = r.memory
+        lines.append(f"{r.path}: {r.layout}, {r.microbatches} micro batches per step per DP rank")
+        lines.append(f"  params/GPU {m.params_per_gpu / 1e6:,.1f} M   weights {g(m.weights)}   grads {g(m.grads)}   optimizer {g(m.optimizer)}")
+        lines.append(f"  activations {g(m.activations)}   logits {g(m.logits)}   active {g(m.active)}   idle {g(m.idle)}"
+                     + (f"   (offload: {', '.join(m.offloaded)})" if m.offloaded else ""))
+    lines.append(f"estimated peak per GPU: {g(plan.peak_per_gpu)} (formula: docs/memory-estimate.md)")
+    lines += [f"warning: {w}" for w in plan.warnings]
+    return "\n".join(lines)

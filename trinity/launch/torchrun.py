@@ -1,0 +1,104 @@
+"""The torchrun command line of a job (pure), pre-flight checks, and the supervised child process."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+from trinity.config.schema import JobConfig
+from trinity.errors import UserError
+
+WORKER_MODULE = "trinity.trainer.worker"
+
+
+def torchrun_command(cfg: JobConfig, config_path: str | Path, *, python: str = sys.executable) -> list[str]:
+    """torchrun arguments for this node: standalone on one node, static or c10d rendezvous on several.
+
+    Every rank's stdout/stderr goes to <output_dir>/logs/; the console shows rank 0 only.
+    """
+    c = cfg.cluster
+    cmd = [python, "-m", "torch.distributed.run", "--nnodes", str(c.nnodes), "--nproc-per-node", str(c.nproc_per_node)]
+    if c.rdzv_endpoint:
+        cmd += ["--rdzv-backend", "c10d", "--rdzv-endpoint", c.rdzv_endpoint, "--rdzv-id", "trinity"]
+    elif c.nnodes == 1:
+        cmd += ["--standalone"]
+    else:
+        cmd += ["--node-rank", str(c.node_rank), "--master-addr", c.master_addr, "--master-port", str(c.master_port)]
+    cmd += [
+        "--max-restarts", str(c.max_restarts),
+        "--log-dir", str(Path(cfg.trainer.output_dir) / "logs"),
+        "--redirects", "3", "--tee", "3", "--local-ranks-filter", "0",
+        "-m", WORKER_MODULE, str(config_path),
+    ]
+    return cmd
+
+
+def preflight(cfg: JobConfig) -> None:
+    """Refuse to start what cannot work: missing GPUs, a taken rendezvous port."""
+    c = cfg.cluster
+    if c.device == "cuda":
+        import torch
+
+        visible = torch.cuda.device_count()
+        if visible == 0:
+            raise UserError("cluster.device: cuda, but no GPU is visible; set cluster.device: cpu for a CPU run")
+        if c.nproc_per_node > visible:
+            raise UserError(
+                f"cluster.nproc_per_node: {c.nproc_per_node} processes need {c.nproc_per_node} GPUs, "
+                f"but {visible} are visible; lower it to {visible}"
+            )
+    if c.nnodes > 1 and c.node_rank == 0 and not c.rdzv_endpoint and not port_is_free(c.master_port):
+        raise UserError(f"cluster.master_port: port {c.master_port} is in use on this machine; choose another")
+
+
+def port_is_free(port: int, host: str = "") -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def supervise(cmd: list[str], *, env: dict[str, str] | None = None, grace_s: float = 30.0) -> int:
+    """Run torchrun as a child in its own process group; forward Ctrl-C/SIGTERM so no orphans remain.
+
+    Returns the job's exit code (128 + signal number when it was stopped by a signal).
+    """
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    stopping = {"sig": None}
+
+    def forward(signum, _frame):
+        stopping["sig"] = signum
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)  # torchrun passes it to every worker
+        except ProcessLookupError:
+            pass
+
+    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        while True:
+            try:
+                code = proc.wait(timeout=grace_s if stopping["sig"] else None)
+                break
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+        _reap_group(proc.pid)
+    if stopping["sig"] is not None:
+        return 128 + stopping["sig"]
+    return code if code >= 0 else 128 - code
+
+
+def _reap_group(pgid: int) -> None:
+    """Kill whatever of the job's process group outlived torchrun (a hung worker)."""
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
