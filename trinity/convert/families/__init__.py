@@ -1,0 +1,1 @@
+"""One weight-map module per model family; `trinity.convert.registry` collects them."""

@@ -1,0 +1,197 @@
+"""Declarative HF <-> megatron-core weight maps: rules, name templates and tensor transforms.
+
+A family module lists `Rule`s; nothing here knows a family by name. A rule ties one megatron-core
+parameter (a template with `{L}` for the global layer and `{E}` for the global expert) to the HF tensors
+it is made of, and names how they combine (`Kind`). Every transform is defined on the *full* (TP=1)
+megatron tensor; `tp_split` / `tp_merge` then cut it the way megatron-core's layers hold it per TP rank.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from dataclasses import dataclass, field
+from typing import Iterable
+
+import torch
+
+
+class Kind(enum.Enum):
+    COPY = "copy"  # one HF tensor, same layout
+    VOCAB = "vocab"  # one HF tensor, rows padded to the padded vocab size (stripped on export)
+    QKV = "qkv"  # q, k, v -> megatron's per-query-group [q..., k, v] rows
+    GATE_UP = "gate_up"  # gate, up -> [gate; up] (swiglu linear_fc1)
+    GROUPED_FC1 = "grouped_fc1"  # per expert gate, up -> GroupedMLP.weight1 [h, E * 2 * ffn]
+    GROUPED_FC2 = "grouped_fc2"  # per expert down -> GroupedMLP.weight2 [E * ffn, h]
+
+
+# How many equal blocks the TP-split dimension holds; each block is split across TP ranks separately
+# (megatron-core's swiglu fc1 holds [gate_r; up_r] on rank r, not a contiguous slice of [gate; up]).
+_HALVES = {Kind.GATE_UP: 2, Kind.GROUPED_FC1: 2}
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One megatron-core parameter and the HF tensors it is made of."""
+
+    mcore: str
+    hf: tuple[str, ...]
+    kind: Kind = Kind.COPY
+    tp_dim: int | None = None  # None: replicated over TP
+    tied_only: bool = False  # output_layer from embed_tokens when word embeddings are tied
+    untied_only: bool = False
+    _mcore_re: re.Pattern[str] = field(init=False, repr=False, compare=False)
+    _hf_res: tuple[re.Pattern[str], ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_mcore_re", _compile(self.mcore))
+        object.__setattr__(self, "_hf_res", tuple(_compile(h) for h in self.hf))
+
+    @property
+    def grouped(self) -> bool:
+        """The megatron tensor holds all local experts of a layer (GroupedMLP)."""
+        return self.kind in (Kind.GROUPED_FC1, Kind.GROUPED_FC2)
+
+    @property
+    def expert(self) -> bool:
+        return self.grouped or "{E}" in self.mcore
+
+    def match_mcore(self, name: str) -> dict[str, int] | None:
+        m = self._mcore_re.fullmatch(name)
+        return {k: int(v) for k, v in m.groupdict().items()} if m else None
+
+    def match_hf(self, name: str) -> dict[str, int] | None:
+        for rx in self._hf_res:
+            m = rx.fullmatch(name)
+            if m:
+                return {k: int(v) for k, v in m.groupdict().items()}
+        return None
+
+    def hf_names(self, layer: int | None, experts: Iterable[int] | None = None) -> list[str]:
+        """The HF tensors of this rule, in transform order (grouped: expert-major)."""
+        if self.grouped:
+            assert experts is not None
+            return [h.format(L=layer, E=e) for e in experts for h in self.hf]
+        exp = list(experts or [None])[0]
+        return [h.format(L=layer, E=exp) for h in self.hf]
+
+
+def _compile(template: str) -> re.Pattern[str]:
+    rx = re.escape(template).replace(r"\{L\}", r"(?P<L>\d+)").replace(r"\{E\}", r"(?P<E>\d+)")
+    return re.compile(rx)
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """The shape facts the transforms need."""
+
+    num_heads: int
+    num_groups: int
+    head_dim: int
+    vocab_size: int  # the real (HF) vocabulary
+    padded_vocab_size: int
+
+
+def to_mcore(rule: Rule, tensors: list[torch.Tensor], geo: Geometry) -> torch.Tensor:
+    """Combine HF tensors into the full (TP=1) megatron-core tensor."""
+    kind = rule.kind
+    if kind is Kind.COPY:
+        return tensors[0]
+    if kind is Kind.VOCAB:
+        src = tensors[0]
+        if src.shape[0] == geo.padded_vocab_size:
+            return src
+        pad = src.new_zeros((geo.padded_vocab_size - src.shape[0], *src.shape[1:]))
+        return torch.cat([src, pad], dim=0)
+    if kind is Kind.QKV:
+        q, k, v = tensors
+        g, hd = geo.num_groups, geo.head_dim
+        per = geo.num_heads // g
+        rest = q.shape[1:]
+        fused = torch.cat(
+            [q.reshape(g, per * hd, *rest), k.reshape(g, hd, *rest), v.reshape(g, hd, *rest)], dim=1
+        )
+        return fused.reshape(g * (per + 2) * hd, *rest)
+    if kind is Kind.GATE_UP:
+        return torch.cat(tensors, dim=0)
+    if kind is Kind.GROUPED_FC1:
+        # GroupedMLP views weight1 as [E, h, 2*ffn]: expert e's [gate; up] transposed, side by side.
+        pairs = [torch.cat(tensors[i : i + 2], dim=0).t() for i in range(0, len(tensors), 2)]
+        return torch.cat(pairs, dim=1)
+    if kind is Kind.GROUPED_FC2:
+        # GroupedMLP views weight2 as [E, ffn, h]: expert e's down projection transposed, stacked.
+        return torch.cat([t.t() for t in tensors], dim=0)
+    raise AssertionError(kind)
+
+
+def to_hf(rule: Rule, full: torch.Tensor, geo: Geometry, n_experts: int = 1) -> list[torch.Tensor]:
+    """Split the full (TP=1) megatron-core tensor back into its HF tensors (inverse of to_mcore)."""
+    kind = rule.kind
+    if kind is Kind.COPY:
+        return [full]
+    if kind is Kind.VOCAB:
+        return [full[: geo.vocab_size]]
+    if kind is Kind.QKV:
+        g, hd = geo.num_groups, geo.head_dim
+        per = geo.num_heads // g
+        rest = full.shape[1:]
+        grouped = full.reshape(g, (per + 2) * hd, *rest)
+        q, k, v = torch.split(grouped, [per * hd, hd, hd], dim=1)
+        return [
+            q.reshape(g * per * hd, *rest),
+            k.reshape(g * hd, *rest),
+            v.reshape(g * hd, *rest),
+        ]
+    if kind is Kind.GATE_UP:
+        return list(torch.chunk(full, 2, dim=0))
+    if kind is Kind.GROUPED_FC1:
+        out: list[torch.Tensor] = []
+        for block in torch.chunk(full, n_experts, dim=1):
+            out.extend(torch.chunk(block.t(), 2, dim=0))
+        return out
+    if kind is Kind.GROUPED_FC2:
+        return [block.t() for block in torch.chunk(full, n_experts, dim=0)]
+    raise AssertionError(kind)
+
+
+def _blocks(rule: Rule, n_experts: int) -> int:
+    return _HALVES.get(rule.kind, 1) * (n_experts if rule.grouped else 1)
+
+
+def tp_split(rule: Rule, full: torch.Tensor, rank: int, size: int, n_experts: int = 1) -> torch.Tensor:
+    """The part of `full` that TP rank `rank` of `size` holds."""
+    if rule.tp_dim is None or size == 1:
+        return full
+    blocks = torch.chunk(full, _blocks(rule, n_experts), dim=rule.tp_dim)
+    return torch.cat([torch.chunk(b, size, dim=rule.tp_dim)[rank] for b in blocks], dim=rule.tp_dim)
+
+
+def tp_merge(rule: Rule, parts: list[torch.Tensor], n_experts: int = 1) -> torch.Tensor:
+    """Inverse of tp_split: the full tensor from every TP rank's part, in rank order."""
+    if rule.tp_dim is None or len(parts) == 1:
+        return parts[0]
+    nb = _blocks(rule, n_experts)
+    per_rank = [torch.chunk(p, nb, dim=rule.tp_dim) for p in parts]
+    return torch.cat(
+        [torch.cat([pr[b] for pr in per_rank], dim=rule.tp_dim) for b in range(nb)], dim=rule.tp_dim
+    )
+
+
+@dataclass(frozen=True)
+class WeightMap:
+    """All rules of one family; looked up by megatron-core parameter name or HF tensor name."""
+
+    family: str
+    rules: tuple[Rule, ...]
+
+    def for_mcore(self, name: str, tied: bool) -> tuple[Rule, dict[str, int]] | None:
+        for rule in self.rules:
+            if (rule.tied_only and not tied) or (rule.untied_only and tied):
+                continue
+            idx = rule.match_mcore(name)
+            if idx is not None:
+                return rule, idx
+        return None
+
+    def covers_hf(self, name: str) -> bool:
+        return any(rule.match_hf(name) is not None for rule in self.rules)
