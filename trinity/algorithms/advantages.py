@@ -1,0 +1,137 @@
+"""Advantages for RL: GRPO group-normalised outcome advantages, PPO GAE, masked whitening.
+
+Shapes: `[batch, response_len]` for token-level tensors, `[batch]` for per-sequence ones. The
+response mask is 1 on response tokens that count and 0 on padding (and on tool/observation tokens in
+multi-turn rollouts). Names and conventions follow verl so that its users recognise them; where verl's
+behaviour is surprising it is kept and said so, because users compare curves against verl runs.
+
+Call these on the whole rollout batch (all data-parallel ranks gathered, or per rank when a group is
+known to be local): group statistics and whitening are batch statistics, not micro-batch ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+def masked_sum(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    return (values * mask).sum() if dim is None else (values * mask).sum(dim)
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Mean over mask == 1 entries; an all-zero mask gives 0 rather than NaN."""
+    count = mask.sum() if dim is None else mask.sum(dim)
+    return masked_sum(values, mask, dim) / count.clamp(min=1)
+
+
+def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
+    """Variance over mask == 1 entries (Bessel-corrected by default, as verl does)."""
+    mean = masked_mean(values, mask)
+    var = masked_mean((values - mean) ** 2, mask)
+    if unbiased:
+        count = mask.sum()
+        var = var * count / (count - 1).clamp(min=1)
+    return var
+
+
+def masked_whiten(
+    values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8
+) -> torch.Tensor:
+    """(values - mean) / std over the masked entries; masked-out entries are zeroed.
+
+    With shift_mean=False the mean is added back (only the scale changes), as verl allows.
+    """
+    mean = masked_mean(values, mask)
+    var = masked_var(values, mask)
+    whitened = (values - mean) * torch.rsqrt(var + eps)
+    if not shift_mean:
+        whitened = whitened + mean
+    return whitened * mask
+
+
+def _group_index(group_ids: torch.Tensor | Sequence[object], batch: int) -> torch.Tensor:
+    """Dense 0..G-1 group index per sample from any hashable ids (uids, prompt indices)."""
+    if isinstance(group_ids, torch.Tensor):
+        if group_ids.shape != (batch,):
+            raise ValueError(f"group_ids has shape {tuple(group_ids.shape)}, expected ({batch},)")
+        _, dense = torch.unique(group_ids, return_inverse=True)
+        return dense
+    ids = list(group_ids)
+    if len(ids) != batch:
+        raise ValueError(f"group_ids has {len(ids)} entries, expected {batch}")
+    first_seen: dict[object, int] = {}
+    return torch.tensor([first_seen.setdefault(g, len(first_seen)) for g in ids], dtype=torch.long)
+
+
+def grpo_outcome_advantages(
+    scores: torch.Tensor,
+    group_ids: torch.Tensor | Sequence[object],
+    response_mask: torch.Tensor,
+    norm_adv_by_std_in_grpo: bool = True,
+    epsilon: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GRPO outcome advantages, broadcast over the response tokens.
+
+    scores: `[batch]` sequence rewards (sum the token rewards first if you have those).
+    group_ids: one id per sample; samples answering the same prompt share an id.
+    Per group: adv = (score - mean) / (std + epsilon), std unbiased (torch.std), or
+    adv = score - mean without std division (Dr. GRPO).
+    As in verl, a group with a single sample keeps its raw score (mean 0, std 1).
+
+    Returns (advantages, returns), both `[batch, response_len]`, equal, zero where the mask is 0.
+    """
+    scores = scores.float()
+    batch = scores.shape[0]
+    index = _group_index(group_ids, batch).to(scores.device)
+    num_groups = int(index.max().item()) + 1 if batch else 0
+
+    count = torch.zeros(num_groups, device=scores.device).index_add_(0, index, torch.ones_like(scores))
+    total = torch.zeros(num_groups, device=scores.device).index_add_(0, index, scores)
+    mean = total / count
+    sq_dev = torch.zeros(num_groups, device=scores.device).index_add_(0, index, (scores - mean[index]) ** 2)
+    std = torch.sqrt(sq_dev / (count - 1).clamp(min=1))
+    singleton = count == 1
+    mean = torch.where(singleton, torch.zeros_like(mean), mean)
+    std = torch.where(singleton, torch.ones_like(std), std)
+
+    centred = scores - mean[index]
+    adv = centred / (std[index] + epsilon) if norm_adv_by_std_in_grpo else centred
+    adv = adv.unsqueeze(-1) * response_mask.to(adv.dtype)
+    return adv, adv
+
+
+def gae_advantages(
+    token_rewards: torch.Tensor,
+    values: torch.Tensor,
+    response_mask: torch.Tensor,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+    whiten: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO generalised advantage estimation over `[batch, response_len]` tokens.
+
+    delta_t = r_t + gamma * V_{t+1} - V_t;  A_t = delta_t + gamma * lam * A_{t+1};  V after the last
+    token is 0. Masked-out positions are skipped (their V and A pass through unchanged to the previous
+    counted token), so mask holes inside a response (multi-turn observations) do not break the chain.
+    returns = A + V (before whitening); advantages are whitened over the mask when `whiten` is set.
+    """
+    token_rewards = token_rewards.float()
+    values = values.float()
+    mask = response_mask.to(values.dtype)
+    next_value = torch.zeros_like(values[:, 0])
+    next_adv = torch.zeros_like(values[:, 0])
+    reversed_adv = []
+    for t in reversed(range(values.shape[1])):
+        delta = token_rewards[:, t] + gamma * next_value - values[:, t]
+        adv_t = delta + gamma * lam * next_adv
+        m = mask[:, t]
+        next_value = values[:, t] * m + next_value * (1 - m)
+        next_adv = adv_t * m + next_adv * (1 - m)
+        reversed_adv.append(next_adv)
+    advantages = torch.stack(reversed_adv[::-1], dim=1)
+    returns = advantages + values
+    if whiten:
+        advantages = masked_whiten(advantages, mask)
+    return advantages * mask, returns * mask

@@ -1,0 +1,197 @@
+"""PPO-clip policy loss (dual clip), entropy bonus, KL loss, clipped value loss, loss aggregation.
+
+Token losses are `[batch, response_len]` matrices with a 0/1 response mask; `agg_loss` turns them into
+one number. Names follow verl (`clip_ratio_low`, `clip_ratio_high`, `clip_ratio_c`, `cliprange_value`,
+`loss_agg_mode`).
+
+Global normalisation across micro batches (gradient accumulation)
+-----------------------------------------------------------------
+Every aggregation mode is `numerator / denominator`, both sums over the batch:
+  token-mean           sum of masked token losses        / number of masked tokens
+  seq-mean-token-sum   sum over sequences of token sums  / number of sequences (with >= 1 token)
+  seq-mean-token-mean  sum over sequences of token means / number of sequences (with >= 1 token)
+Averaging per-micro-batch means is NOT the full-batch mean when micro batches hold different token
+counts. To get the full-batch loss exactly:
+  1. D = `global_agg_denominator(masks_of_all_micro_batches, mode, dp_group)` once per optimizer step
+     (sums `agg_denominator` over the step's micro batches and all-reduces over data-parallel ranks);
+  2. each micro batch's loss is `agg_loss(loss_mat, mask, mode, denominator=D)`;
+  3. the sum of these over micro batches and DP ranks is then the full-batch loss. Backends that
+     average instead of sum must be undone: megatron DDP averages gradients over DP ranks (multiply each
+     micro loss by dp_size) and megatron's `forward_backward_func` divides a `(loss, metrics)` loss
+     function's loss by num_microbatches (multiply by num_microbatches). `test_algorithms_losses.py`
+     checks that summed micro-batch gradients equal full-batch gradients for every mode.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+
+from trinity.algorithms.advantages import masked_mean
+from trinity.algorithms.kl import token_kl
+from trinity.config.schema import KLEstimator, LossAggMode
+
+
+def _seq_has_tokens(mask: torch.Tensor) -> torch.Tensor:
+    return (mask.sum(-1) > 0).to(mask.dtype)
+
+
+def _token_sum(loss_mat: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return (loss_mat * mask).sum()
+
+
+def _seq_token_mean_sum(loss_mat: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    per_seq = (loss_mat * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+    return per_seq.sum()
+
+
+# mode -> (numerator, denominator) as functions of (loss_mat, mask) / (mask)
+_AGG: dict[LossAggMode, tuple[Callable[[torch.Tensor, torch.Tensor], torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]] = {
+    LossAggMode.token_mean: (_token_sum, lambda mask: mask.sum()),
+    LossAggMode.seq_mean_token_sum: (_token_sum, lambda mask: _seq_has_tokens(mask).sum()),
+    LossAggMode.seq_mean_token_mean: (_seq_token_mean_sum, lambda mask: _seq_has_tokens(mask).sum()),
+}
+
+
+def agg_denominator(loss_mask: torch.Tensor, mode: LossAggMode | str) -> torch.Tensor:
+    """What this (micro) batch adds to the denominator of `mode` (tokens or sequences), fp32."""
+    return _AGG[LossAggMode(mode)][1](loss_mask.float())
+
+
+def global_agg_denominator(
+    masks: Iterable[torch.Tensor], mode: LossAggMode | str, group: object | None = None
+) -> torch.Tensor:
+    """Denominator of the whole step: summed over micro-batch masks, all-reduced over `group` (DP)."""
+    total = sum((agg_denominator(m, mode) for m in masks), torch.zeros(()))
+    if group is not None:
+        import torch.distributed as dist
+
+        if dist.get_world_size(group) > 1:
+            dist.all_reduce(total, group=group)
+    return total
+
+
+def agg_loss(
+    loss_mat: torch.Tensor,
+    loss_mask: torch.Tensor,
+    mode: LossAggMode | str,
+    denominator: torch.Tensor | float | None = None,
+) -> torch.Tensor:
+    """One loss value from token losses; `denominator` (see module doc) defaults to this batch's own."""
+    numerator_fn, denominator_fn = _AGG[LossAggMode(mode)]
+    mask = loss_mask.to(loss_mat.dtype)
+    if denominator is None:
+        denominator = denominator_fn(mask)
+    if isinstance(denominator, torch.Tensor):
+        denominator = denominator.to(loss_mat.device, loss_mat.dtype).clamp(min=1)
+    else:
+        denominator = max(float(denominator), 1.0)
+    return numerator_fn(loss_mat, mask) / denominator
+
+
+@dataclass(frozen=True)
+class PolicyLossMetrics:
+    """Detached 0-d tensors (no host sync); masked means over this batch's response tokens."""
+
+    pg_clipfrac: torch.Tensor  # fraction of tokens where the ratio clip was active
+    ppo_kl: torch.Tensor  # mean of old_logp - logp (approximate KL(old || new))
+    pg_clipfrac_lower: torch.Tensor  # fraction of negative-advantage tokens capped by clip_ratio_c
+
+
+def ppo_policy_loss(
+    old_logp: torch.Tensor,
+    logp: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: float = 0.2,
+    clip_ratio_c: float | None = 3.0,
+    loss_agg_mode: LossAggMode | str = LossAggMode.token_mean,
+    denominator: torch.Tensor | float | None = None,
+) -> tuple[torch.Tensor, PolicyLossMetrics]:
+    """PPO-clip: max(-A r, -A clip(r, 1 - low, 1 + high)), and for A < 0 at most -A * clip_ratio_c.
+
+    The dual clip (Ye et al. 2020) bounds the loss of tokens whose ratio exploded on a negative
+    advantage; `clip_ratio_c=None` turns it off.
+    """
+    mask = response_mask.to(torch.float32)
+    log_ratio = torch.clamp(logp.float() - old_logp.float(), min=-20.0, max=20.0)
+    ratio = torch.exp(log_ratio)
+    advantages = advantages.float()
+
+    loss_unclipped = -advantages * ratio
+    loss_clipped = -advantages * torch.clamp(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+    loss_ppo = torch.maximum(loss_unclipped, loss_clipped)
+    clipfrac = masked_mean((loss_clipped > loss_unclipped).float(), mask)
+
+    if clip_ratio_c is not None:
+        if clip_ratio_c <= 1.0:
+            raise ValueError(f"clip_ratio_c must be > 1, got {clip_ratio_c}")
+        loss_cap = -advantages * clip_ratio_c
+        negative = advantages < 0
+        pg_losses = torch.where(negative, torch.minimum(loss_ppo, loss_cap), loss_ppo)
+        clipfrac_lower = masked_mean(((loss_ppo > loss_cap) & negative).float(), mask)
+    else:
+        pg_losses = loss_ppo
+        clipfrac_lower = torch.zeros((), device=mask.device)
+
+    loss = agg_loss(pg_losses, mask, loss_agg_mode, denominator)
+    metrics = PolicyLossMetrics(
+        pg_clipfrac=clipfrac.detach(),
+        ppo_kl=masked_mean(-log_ratio, mask).detach(),
+        pg_clipfrac_lower=clipfrac_lower.detach(),
+    )
+    return loss, metrics
+
+
+def entropy_loss(
+    entropy: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: LossAggMode | str = LossAggMode.token_mean,
+    denominator: torch.Tensor | float | None = None,
+) -> torch.Tensor:
+    """Aggregated token entropy; the actor loss subtracts entropy_coeff times this (a bonus)."""
+    return agg_loss(entropy.float(), response_mask, loss_agg_mode, denominator)
+
+
+def kl_loss(
+    logp: torch.Tensor,
+    ref_logp: torch.Tensor,
+    response_mask: torch.Tensor,
+    kind: KLEstimator | str = KLEstimator.low_var_kl,
+    loss_agg_mode: LossAggMode | str = LossAggMode.token_mean,
+    denominator: torch.Tensor | float | None = None,
+) -> torch.Tensor:
+    """Aggregated KL(actor || ref) for `use_kl_loss`; gradients flow into logp only."""
+    return agg_loss(token_kl(logp, ref_logp.detach(), kind), response_mask, loss_agg_mode, denominator)
+
+
+@dataclass(frozen=True)
+class ValueLossMetrics:
+    vf_clipfrac: torch.Tensor  # fraction of tokens where the clipped prediction had the larger error
+    vpred_mean: torch.Tensor
+
+
+def value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    response_mask: torch.Tensor,
+    cliprange_value: float = 0.5,
+    loss_agg_mode: LossAggMode | str = LossAggMode.token_mean,
+    denominator: torch.Tensor | float | None = None,
+) -> tuple[torch.Tensor, ValueLossMetrics]:
+    """0.5 * agg(max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2)), as in verl/PPO2."""
+    mask = response_mask.to(torch.float32)
+    values, old_values, returns = values.float(), old_values.float(), returns.float()
+    clipped = old_values + torch.clamp(values - old_values, -cliprange_value, cliprange_value)
+    err_unclipped = (values - returns).square()
+    err_clipped = (clipped - returns).square()
+    loss = 0.5 * agg_loss(torch.maximum(err_unclipped, err_clipped), mask, loss_agg_mode, denominator)
+    metrics = ValueLossMetrics(
+        vf_clipfrac=masked_mean((err_clipped > err_unclipped).float(), mask).detach(),
+        vpred_mean=masked_mean(values, mask).detach(),
+    )
+    return loss, metrics
