@@ -1,0 +1,210 @@
+"""Deterministic, resumable batches of training rows, sharded over data-parallel ranks.
+
+Order: epoch e visits the rows in `permutation(num_rows)` drawn from `numpy.random.default_rng([seed, e])`
+(identity without shuffle). A step takes the next `global_batch_size` rows of that order; rank r of
+D gets the r-th contiguous slice of `global_batch_size / D` rows, split into micro batches. An epoch's
+last `num_rows % global_batch_size` rows are skipped (every step has a full global batch), and the next
+epoch starts with a new permutation.
+
+The state is (epoch, position): loading it makes the next batch exactly the one an uninterrupted run
+would have produced next, whatever the DP size of either run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from trinity.data.packing import PackedRows, pack, pad
+from trinity.data.readers import read_records
+from trinity.data.sft import Overlength, SFTKeys, SFTStats, tokenize_sft
+from trinity.errors import UserError
+
+
+class RowSampler:
+    """Which rows each step uses, for one data-parallel rank (see module doc for the order)."""
+
+    def __init__(
+        self,
+        num_rows: int,
+        *,
+        global_batch_size: int,
+        micro_batch_size: int,
+        dp_rank: int = 0,
+        dp_size: int = 1,
+        seed: int = 0,
+        shuffle: bool = True,
+        what: str = "trainer.global_batch_size",
+    ):
+        if global_batch_size % (dp_size * micro_batch_size):
+            raise UserError(
+                f"{what} ({global_batch_size}) must be a multiple of micro_batch_size ({micro_batch_size}) "
+                f"x data-parallel size ({dp_size})"
+            )
+        if num_rows < global_batch_size:
+            raise UserError(
+                f"the training data makes {num_rows} rows, fewer than {what} ({global_batch_size}); "
+                "add data or lower it"
+            )
+        if not 0 <= dp_rank < dp_size:
+            raise ValueError(f"dp_rank {dp_rank} not in [0, {dp_size})")
+        self.num_rows, self.seed, self.shuffle = num_rows, seed, shuffle
+        self.global_batch_size, self.micro_batch_size = global_batch_size, micro_batch_size
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.epoch, self.position = 0, 0
+        self._order_epoch, self._order = -1, np.arange(0)
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self.num_rows // self.global_batch_size
+
+    def epoch_order(self, epoch: int) -> np.ndarray:
+        """Row indices in the order epoch `epoch` visits them."""
+        if self._order_epoch != epoch:
+            rng = np.random.default_rng([self.seed, epoch])
+            self._order = rng.permutation(self.num_rows) if self.shuffle else np.arange(self.num_rows)
+            self._order_epoch = epoch
+        return self._order
+
+    def next_global_indices(self) -> np.ndarray:
+        """Rows of the next step across all ranks (length global_batch_size); advances the state."""
+        if self.position + self.global_batch_size > self.num_rows:
+            self.epoch, self.position = self.epoch + 1, 0
+        order = self.epoch_order(self.epoch)
+        rows = order[self.position : self.position + self.global_batch_size]
+        self.position += self.global_batch_size
+        return rows
+
+    def rank_micro_batches(self, global_indices: np.ndarray) -> list[np.ndarray]:
+        """This rank's slice of a step's rows, split into micro batches."""
+        per_rank = self.global_batch_size // self.dp_size
+        mine = global_indices[self.dp_rank * per_rank : (self.dp_rank + 1) * per_rank]
+        return [mine[i : i + self.micro_batch_size] for i in range(0, per_rank, self.micro_batch_size)]
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "num_rows": self.num_rows}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if int(state["num_rows"]) != self.num_rows or int(state["seed"]) != self.seed:
+            raise UserError(
+                f"cannot resume the data order: the checkpoint was made with {state['num_rows']} rows and "
+                f"seed {state['seed']}, this run has {self.num_rows} rows and seed {self.seed} "
+                "(training files, seq_length, packing or trainer.seed changed)"
+            )
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+
+
+class SFTData:
+    """SFT rows plus their sampler: what the trainer iterates.
+
+    `next_global_batch()` returns this rank's micro batches for the next optimizer step, each a dict
+    of torch tensors of shape [micro_batch_size, seq_len]: `tokens`, `labels`, `position_ids`,
+    `doc_ids` (int64) and `loss_mask` (float32); see trinity.data.packing for their meaning. Build the
+    attention mask with `packing.block_causal_mask(batch["doc_ids"])` (or `packing.cu_seqlens` for
+    varlen kernels) on the device. After each call, `last_step_loss_tokens` is the number of trained
+    tokens in the whole global batch over all DP ranks, for per-token loss normalisation without an
+    all-reduce.
+    """
+
+    def __init__(self, rows: PackedRows, sampler: RowSampler, stats: SFTStats):
+        self.rows, self.sampler, self.stats = rows, sampler, stats
+        self.last_step_loss_tokens = 0
+
+    @property
+    def num_rows(self) -> int:
+        return self.rows.num_rows
+
+    @property
+    def seq_len(self) -> int:
+        return self.rows.seq_len
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Token positions per optimizer step over all DP ranks, padding included."""
+        return self.sampler.global_batch_size * self.rows.seq_len
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self.sampler.steps_per_epoch
+
+    def next_global_batch(self) -> list[dict[str, Any]]:
+        import torch
+
+        indices = self.sampler.next_global_indices()
+        self.last_step_loss_tokens = int(self.rows.loss_mask[indices].sum())
+        return [
+            {name: torch.from_numpy(a) for name, a in self.rows.rows(micro).items()}
+            for micro in self.sampler.rank_micro_batches(indices)
+        ]
+
+    def state_dict(self) -> dict[str, int]:
+        return self.sampler.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.sampler.load_state_dict(state)
+
+    def summary(self) -> str:
+        return (
+            f"{self.stats.summary()}; {self.num_rows} rows of {self.seq_len} tokens, "
+            f"{self.rows.padding_fraction():.1%} padding, {self.steps_per_epoch} steps per epoch"
+        )
+
+
+def load_tokenizer(tokenizer: Any) -> Any:
+    """A tokenizer object, loading it with AutoTokenizer when given a folder."""
+    if isinstance(tokenizer, (str, Path)):
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(tokenizer))
+    return tokenizer
+
+
+def pad_token_id(tokenizer: Any) -> int:
+    """Id used for padding and for labels without a target (pad token, else EOS)."""
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if pad_id is None:
+        raise UserError("tokenizer has neither pad_token nor eos_token; set one in its tokenizer_config.json")
+    return int(pad_id)
+
+
+def build_sft_data(
+    files: Sequence[str | Path],
+    tokenizer: Any,
+    *,
+    seq_len: int,
+    packing: bool,
+    global_batch_size: int,
+    micro_batch_size: int,
+    seed: int,
+    dp_rank: int = 0,
+    dp_size: int = 1,
+    shuffle: bool = True,
+    prompt_key: str = "prompt",
+    response_key: str = "response",
+    messages_key: str = "messages",
+    overlength: Overlength = Overlength.truncate,
+) -> SFTData:
+    """Read, tokenise and pack (or pad) SFT files into rows of `seq_len` tokens, with a sampler.
+
+    Every rank builds the same rows (tokenisation is deterministic) and takes its own slice of
+    each step. `tokenizer` is a tokenizer object or its folder.
+    """
+    tok = load_tokenizer(tokenizer)
+    keys = SFTKeys(prompt_key=prompt_key, response_key=response_key, messages_key=messages_key)
+    samples, stats = tokenize_sft(read_records(files), tok, max_seq_len=seq_len, keys=keys, overlength=overlength)
+    if not samples:
+        raise UserError(f"{', '.join(map(str, files))}: no usable samples ({stats.summary()})")
+    rows = (pack if packing else pad)(samples, seq_len, pad_id=pad_token_id(tok))
+    sampler = RowSampler(
+        rows.num_rows,
+        global_batch_size=global_batch_size,
+        micro_batch_size=micro_batch_size,
+        dp_rank=dp_rank,
+        dp_size=dp_size,
+        seed=seed,
+        shuffle=shuffle,
+    )
+    return SFTData(rows, sampler, stats)
