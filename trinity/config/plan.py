@@ -83,7 +83,7 @@ def padded_vocab(vocab: int, tp: int, multiple: int = 128) -> int:
 
 def estimate_memory(
     f: ModelFacts, m: MegatronConfig, *, world: int, seq: int, micro: int, microbatches: int,
-    bytes_per_param: int, trained: bool,
+    bytes_per_param: int, trained: bool, value_head: bool = False,
 ) -> MemoryEstimate:
     lay = m.layout()
     tp, pp, cp, dp = lay.tp, lay.pp, lay.cp, lay.dp(world)
@@ -99,7 +99,8 @@ def estimate_memory(
     layers = L // pp
     embed = vocab * h // tp
     first = embed
-    last = h + (embed if (not f.tie_word_embeddings or pp > 1) else 0)
+    head = h if value_head else embed  # the critic's scalar head replaces the vocabulary projection
+    last = h + (head if (value_head or not f.tie_word_embeddings or pp > 1) else 0)
     ends = first + last if pp == 1 else max(first, last)
     dense_params = layers * dense_layer // tp + ends
     expert_params = layers * expert_layer // (lay.ep * lay.expert_tp)
@@ -117,7 +118,8 @@ def estimate_memory(
         acts = _activations(f, m, seq // cp, micro, layers, microbatches)
     else:
         acts = ACT_PER_LAYER * (seq // cp) * micro * h * 2 // (tp if m.sequence_parallel else 1)
-    logits = (seq // cp) * micro * vocab // tp * 6  # bf16 logits + one fp32 copy for the loss
+    # bf16 logits + one fp32 copy for the loss; a critic's value head has one output per token.
+    logits = (seq // cp) * micro * (1 if value_head else vocab // tp) * 6
     offloaded = [k for k in ("param_offload", "grad_offload", "optimizer_offload") if getattr(m, k)]
     return MemoryEstimate(params, weights, grads, optimizer, acts, logits, trained, offloaded)
 
@@ -167,7 +169,8 @@ def build_plan(cfg: JobConfig, facts: ModelFacts, warnings: list[str]) -> JobPla
         else:
             mbs = lay.num_microbatches(cfg.trainer.global_batch_size, micro, world)
         trained = not path.endswith(".ref")
-        mem = estimate_memory(facts, m, world=world, seq=seq, micro=micro, microbatches=mbs, bytes_per_param=bpp, trained=trained)
+        mem = estimate_memory(facts, m, world=world, seq=seq, micro=micro, microbatches=mbs, bytes_per_param=bpp,
+                              trained=trained, value_head=path == "critic")
         roles.append(RolePlan(path=path, layout=lay.describe(world), dp=dp, microbatches=mbs, memory=mem))
     # Roles share the GPUs: the peak is one role active while the others keep what is not offloaded.
     peak = max(r.memory.active + sum(o.memory.idle for o in roles if o is not r) for r in roles)

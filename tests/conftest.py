@@ -1,0 +1,35 @@
+"""Shared test set-up: paths to the fixture HF configs and a helper to write job YAML files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+FIXTURES = REPO / "tests" / "fixtures"
+HF_CONFIGS = FIXTURES / "hf_configs"
+
+
+@pytest.fixture
+def write_job(tmp_path):
+    """Write a job dict as YAML and return its path."""
+
+    def _write(job: dict, name: str = "job.yaml") -> Path:
+        p = tmp_path / name
+        p.write_text(yaml.safe_dump(job, sort_keys=False))
+        return p
+
+    return _write
+
+
+@pytest.fixture
+def small_job():
+    """A valid SFT job on the Qwen2.5-0.5B config fixture (no weights needed for validation)."""
+    return {
+        "model": {"path": str(HF_CONFIGS / "qwen2_5_0_5b")},
+        "data": {"train_files": [str(FIXTURES / "data" / "sft.jsonl")], "seq_length": 512},
+        "cluster": {"device": "cuda", "nproc_per_node": 8},
+        "trainer": {"global_batch_size": 16, "micro_batch_size": 1},
+    }

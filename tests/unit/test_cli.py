@@ -1,0 +1,166 @@
+"""The CLI: instant help without heavy imports, exit codes, overrides, plan output, examples."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import FIXTURES, HF_CONFIGS, REPO
+from trinity.cli import commands
+from trinity.config.schema import JobConfig
+from trinity.launch.torchrun import port_is_free, preflight, torchrun_command
+
+HEAVY = ("torch", "megatron", "mbridge", "transformers")
+
+
+def _trinity(*args, **kw):
+    return subprocess.run([sys.executable, "-m", "trinity.cli.main", *args], capture_output=True, text=True, cwd=REPO, **kw)
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["validate", "--help"], ["convert", "--help"]])
+def test_help_imports_nothing_heavy(argv):
+    code = (
+        "import sys\nfrom trinity.cli.main import app\n"
+        f"try:\n    app({argv!r})\nexcept SystemExit:\n    pass\n"
+        f"print(sorted(m for m in sys.modules if m.split('.')[0] in {HEAVY!r}))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_validate_imports_nothing_heavy(write_job, small_job):
+    path = write_job(small_job)
+    code = (
+        "import sys\nfrom trinity.cli.main import app\n"
+        f"try:\n    app(['validate', '--config', {str(path)!r}])\nexcept SystemExit as e:\n    assert e.code == 0, e.code\n"
+        f"print(sorted(m for m in sys.modules if m.split('.')[0] in {HEAVY!r}))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_version_and_schema():
+    from trinity import __version__
+
+    out = _trinity("--version")
+    assert out.returncode == 0 and out.stdout.strip() == f"trinity-mcore {__version__}"
+    schema = json.loads(commands.schema())
+    megatron = schema["$defs"]["MegatronConfig"]["properties"]
+    assert megatron["tensor_model_parallel_size"]["description"].startswith("TP:")
+    assert schema["$defs"]["MegatronConfig"]["additionalProperties"] is False
+
+
+def test_config_error_exit_2_clean_block(write_job, small_job):
+    small_job["trainer"]["global_batch_size"] = 12
+    small_job["trainer"]["bogus"] = 1
+    out = _trinity("validate", "--config", str(write_job(small_job)))
+    assert out.returncode == 2
+    assert "Traceback" not in out.stderr
+    assert out.stderr.startswith("error: the config has 2 problems:")
+    assert "  trainer.bogus: unknown key" in out.stderr
+    assert "  trainer.global_batch_size: 12 is not divisible" in out.stderr
+
+
+def test_missing_config_file_exit_2():
+    out = _trinity("validate", "--config", "/nonexistent/job.yaml")
+    assert out.returncode == 2 and out.stderr.strip() == "error: /nonexistent/job.yaml: config file not found"
+
+
+def test_validate_json_plan(write_job, small_job, capsys):
+    assert commands.validate(write_job(small_job), ["actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2"], json_out=True) == 0
+    plan = json.loads(capsys.readouterr().out)
+    (role,) = plan["roles"]
+    assert role["path"] == "actor_rollout_ref.actor" and role["dp"] == 4 and role["layout"].startswith("TP=2 PP=1")
+    assert role["memory"]["active"] > role["memory"]["weights"] > 0
+
+
+def test_internal_error_short_without_debug():
+    from trinity.cli.report import run_guarded
+
+    def boom():
+        raise RuntimeError("kaput")
+
+    assert run_guarded(boom, debug=False) == 1
+    with pytest.raises(RuntimeError):
+        run_guarded(boom, debug=True)
+
+
+EXAMPLES = {
+    "grpo_qwen2_5_7b_8gpu.yaml": "qwen2_5_7b",
+    "ppo_qwen2_5_7b_8gpu.yaml": "qwen2_5_7b",
+    "grpo_qwen3_30b_a3b_32gpu.yaml": "qwen3_30b_a3b",
+}
+
+
+GPU_EXAMPLES = sorted(p.name for p in (REPO / "configs").glob("*.yaml") if p.name != "quickstart.yaml" and "_cpu" not in p.name)
+
+
+@pytest.mark.parametrize("name", GPU_EXAMPLES)
+def test_gpu_example_configs_validate(name, capsys):
+    """GPU-scale example configs validate, with model facts from config.json fixtures (no weights).
+
+    The CPU examples (quickstart, *_cpu.yaml) are run for real by the integration tests."""
+    fixture = EXAMPLES.get(name, "qwen2_5_7b")
+    data = "prompts.jsonl" if "grpo" in name or "ppo" in name else "sft.jsonl"
+    overrides = [f"model.path={HF_CONFIGS / fixture}", f"data.train_files=[{FIXTURES / 'data' / data}]"]
+    assert commands.validate(REPO / "configs" / name, overrides) == 0
+    assert "estimated peak per GPU" in capsys.readouterr().out
+
+
+def test_configuration_reference_is_current():
+    from trinity.config.reference import generate
+
+    assert (REPO / "docs" / "configuration.md").read_text() == generate(), (
+        "docs/configuration.md is stale: python -m trinity.config.reference > docs/configuration.md"
+    )
+
+
+def _cfg(**cluster):
+    return JobConfig.model_validate({"model": {"path": "m"}, "cluster": cluster, "trainer": {"output_dir": "/o"}})
+
+
+def test_torchrun_command_single_and_multi_node():
+    single = torchrun_command(_cfg(device="cpu", nproc_per_node=2), "/o/r.yaml", python="py")
+    assert single[:7] == ["py", "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2"]
+    assert "--standalone" in single and single[-3:] == ["-m", "trinity.trainer.worker", "/o/r.yaml"]
+    assert single[single.index("--log-dir") + 1] == "/o/logs"
+    multi = torchrun_command(_cfg(nnodes=2, node_rank=1, master_addr="10.0.0.1", master_port=1234, max_restarts=3), "c", python="py")
+    for flag, value in [("--node-rank", "1"), ("--master-addr", "10.0.0.1"), ("--master-port", "1234"), ("--max-restarts", "3")]:
+        assert multi[multi.index(flag) + 1] == value
+    assert "--standalone" not in multi
+    rdzv = torchrun_command(_cfg(nnodes=2, rdzv_endpoint="h:29400"), "c", python="py")
+    assert rdzv[rdzv.index("--rdzv-endpoint") + 1] == "h:29400"
+
+
+def test_preflight_refuses_cuda_without_gpu_and_taken_port():
+    import socket
+
+    import torch
+
+    from trinity.errors import UserError
+
+    if not torch.cuda.is_available():
+        with pytest.raises(UserError, match="cluster.device: cuda, but no GPU is visible"):
+            preflight(_cfg(device="cuda"))
+    with socket.socket() as s:
+        s.bind(("", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        assert not port_is_free(port)
+        with pytest.raises(UserError, match=f"cluster.master_port: port {port} is in use"):
+            preflight(_cfg(device="cpu", nnodes=2, master_port=port))
+
+
+def test_dry_run_prints_command(write_job, small_job, capsys):
+    small_job["cluster"] = {"device": "cpu", "nproc_per_node": 2}
+    small_job["trainer"]["global_batch_size"] = 4
+    assert commands.run(write_job(small_job), ["trainer.output_dir=/tmp/x"], dry_run=True) == 0
+    out = capsys.readouterr().out
+    assert "command: " in out and "--nproc-per-node 2" in out and "trinity.trainer.worker /tmp/x/resolved_config.yaml" in out
+    assert not Path("/tmp/x/resolved_config.yaml").exists()

@@ -1,0 +1,180 @@
+"""Job config: parsing, overrides, and each cross-field rule naming its exact key path."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+
+from tests.conftest import FIXTURES, HF_CONFIGS
+from trinity.config.loader import load_config
+from trinity.errors import ConfigError, UserError
+
+ACTOR = "actor_rollout_ref.actor.megatron"
+
+
+def problems_of(path, overrides=()):
+    with pytest.raises(ConfigError) as err:
+        load_config(path, list(overrides))
+    return err.value.problems
+
+
+def with_keys(job, **dotted):
+    job = copy.deepcopy(job)
+    for key, value in dotted.items():
+        node = job
+        parts = key.split("__")
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+        node[parts[-1]] = value
+    return job
+
+
+def test_valid_job_and_defaults(write_job, small_job):
+    loaded = load_config(write_job(small_job))
+    cfg = loaded.config
+    assert cfg.actor_rollout_ref.actor.megatron.tensor_model_parallel_size == 1
+    assert loaded.facts.num_layers == 24
+    assert list(cfg.roles()) == [f"actor_rollout_ref.actor"]
+
+
+def test_precedence_defaults_yaml_overrides(write_job, small_job):
+    job = with_keys(small_job, trainer__total_steps=5)
+    path = write_job(job)
+    assert load_config(path).config.trainer.total_steps == 5
+    cfg = load_config(path, ["trainer.total_steps=10", f"{ACTOR}.tensor_model_parallel_size=2",
+                             "data.train_files=[" + str(FIXTURES / "data" / "sft.jsonl") + "]"]).config
+    assert cfg.trainer.total_steps == 10
+    assert cfg.actor_rollout_ref.actor.megatron.tensor_model_parallel_size == 2
+    assert cfg.trainer.keep_last == 2  # default untouched
+
+
+def test_bad_override_syntax(write_job, small_job):
+    assert problems_of(write_job(small_job), ["trainer.total_steps"]) == [
+        "trainer.total_steps: an override must look like dotted.key=value"
+    ]
+
+
+def test_unknown_key_did_you_mean_with_line(write_job, small_job):
+    job = with_keys(small_job, actor_rollout_ref__actor__megatron__tensor_model_paralel_size=2)
+    (p,) = problems_of(write_job(job))
+    assert p.startswith(f"{ACTOR}.tensor_model_paralel_size: unknown key")
+    assert "did you mean 'tensor_model_parallel_size'" in p
+    assert "job.yaml:" in p
+
+
+def test_yaml_syntax_error_shows_file_line(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  path: x\n trainer: [\n")
+    with pytest.raises(UserError, match=r"bad.yaml:\d+:\d+: YAML syntax error"):
+        load_config(bad)
+
+
+def test_all_problems_reported_at_once(write_job, small_job):
+    job = with_keys(small_job, trainer__micro_batch_size="two",
+                    actor_rollout_ref__actor__megatron__pipeline_model_parallel_size=5)
+    probs = problems_of(write_job(job))
+    assert any(p.startswith("trainer.micro_batch_size:") for p in probs)
+    assert any(p.startswith(f"{ACTOR}.pipeline_model_parallel_size: 24 layers") for p in probs)
+
+
+CASES = [
+    # (overrides, expected key path prefix, a fragment of the message)
+    ({f"{ACTOR}.tensor_model_parallel_size": 3}, f"{ACTOR}.tensor_model_parallel_size: world size 8", "TP x PP x CP"),
+    ({f"{ACTOR}.tensor_model_parallel_size": 4}, f"{ACTOR}.tensor_model_parallel_size: 14 attention heads", "TP=4"),
+    ({f"{ACTOR}.pipeline_model_parallel_size": 5}, f"{ACTOR}.pipeline_model_parallel_size: 24 layers", "PP=5"),
+    ({f"{ACTOR}.pipeline_model_parallel_size": 2, f"{ACTOR}.virtual_pipeline_model_parallel_size": 8},
+     f"{ACTOR}.pipeline_model_parallel_size: 24 layers", "PP x VPP"),
+    ({f"{ACTOR}.virtual_pipeline_model_parallel_size": 2}, f"{ACTOR}.virtual_pipeline_model_parallel_size:", "pipeline_model_parallel_size > 1"),
+    ({f"{ACTOR}.expert_model_parallel_size": 2}, f"{ACTOR}.expert_model_parallel_size: EP=2 needs an MoE model", "dense"),
+    ({f"{ACTOR}.override_transformer_config.recompute_method": "uniform"},
+     f"{ACTOR}.override_transformer_config.recompute_method:", "granularity full"),
+    ({f"{ACTOR}.override_transformer_config.recompute_granularity": "full"},
+     f"{ACTOR}.override_transformer_config.recompute_method: required", "uniform or block"),
+    ({f"{ACTOR}.override_transformer_config.recompute_granularity": "full",
+      f"{ACTOR}.override_transformer_config.recompute_method": "block",
+      f"{ACTOR}.override_transformer_config.recompute_num_layers": 30},
+     f"{ACTOR}.override_transformer_config.recompute_num_layers: 30", "24 layers per pipeline stage"),
+    ({f"{ACTOR}.override_transformer_config.recompute_granularity": "selective",
+      f"{ACTOR}.override_transformer_config.recompute_modules": ["core_attn", "atention"]},
+     f"{ACTOR}.override_transformer_config.recompute_modules.1:", "core_attn"),
+    ({f"{ACTOR}.override_transformer_config.recompute_granularity": "selective",
+      f"{ACTOR}.override_transformer_config.recompute_modules": ["moe"]},
+     f"{ACTOR}.override_transformer_config.recompute_modules:", "MoE model"),
+    ({f"{ACTOR}.override_transformer_config.apply_rope_fuson": False},
+     f"{ACTOR}.override_transformer_config.apply_rope_fuson: not a TransformerConfig field", "apply_rope_fusion"),
+    ({f"{ACTOR}.use_dist_checkpointing": True, f"{ACTOR}.dist_checkpointing_path": "/nonexistent/ckpt"},
+     f"{ACTOR}.dist_checkpointing_path: /nonexistent/ckpt does not exist", "trinity convert hf-to-mcore"),
+    ({f"{ACTOR}.use_dist_checkpointing": True}, f"{ACTOR}.dist_checkpointing_path: required", ""),
+    ({f"{ACTOR}.use_mbridge": True, f"{ACTOR}.use_dist_checkpointing": True, f"{ACTOR}.dist_checkpointing_path": "/tmp"},
+     f"{ACTOR}.use_mbridge: cannot be combined", ""),
+    ({f"{ACTOR}.context_parallel_size": 2}, f"{ACTOR}.context_parallel_size:", "TransformerEngine"),
+    ({"trainer.global_batch_size": 12}, "trainer.global_batch_size: 12 is not divisible", "micro_batch_size x DP = 1 x 8"),
+    ({"actor_rollout_ref.ref.megatron.param_offload": True}, "actor_rollout_ref.ref.megatron.param_offload: the ref role does not exist", "sft"),
+    ({"critic": {}}, "critic: only ppo uses a critic", "remove"),
+    ({"algorithm.name": "ppo"}, "critic: ppo needs a critic", ""),
+    ({"model.path": "/nonexistent/model"}, "model.path: /nonexistent/model: model folder does not exist", ""),
+    ({"data.train_files": ["/nonexistent/a.jsonl"]}, "data.train_files.0: /nonexistent/a.jsonl does not exist", ""),
+    ({"data.train_files": []}, "data.train_files: no training files", ""),
+    ({"cluster.device": "tpu"}, "cluster.device:", "'cuda' or 'cpu'"),
+]
+
+
+@pytest.mark.parametrize("overrides,key,fragment", CASES, ids=[c[1].split(":")[0] + f"-{i}" for i, c in enumerate(CASES)])
+def test_each_rule_names_its_key(write_job, small_job, overrides, key, fragment):
+    path = write_job(small_job)
+    import yaml
+
+    args = [f"{k}={json.dumps(v)}" for k, v in overrides.items()]
+    probs = problems_of(path, args)
+    hits = [p for p in probs if p.startswith(key)]
+    assert hits, f"no problem starting with {key!r} in {probs}"
+    assert fragment in hits[0]
+
+
+def test_unsupported_architecture_lists_supported(write_job, small_job, tmp_path):
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"]}')
+    probs = problems_of(write_job(with_keys(small_job, model__path=str(tmp_path / "m"))))
+    assert probs[0].startswith("model.path:")
+    assert "GPT2LMHeadModel" in probs[0] and "Qwen2ForCausalLM" in probs[0]
+
+
+def test_sequence_parallel_at_tp1_warns_and_disables(write_job, small_job):
+    loaded = load_config(write_job(small_job), [f"{ACTOR}.sequence_parallel=true"])
+    assert loaded.config.actor_rollout_ref.actor.megatron.sequence_parallel is False
+    assert any(w.startswith(f"{ACTOR}.sequence_parallel:") for w in loaded.warnings)
+
+
+def test_moe_rules(write_job, small_job):
+    job = with_keys(small_job, model__path=str(HF_CONFIGS / "qwen3_30b_a3b"))
+    path = write_job(job)
+    probs = problems_of(path, [f"{ACTOR}.expert_model_parallel_size=3"])
+    assert any(p.startswith(f"{ACTOR}.expert_model_parallel_size: EP x ETP = 3 x 1 must divide world/PP = 8") for p in probs)
+    assert any(p.startswith(f"{ACTOR}.expert_model_parallel_size: 128 experts are not divisible by EP=3") for p in probs)
+    probs = problems_of(path, [f"{ACTOR}.expert_model_parallel_size=4", f"{ACTOR}.tensor_model_parallel_size=2"])
+    assert any(p.startswith(f"{ACTOR}.sequence_parallel: megatron-core needs sequence_parallel") for p in probs)
+    cfg = load_config(path, [f"{ACTOR}.expert_model_parallel_size=8"]).config
+    assert cfg.actor_rollout_ref.actor.megatron.layout().expert_dp(8) == 1
+
+
+def test_rl_batch_rules_and_roles(write_job, small_job):
+    job = with_keys(small_job, algorithm__name="grpo", data__train_batch_size=8,
+                    actor_rollout_ref__actor__ppo_mini_batch_size=3, actor_rollout_ref__actor__use_kl_loss=True,
+                    actor_rollout_ref__rollout__n=1)
+    probs = problems_of(write_job(job))
+    assert any(p.startswith("actor_rollout_ref.actor.ppo_mini_batch_size: 3 must divide data.train_batch_size 8") for p in probs)
+    assert any(p.startswith("actor_rollout_ref.rollout.n: GRPO") for p in probs)
+    ok = with_keys(job, actor_rollout_ref__actor__ppo_mini_batch_size=4, actor_rollout_ref__rollout__n=4)
+    cfg = load_config(write_job(ok)).config
+    assert list(cfg.roles()) == ["actor_rollout_ref.actor", "actor_rollout_ref.ref"]
+
+
+def test_cp_sequence_divisibility(write_job, small_job, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: object() if n == "transformer_engine" else real(n, *a))
+    probs = problems_of(write_job(with_keys(small_job, data__seq_length=510)), [f"{ACTOR}.context_parallel_size=2"])
+    assert any(p.startswith("data.seq_length: sequence length 510 must be divisible by 2 x CP = 4") for p in probs)

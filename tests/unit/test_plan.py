@@ -1,0 +1,60 @@
+"""The memory estimate against numbers worked by hand in docs/memory-estimate.md."""
+
+from __future__ import annotations
+
+from tests.conftest import FIXTURES, HF_CONFIGS
+from trinity.config.loader import load_config
+from trinity.config.plan import build_plan
+from trinity.distributed.layout import ParallelLayout
+
+
+def _plan(write_job, **extra):
+    job = {
+        "model": {"path": str(HF_CONFIGS / "qwen2_5_7b")},
+        "data": {"train_files": [str(FIXTURES / "data" / "sft.jsonl")], "seq_length": 4096},
+        "cluster": {"device": "cuda", "nproc_per_node": 8},
+        "trainer": {"global_batch_size": 16, "micro_batch_size": 1},
+        "actor_rollout_ref": {"actor": {"megatron": {"tensor_model_parallel_size": 2, "sequence_parallel": True, **extra}}},
+    }
+    loaded = load_config(write_job(job))
+    return build_plan(loaded.config, loaded.facts, loaded.warnings)
+
+
+def test_qwen2_5_7b_tp2_sp_by_hand(write_job):
+    plan = _plan(write_job)
+    (role,) = plan.roles
+    m = role.memory
+    h, L, q, kv, f, V = 3584, 28, 3584, 512, 18944, 152064
+    dense_layer = h * q * 2 + 2 * h * kv + 2 * h + (q + 2 * kv) + 3 * h * f
+    assert dense_layer == 233_057_792
+    params = L * dense_layer // 2 + V * h // 2 + h + V * h // 2
+    assert m.params_per_gpu == params == 3_807_810_048
+    assert m.weights == 2 * params
+    assert m.grads == 4 * params
+    assert m.optimizer == 12 * params // 4  # distributed over DP=4
+    assert m.activations == L * 4096 * h * 34 // 2
+    assert m.logits == 4096 * V // 2 * 6
+    assert plan.peak_per_gpu == 43_126_563_328
+    assert role.dp == 4 and role.microbatches == 4
+
+
+def test_recompute_and_offload_shrink_the_estimate(write_job):
+    base = _plan(write_job).roles[0].memory
+    full = _plan(write_job, override_transformer_config={
+        "recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}).roles[0].memory
+    # full recompute keeps 28 layer inputs (2 bytes, /TP with SP) plus one layer being recomputed
+    assert full.activations == 28 * 4096 * 3584 * 2 // 2 + 4096 * 3584 * 34 // 2
+    sel = _plan(write_job, override_transformer_config={
+        "recompute_granularity": "selective", "recompute_modules": ["mlp"]}).roles[0].memory
+    assert sel.activations == 28 * 4096 * 3584 * (34 - 19) // 2
+    off = _plan(write_job, param_offload=True, grad_offload=True, optimizer_offload=True).roles[0].memory
+    assert off.active == base.active and off.idle == 0 and base.idle == base.weights + base.grads + base.optimizer
+
+
+def test_layout_arithmetic():
+    lay = ParallelLayout(tp=2, pp=4, vpp=2, ep=4, etp=1)
+    assert lay.dp(32) == 4
+    assert lay.expert_dp(32) == 2
+    assert lay.layers_per_chunk(48) == 6
+    assert lay.num_microbatches(128, 2, 32) == 16
+    assert "TP=2 PP=4 VPP=2" in lay.describe(32)
