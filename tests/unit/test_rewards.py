@@ -1,0 +1,141 @@
+"""Built-in rewards (extractors, normalisation, format) and user reward functions."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+
+import pytest
+
+from trinity.config.schema import RewardConfig
+from trinity.errors import UserError
+from trinity.rollout.rewards import (
+    BUILTIN_REWARDS,
+    extract_after_marker,
+    extract_boxed,
+    extract_last_number,
+    load_reward_fn,
+    normalize_answer,
+    reward_fn_from_config,
+)
+
+
+def test_extractors():
+    assert extract_last_number("3 apples and 4.5 pears, total -1,234.") == "-1,234"
+    assert extract_last_number("no digits") is None
+    assert extract_boxed(r"so \boxed{1} or rather \boxed{\frac{3}{4}} done") == r"\frac{3}{4}"
+    assert extract_boxed(r"\boxed{12") is None
+    assert extract_boxed("nothing") is None
+    assert extract_after_marker("work\n#### 72\nthanks") == "72"
+    assert extract_after_marker("a #### 1 then ####\n\n  19 ") == "19"
+    assert extract_after_marker("no marker") is None
+
+
+@pytest.mark.parametrize("text", ["19", "19.0", " 19 ", "19.", "$19", "+19", "19.000"])
+def test_normalize_numbers(text):
+    assert normalize_answer(text) == "19"
+
+
+def test_normalize_other_forms():
+    assert normalize_answer("1,000") == normalize_answer("1000")
+    assert normalize_answer("1.5") == normalize_answer("3/2")
+    assert normalize_answer("0.1") != normalize_answer("0.10001")
+    assert normalize_answer("  x  =  y ") == "x = y"
+
+
+def test_math_exact_match_extractors():
+    responses = ["The answer is 19.0", "I think 18", "so 7 apples"]
+    answers = ["19", "19", None]
+    fn = load_reward_fn("math_exact_match")
+    assert fn(["p"] * 2, responses[:2], answers[:2]) == [1.0, 0.0]
+    with pytest.raises(UserError, match="sample 2 has no reference answer"):
+        fn(["p"] * 3, responses, answers)
+
+    boxed = load_reward_fn("math_exact_match", extractor="boxed")
+    assert boxed(["p"] * 3, [r"\boxed{ 3/4 }", r"0.75 \boxed{0.75}", "0.75"], ["0.75"] * 3) == [1.0, 1.0, 0.0]
+
+    marker = load_reward_fn("math_exact_match", extractor="after_marker", marker="####")
+    # a GSM8K full solution as the reference is reduced to the text after its marker
+    assert marker(["p"] * 2, ["5 + 2 = 7\n#### 7", "#### 8"], ["5+2=7\n#### 7", "7"]) == [1.0, 0.0]
+
+
+def test_unknown_extractor():
+    with pytest.raises(UserError, match="reward.extractor"):
+        load_reward_fn("math_exact_match", extractor="first_number")
+
+
+def test_format_reward():
+    fn = load_reward_fn("format", format_pattern=r"<think>.*</think>\s*<answer>.*</answer>")
+    responses = ["<think>a\nb</think> <answer>1</answer>", "<answer>1</answer>", "<think>x</think><answer>1</answer> extra"]
+    assert fn(["p"] * 3, responses, [None] * 3) == [1.0, 0.0, 0.0]
+    with pytest.raises(UserError, match="reward.format_pattern: must be set"):
+        load_reward_fn("format")
+    with pytest.raises(UserError, match="invalid regex"):
+        load_reward_fn("format", format_pattern="(")
+
+
+def test_from_config_and_registry():
+    assert set(BUILTIN_REWARDS) == {"math_exact_match", "format"}
+    fn = reward_fn_from_config(RewardConfig(function="math_exact_match", extractor="boxed"))
+    assert fn(["p"], [r"\boxed{2}"], ["2.0"]) == [1.0]
+
+
+@pytest.fixture
+def user_module(tmp_path, monkeypatch):
+    (tmp_path / "my_rewards.py").write_text(
+        textwrap.dedent(
+            """
+            def length_reward(prompts, responses, answers):
+                return [len(r) / 10 for r in responses]
+
+            def fragile(prompts, responses, answers):
+                return [1.0 / (len(r) - 3) for r in responses]
+
+            def wrong_count(prompts, responses, answers):
+                return [1.0]
+
+            def not_numbers(prompts, responses, answers):
+                return ["high" for r in responses]
+
+            NOT_A_FUNCTION = 3
+            """
+        )
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield tmp_path
+    sys.modules.pop("my_rewards", None)
+
+
+def test_user_function_loads_and_scores(user_module):
+    fn = load_reward_fn("my_rewards:length_reward")
+    assert fn(["p", "q"], ["abcde", ""], ["x", None]) == [0.5, 0.0]
+    by_path = load_reward_fn(f"{user_module / 'my_rewards.py'}:length_reward")
+    assert by_path(["p"], ["ab"], [None]) == [0.2]
+
+
+def test_user_function_error_names_sample(user_module):
+    fn = load_reward_fn("my_rewards:fragile")
+    with pytest.raises(UserError, match=r"my_rewards:fragile failed on sample 1 \(response 'abc'\): ZeroDivisionError"):
+        fn(["p"] * 3, ["abcdef", "abc", "abcd"], [None] * 3)
+
+
+def test_user_function_bad_outputs(user_module):
+    with pytest.raises(UserError, match="must return a list of 2 floats, got 1 values"):
+        load_reward_fn("my_rewards:wrong_count")(["p"] * 2, ["a", "b"], [None] * 2)
+    with pytest.raises(UserError, match="non-number for sample 0: 'high'"):
+        load_reward_fn("my_rewards:not_numbers")(["p"], ["a"], [None])
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("no_such_module_xyz:f", "reward function no_such_module_xyz:f: cannot import no_such_module_xyz"),
+        ("my_rewards:missing", "module my_rewards has no attribute 'missing'"),
+        ("my_rewards:NOT_A_FUNCTION", "NOT_A_FUNCTION is a int, not a function"),
+        ("exact_match", "'exact_match' is neither a built-in"),
+        ("/nonexistent/r.py:f", "file /nonexistent/r.py does not exist"),
+    ],
+)
+def test_user_function_load_errors(user_module, spec, message):
+    with pytest.raises(UserError, match=message.replace("(", r"\(")):
+        load_reward_fn(spec)

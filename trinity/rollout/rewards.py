@@ -1,0 +1,246 @@
+"""Reward functions: built-in rule-based rewards and user functions named `module.path:function`.
+
+Every reward function scores a batch:
+    fn(prompts: list[str], responses: list[str], answers: list[str | None]) -> list[float]
+Built-ins (`BUILTIN_REWARDS`):
+  math_exact_match  1.0 when the answer extracted from the response equals the reference answer after
+                    number normalisation ("19", "19.0", " 19 ", "1,000", "3/2" == "1.5"), else 0.0.
+                    Extractors: last_number, boxed (last \\boxed{...}, nested braces allowed),
+                    after_marker (what follows the last marker, GSM8K's "####").
+  format            1.0 when the whole response matches `format_pattern` (re.fullmatch, DOTALL).
+User functions are imported when the job starts (`load_reward_fn`), so a typo fails before any GPU
+work; `module.path` may also be a `path/to/file.py`. Their failures become `UserError`s that name the
+function, the failing sample's index and the start of its response.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import math
+import re
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from fractions import Fraction
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from trinity.errors import UserError
+
+if TYPE_CHECKING:
+    from trinity.config.schema import RewardConfig
+
+RewardFn = Callable[[list[str], list[str], list["str | None"]], list[float]]
+
+_NUMBER = re.compile(r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:/\d+)?|[-+]?\.\d+")
+_BOXED = "\\boxed{"
+
+
+def extract_last_number(text: str, marker: str = "####") -> str | None:
+    found = _NUMBER.findall(text)
+    return found[-1] if found else None
+
+
+def extract_boxed(text: str, marker: str = "####") -> str | None:
+    """Content of the last \\boxed{...}, with balanced inner braces; None if absent or unclosed."""
+    start = text.rfind(_BOXED)
+    if start < 0:
+        return None
+    depth, pos = 1, start + len(_BOXED)
+    for i in range(pos, len(text)):
+        if text[i] == "{":
+            depth += 1
+        elif text[i] == "}":
+            depth -= 1
+            if depth == 0:
+                return text[pos:i]
+    return None
+
+
+def extract_after_marker(text: str, marker: str = "####") -> str | None:
+    """First non-empty line after the last `marker`."""
+    idx = text.rfind(marker)
+    if idx < 0:
+        return None
+    for line in text[idx + len(marker) :].splitlines():
+        if line.strip():
+            return line.strip()
+    return None
+
+
+EXTRACTORS: dict[str, Callable[[str, str], str | None]] = {
+    "last_number": extract_last_number,
+    "boxed": extract_boxed,
+    "after_marker": extract_after_marker,
+}
+
+
+def normalize_answer(text: str) -> str:
+    """Canonical form for comparison: numbers as reduced fractions ("19.0" -> "19", "1.5" -> "3/2"),
+    anything else with whitespace collapsed. Currency, thousands commas, a trailing period and
+    surrounding `$...$` are dropped."""
+    s = " ".join(text.split()).strip()
+    s = s.strip("$").strip()
+    s = s.rstrip(".").strip()
+    candidate = s.replace(",", "").replace(" ", "")
+    if candidate.startswith("\\$"):
+        candidate = candidate[2:]
+    try:
+        value = Fraction(candidate)
+    except (ValueError, ZeroDivisionError):
+        return s
+    return str(value)
+
+
+@dataclass(frozen=True)
+class MathExactMatch:
+    extractor: str = "last_number"
+    marker: str = "####"
+
+    def __post_init__(self) -> None:
+        if self.extractor not in EXTRACTORS:
+            raise UserError(f"reward.extractor: unknown extractor {self.extractor!r}; known: {', '.join(EXTRACTORS)}")
+
+    def __call__(self, prompts: list[str], responses: list[str], answers: list[str | None]) -> list[float]:
+        extract = EXTRACTORS[self.extractor]
+        scores = []
+        for i, (response, answer) in enumerate(zip(responses, answers, strict=True)):
+            if answer is None:
+                raise UserError(f"reward math_exact_match: sample {i} has no reference answer (data.answer_key)")
+            # A GSM8K-style full solution as reference is reduced to its final answer.
+            reference = extract_after_marker(answer, self.marker) if self.marker and self.marker in answer else answer
+            got = extract(response, self.marker)
+            scores.append(1.0 if got is not None and normalize_answer(got) == normalize_answer(reference or "") else 0.0)
+        return scores
+
+
+@dataclass(frozen=True)
+class FormatReward:
+    pattern: str
+
+    def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "_regex", re.compile(self.pattern, re.DOTALL))
+        except re.error as e:
+            raise UserError(f"reward.format_pattern: invalid regex {self.pattern!r}: {e}") from None
+
+    def __call__(self, prompts: list[str], responses: list[str], answers: list[str | None]) -> list[float]:
+        regex: re.Pattern[str] = self._regex  # type: ignore[attr-defined]
+        return [1.0 if regex.fullmatch(r) else 0.0 for r in responses]
+
+
+def _build_math(extractor: str, marker: str, format_pattern: str | None) -> RewardFn:
+    return MathExactMatch(extractor, marker)
+
+
+def _build_format(extractor: str, marker: str, format_pattern: str | None) -> RewardFn:
+    if not format_pattern:
+        raise UserError("reward.format_pattern: must be set when reward.function is 'format'")
+    return FormatReward(format_pattern)
+
+
+BUILTIN_REWARDS: dict[str, Callable[[str, str, str | None], RewardFn]] = {
+    "math_exact_match": _build_math,
+    "format": _build_format,
+}
+
+
+def _prefix(text: str, n: int = 60) -> str:
+    return repr(text[:n] + ("..." if len(text) > n else ""))
+
+
+@dataclass(frozen=True)
+class UserRewardFn:
+    """A user function with its failures turned into UserErrors and its output checked."""
+
+    spec: str
+    fn: RewardFn
+
+    def __call__(self, prompts: list[str], responses: list[str], answers: list[str | None]) -> list[float]:
+        try:
+            scores = self.fn(list(prompts), list(responses), list(answers))
+        except Exception as batch_error:
+            raise self._locate_failure(prompts, responses, answers, batch_error) from batch_error
+        return self._check(scores, len(responses))
+
+    def _locate_failure(
+        self, prompts: Sequence[str], responses: Sequence[str], answers: Sequence[str | None], batch_error: Exception
+    ) -> UserError:
+        # The batch call does not say which sample broke it: score samples one at a time to find it.
+        for i in range(len(responses)):
+            try:
+                self.fn([prompts[i]], [responses[i]], [answers[i]])
+            except Exception as e:
+                return UserError(
+                    f"reward function {self.spec} failed on sample {i} (response {_prefix(responses[i])}): "
+                    f"{type(e).__name__}: {e}"
+                )
+        return UserError(
+            f"reward function {self.spec} failed on a batch of {len(responses)} samples "
+            f"(each sample alone succeeds): {type(batch_error).__name__}: {batch_error}"
+        )
+
+    def _check(self, scores: object, n: int) -> list[float]:
+        if not isinstance(scores, (list, tuple)) or len(scores) != n:
+            got = f"{len(scores)} values" if isinstance(scores, (list, tuple)) else type(scores).__name__
+            raise UserError(f"reward function {self.spec} must return a list of {n} floats, got {got}")
+        out = []
+        for i, s in enumerate(scores):
+            try:
+                value = float(s)  # type: ignore[arg-type]
+            except (TypeError, ValueError):
+                raise UserError(f"reward function {self.spec} returned a non-number for sample {i}: {s!r}") from None
+            if not math.isfinite(value):
+                raise UserError(f"reward function {self.spec} returned {value} for sample {i}")
+            out.append(value)
+        return out
+
+
+def _import_module(spec: str, module_name: str) -> object:
+    if module_name.endswith(".py"):
+        path = Path(module_name)
+        if not path.is_file():
+            raise UserError(f"reward function {spec}: file {module_name} does not exist")
+        mod_spec = importlib.util.spec_from_file_location(f"trinity_user_reward_{path.stem}", path)
+        assert mod_spec is not None and mod_spec.loader is not None
+        module = importlib.util.module_from_spec(mod_spec)
+        mod_spec.loader.exec_module(module)
+        return module
+    # Workers start from the job's directory; make its modules importable as they are from a shell.
+    if "" not in sys.path and str(Path.cwd()) not in sys.path:
+        sys.path.insert(0, str(Path.cwd()))
+    return importlib.import_module(module_name)
+
+
+def load_reward_fn(
+    spec: str, extractor: str = "last_number", marker: str = "####", format_pattern: str | None = None
+) -> RewardFn:
+    """A built-in reward by name, or a user function `module.path:function` (or `file.py:function`)."""
+    if spec in BUILTIN_REWARDS:
+        return BUILTIN_REWARDS[spec](extractor, marker, format_pattern)
+    module_name, sep, fn_name = spec.rpartition(":")
+    if not sep or not module_name or not fn_name:
+        raise UserError(
+            f"reward.function: {spec!r} is neither a built-in ({', '.join(BUILTIN_REWARDS)}) "
+            "nor 'module.path:function'"
+        )
+    try:
+        module = _import_module(spec, module_name)
+    except UserError:
+        raise
+    except Exception as e:
+        raise UserError(f"reward function {spec}: cannot import {module_name} ({type(e).__name__}: {e})") from e
+    fn = getattr(module, fn_name, None)
+    if fn is None:
+        raise UserError(f"reward function {spec}: module {module_name} has no attribute {fn_name!r}")
+    if not callable(fn):
+        raise UserError(f"reward function {spec}: {fn_name} is a {type(fn).__name__}, not a function")
+    return UserRewardFn(spec, fn)
+
+
+def reward_fn_from_config(reward: RewardConfig) -> RewardFn:
+    """The reward function of the job's `reward:` section."""
+    return load_reward_fn(
+        reward.function, extractor=reward.extractor, marker=reward.marker, format_pattern=reward.format_pattern
+    )
