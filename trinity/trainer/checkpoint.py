@@ -1,0 +1,161 @@
+"""Training checkpoints: atomic, keep-last-K, resumable.
+
+A checkpoint is a trinity dist checkpoint (`trinity.convert.dist_ckpt`: model + optimizer in
+megatron-core dist_checkpointing, reshardable to any layout, with the HF config/tokenizer under hf/)
+plus what resuming needs:
+- in `extra` (saved once by rank 0): step, data position, LR-schedule state, world size;
+- `rng/rank_<r>.pt`: each rank's RNG states (dropout streams differ per TP/PP rank).
+
+Protocol: everything is written into `step_N.tmp/`; then rank 0 writes the `complete` marker and
+renames the folder to `step_N/`. `resume: auto` only considers `step_N/` folders with the marker, so a
+run killed at any moment resumes from the last checkpoint that was fully written. Older checkpoints
+beyond `keep_last` are deleted only after a newer one is complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from trinity.errors import UserError
+
+COMPLETE = "complete"
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+# Fault injection for tests: seconds to sleep after the data is written, before the checkpoint is
+# marked complete (a test kills the job in that window).
+PAUSE_ENV = "TRINITY_TEST_CKPT_PAUSE_S"
+
+
+def _rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
+def _world() -> int:
+    return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+
+
+def _barrier() -> None:
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+
+
+def rng_state() -> dict[str, Any]:
+    from megatron.core import tensor_parallel
+
+    state = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    from megatron.core import tensor_parallel
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
+    """(step, folder) of the complete checkpoints under root, oldest first."""
+    found = []
+    if root.is_dir():
+        for child in root.iterdir():
+            m = _STEP_DIR.match(child.name)
+            if m and child.is_dir() and (child / COMPLETE).is_file():
+                found.append((int(m.group(1)), child))
+    return sorted(found)
+
+
+class CheckpointManager:
+    """Saves and finds the checkpoints of one run under `root` (<output_dir>/checkpoints)."""
+
+    def __init__(self, root: Path, *, keep_last: int, is_rank0: bool, hf_dir: str | Path | None = None):
+        self.root, self.keep_last, self.is_rank0, self.hf_dir = Path(root), keep_last, is_rank0, hf_dir
+
+    def resume_path(self, resume: str) -> Path | None:
+        """The checkpoint to resume from: `auto` (newest complete one, or none), `disable`, or a folder."""
+        if resume == "disable":
+            return None
+        if resume == "auto":
+            found = complete_checkpoints(self.root)
+            return found[-1][1] if found else None
+        path = Path(resume)
+        if not (path / COMPLETE).is_file():
+            raise UserError(f"trainer.resume: {path} is not a complete training checkpoint (no {COMPLETE} marker)")
+        return path
+
+    def save(self, step: int, state: Any, data: Any) -> Path:
+        """Write checkpoint `step` (all ranks call); returns its final folder."""
+        from trinity.convert.dist_ckpt import save_model_checkpoint
+
+        final = self.root / f"step_{step}"
+        tmp = self.root / f"step_{step}.tmp"
+        extra = {
+            "step": step,
+            "data": data.state_dict(),
+            "scheduler": state.scheduler.state_dict(),
+            "world_size": _world(),
+        }
+        save_model_checkpoint(
+            state.model, tmp, hf_dir=self.hf_dir, extra_common=extra, optimizer=state.optimizer, force=True,
+            meta={"kind": "training", "step": step},
+        )
+        (tmp / "rng").mkdir(exist_ok=True)
+        torch.save(rng_state(), tmp / "rng" / f"rank_{_rank()}.pt")
+        _barrier()
+        pause = float(os.environ.get(PAUSE_ENV, "0") or 0)
+        if pause > 0:
+            time.sleep(pause)
+        if self.is_rank0:
+            _write_synced(tmp / COMPLETE, json.dumps({"step": step, "time": time.time()}) + "\n")
+            if final.exists():  # a checkpoint of the same step from an earlier attempt
+                shutil.rmtree(final)
+            os.rename(tmp, final)
+            self._prune()
+        _barrier()
+        return final
+
+    def _prune(self) -> None:
+        for _, path in complete_checkpoints(self.root)[: -self.keep_last]:
+            shutil.rmtree(path, ignore_errors=True)
+
+    def load(self, path: Path, state: Any, data: Any) -> int:
+        """Restore model, optimizer, schedule, data position and RNG from `path`; returns its step."""
+        from trinity.convert.dist_ckpt import load_model_checkpoint
+
+        extra = load_model_checkpoint(state.model, path, optimizer=state.optimizer)
+        try:
+            step = int(extra["step"])
+            data.load_state_dict(extra["data"])
+            state.scheduler.load_state_dict(extra["scheduler"])
+        except KeyError as exc:
+            raise UserError(f"trainer.resume: {path} is not a training checkpoint (no {exc} in it)") from None
+        rng_file = path / "rng" / f"rank_{_rank()}.pt"
+        if int(extra.get("world_size", -1)) == _world() and rng_file.is_file():
+            set_rng_state(torch.load(rng_file, weights_only=False))
+        return step
+
+
+def _write_synced(path: Path, text: str) -> None:
+    with path.open("w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())

@@ -1,0 +1,122 @@
+"""Per-step metrics on rank 0: metrics.jsonl (every step), a console line every log_interval steps,
+a rich progress bar on a TTY, and TensorBoard when it is installed and asked for."""
+
+from __future__ import annotations
+
+import json
+import math
+import resource
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    """Peak memory of this process: allocated CUDA memory on GPU, max resident set size on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # ru_maxrss is KiB on Linux
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        if value != 0 and (abs(value) < 1e-3 or abs(value) >= 1e5):
+            return f"{value:.3e}"
+        return f"{value:.4f}"
+    return str(value)
+
+
+class MetricsLogger:
+    """Writes metrics on rank 0; other ranks get a logger that does nothing."""
+
+    def __init__(
+        self,
+        output_dir: Path,
+        *,
+        enabled: bool,
+        total_steps: int,
+        start_step: int,
+        log_interval: int,
+        tensorboard: bool,
+    ):
+        self.enabled, self.log_interval, self.total_steps = enabled, log_interval, total_steps
+        self.first: dict[str, Any] | None = None
+        self.last: dict[str, Any] | None = None
+        self._file = None
+        self._tb = None
+        self._progress = None
+        if not enabled:
+            return
+        output_dir.mkdir(parents=True, exist_ok=True)
+        path = output_dir / "metrics.jsonl"
+        _keep_steps_up_to(path, start_step)
+        self._file = path.open("a", encoding="utf-8")
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tb = SummaryWriter(str(output_dir / "tensorboard"), purge_step=start_step + 1)
+            except ImportError:
+                print("trainer.tensorboard: tensorboard is not installed; metrics go to metrics.jsonl only")
+        if sys.stdout.isatty():
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self._progress = Progress(
+                TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                TextColumn("{task.fields[info]}"), transient=True,
+            )
+            self._task = self._progress.add_task("train", total=total_steps, completed=start_step, info="")
+            self._progress.start()
+
+    def log(self, metrics: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        step = int(metrics["step"])
+        self.first = self.first or metrics
+        self.last = metrics
+        self._file.write(json.dumps(metrics) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            for key, value in metrics.items():
+                if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
+                    self._tb.add_scalar(f"train/{key}", value, step)
+        line = (
+            f"step {step}/{self.total_steps} | loss {_fmt(metrics['loss'])} | lr {_fmt(metrics['lr'])} | "
+            f"grad_norm {_fmt(metrics['grad_norm'])} | {metrics['tokens_per_s']:.0f} tok/s | "
+            f"{metrics['step_time_s']:.3f} s/step | mem {metrics['mem_peak_gib']:.2f} GiB"
+        )
+        if self._progress is not None:
+            self._progress.update(self._task, completed=step, info=f"loss {_fmt(metrics['loss'])}")
+        if step % self.log_interval == 0 or step == self.total_steps:
+            self.print(line)
+
+    def print(self, text: str) -> None:
+        if not self.enabled:
+            return
+        if self._progress is not None:
+            self._progress.console.print(text, highlight=False)
+        else:
+            print(text, flush=True)
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+        if self._tb is not None:
+            self._tb.close()
+        if self._file is not None:
+            self._file.close()
+
+
+def _keep_steps_up_to(path: Path, step: int) -> None:
+    """Drop metrics lines after `step`: a resumed run redoes those steps (a fresh run keeps none)."""
+    kept = []
+    if step > 0 and path.is_file():
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                if int(json.loads(line)["step"]) <= step:
+                    kept.append(line)
+            except (ValueError, KeyError, TypeError):
+                continue
+    path.write_text("".join(k + "\n" for k in kept), encoding="utf-8")
