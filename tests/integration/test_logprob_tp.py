@@ -48,8 +48,32 @@ def _worker(rank: int, world: int, port: int) -> None:
         torch.testing.assert_close(vocab_parallel_entropy(shard.detach(), group=group), ref_ent.detach(), atol=1e-5, rtol=1e-5)
         explicit, _ = vocab_parallel_log_probs_and_entropy(shard.detach(), targets, group=group, vocab_start=rank * width)
         torch.testing.assert_close(explicit, ref_logp.detach(), atol=1e-5, rtol=1e-5)
+        _agrees_with_megatron(logits, targets, up_logp, rank, width)
     finally:
         dist.destroy_process_group()
+
+
+def _agrees_with_megatron(logits: torch.Tensor, targets: torch.Tensor, up: torch.Tensor, rank: int, width: int) -> None:
+    """Same values and logits gradient as megatron-core's own vocab-parallel cross entropy, on its TP
+    group and vocabulary partition (what the trainer passes)."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+
+    from trinity.algorithms.logprob import vocab_parallel_log_probs
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
+    try:
+        group = parallel_state.get_tensor_model_parallel_group()
+        ours_in = logits[..., rank * width : (rank + 1) * width].clone().requires_grad_(True)
+        ours = vocab_parallel_log_probs(ours_in, targets, group=group)
+        (ours * up).sum().backward()
+        theirs_in = ours_in.detach().clone().requires_grad_(True)
+        theirs = -vocab_parallel_cross_entropy(theirs_in, targets)
+        (theirs * up).sum().backward()
+        torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(ours_in.grad, theirs_in.grad, atol=1e-5, rtol=1e-5)
+    finally:
+        parallel_state.destroy_model_parallel()
 
 
 def _free_port() -> int:

@@ -134,3 +134,21 @@ def test_entropy_and_kl_loss():
     loss.backward()
     torch.testing.assert_close(logp.grad, torch.tensor([[0.5, 0.5, 0.0]]))
     assert ref.grad is None
+
+
+def test_actor_loss_combines_terms():
+    from trinity.algorithms.losses import actor_loss
+    from trinity.config.schema import ActorConfig
+
+    logp = torch.tensor([[0.0, 0.0]], requires_grad=True)  # ratio 1: pg loss = -mean(A) = -1.5
+    advantages = torch.tensor([[1.0, 2.0]])
+    mask = torch.ones(1, 2)
+    entropy = torch.tensor([[0.5, 1.5]])  # mean 1
+    ref = torch.tensor([[-1.0, 1.0]])  # k1 = logp - ref = [1, -1], mean 0; mse: 0.5*[1, 1], mean 0.5
+    actor = ActorConfig(entropy_coeff=0.1, use_kl_loss=True, kl_loss_coef=0.2, kl_loss_type="mse")
+    loss, metrics = actor_loss(logp, logp.detach(), advantages, mask, actor, entropy=entropy, ref_logp=ref)
+    assert loss.item() == pytest.approx(-1.5 - 0.1 * 1.0 + 0.2 * 0.5)
+    assert metrics["actor/kl_loss"].item() == pytest.approx(0.5)
+    assert metrics["actor/entropy"].item() == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="reference log-probs"):
+        actor_loss(logp, logp.detach(), advantages, mask, actor, entropy=entropy)

@@ -31,7 +31,7 @@ import torch
 
 from trinity.algorithms.advantages import masked_mean
 from trinity.algorithms.kl import token_kl
-from trinity.config.schema import KLEstimator, LossAggMode
+from trinity.config.schema import ActorConfig, KLEstimator, LossAggMode
 
 
 def _seq_has_tokens(mask: torch.Tensor) -> torch.Tensor:
@@ -166,6 +166,45 @@ def kl_loss(
 ) -> torch.Tensor:
     """Aggregated KL(actor || ref) for `use_kl_loss`; gradients flow into logp only."""
     return agg_loss(token_kl(logp, ref_logp.detach(), kind), response_mask, loss_agg_mode, denominator)
+
+
+def actor_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    actor: ActorConfig,
+    entropy: torch.Tensor | None = None,
+    ref_logp: torch.Tensor | None = None,
+    denominator: torch.Tensor | float | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """pg_loss - entropy_coeff * entropy + kl_loss_coef * KL (when use_kl_loss), with the actor's
+    settings; metrics (detached, verl's names) for logging."""
+    mode = actor.loss_agg_mode
+    loss, pg = ppo_policy_loss(
+        old_logp, logp, advantages, response_mask, actor.clip_ratio_low, actor.clip_ratio_high,
+        actor.clip_ratio_c, mode, denominator,
+    )
+    metrics = {
+        "actor/pg_loss": loss.detach(),
+        "actor/pg_clipfrac": pg.pg_clipfrac,
+        "actor/ppo_kl": pg.ppo_kl,
+        "actor/pg_clipfrac_lower": pg.pg_clipfrac_lower,
+    }
+    if actor.entropy_coeff > 0 and entropy is None:
+        raise ValueError("entropy_coeff > 0 needs the token entropy")
+    if entropy is not None:
+        ent = entropy_loss(entropy, response_mask, mode, denominator)
+        metrics["actor/entropy"] = ent.detach()
+        if actor.entropy_coeff > 0:
+            loss = loss - actor.entropy_coeff * ent
+    if actor.use_kl_loss:
+        if ref_logp is None:
+            raise ValueError("use_kl_loss needs the reference log-probs")
+        kl = kl_loss(logp, ref_logp, response_mask, actor.kl_loss_type, mode, denominator)
+        metrics["actor/kl_loss"] = kl.detach()
+        loss = loss + actor.kl_loss_coef * kl
+    return loss, metrics
 
 
 @dataclass(frozen=True)
