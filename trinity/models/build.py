@@ -1,0 +1,233 @@
+"""megatron-core GPTModel chunks from HF model facts and a role's `megatron:` block.
+
+`megatron` is anything with the attributes of `trinity.config.megatron.MegatronConfig` (duck-typed so
+tests and tools can pass a SimpleNamespace). Parallel state must be initialised first
+(`trinity.distributed.parallel.init_parallel`); on CPU that also enables cpu_compat.
+
+Choices made here:
+- MoE load balancing: `moe_router_load_balancing_type="none"` and no aux loss. Fine-tuning (SFT/RL)
+  starts from a balanced router and the HF families here train without the aux loss by default
+  (`output_router_logits=False`); set `moe_router_load_balancing_type: aux_loss` and
+  `moe_aux_loss_coeff` in override_transformer_config to add it.
+- Routing: Mixtral and Qwen3-MoE with `norm_topk_prob=True` softmax over the top-k logits (= the
+  renormalised top-k probabilities): `moe_router_pre_softmax=False`. Qwen3-MoE with
+  `norm_topk_prob=False` takes top-k of the full softmax: `moe_router_pre_softmax=True`.
+- Fusions: on CPU every fusion is off; on CUDA only the torch-jit ones (bias-SwiGLU, bias-dropout-add)
+  stay on. masked_softmax_fusion imports apex, apply_rope_fusion / moe_permute_fusion need TE,
+  gradient_accumulation_fusion and persist_layer_norm need apex.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state as ps
+from megatron.core import tensor_parallel
+from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from trinity.errors import UserError
+from trinity.models import spec as specs
+from trinity.models.attention import causal_mask, packed_causal_mask
+from trinity.models.facts import ModelFacts
+
+log = logging.getLogger(__name__)
+
+_ACTIVATIONS = {"silu": F.silu}
+_VOCAB_MULTIPLE = 128
+
+
+def padded_vocab_size(facts: ModelFacts, tp: int) -> int:
+    """Vocabulary rounded up to a multiple of 128*TP (Megatron-LM's make-vocab-size-divisible-by)."""
+    multiple = _VOCAB_MULTIPLE * tp
+    return -(-facts.vocab_size // multiple) * multiple
+
+
+def _value(x: Any) -> Any:
+    return getattr(x, "value", x)  # str enums of the job config -> plain str
+
+
+def _recompute_kwargs(override: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name in ("recompute_granularity", "recompute_method", "recompute_num_layers"):
+        value = getattr(override, name, None)
+        if value is not None:
+            out[name] = _value(value)
+    modules = getattr(override, "recompute_modules", None)
+    if modules is not None:
+        out["recompute_modules"] = [_value(m) for m in modules]
+    if out.get("recompute_granularity") == "full":
+        # megatron requires a method and count with full granularity; one layer per unit, uniform.
+        out.setdefault("recompute_method", "uniform")
+        out.setdefault("recompute_num_layers", 1)
+    return out
+
+
+def _rope_scaling_kwargs(facts: ModelFacts) -> dict[str, Any]:
+    rs = facts.rope_scaling
+    if not rs:
+        return {}
+    kind = rs.get("rope_type") or rs.get("type")
+    # megatron-core's built-in scaling is Llama 3.1's with fixed low/high frequency factors and 8192.
+    llama3 = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    if kind == "llama3" and all(float(rs.get(k, v)) == v for k, v in llama3.items()):
+        return {"rope_scaling": True, "rope_scaling_factor": float(rs.get("factor", 8.0))}
+    raise UserError(f"{facts.source}: rope scaling {rs} is not supported (only Llama 3.1's llama3)")
+
+
+def transformer_config(facts: ModelFacts, megatron: Any, *, device: str, dtype: torch.dtype) -> TransformerConfig:
+    """The megatron-core TransformerConfig for `facts` under the role's parallel/recompute settings."""
+    if facts.hidden_act not in _ACTIVATIONS:
+        raise UserError(f"{facts.source}: hidden_act {facts.hidden_act!r} is not supported (silu only)")
+    on_cpu = device == "cpu"
+    if on_cpu and dtype != torch.float32:
+        raise UserError(f"model.dtype: {dtype} on cpu; CPU runs in float32")
+    override = megatron.override_transformer_config
+    tp = megatron.tensor_model_parallel_size
+    kwargs: dict[str, Any] = dict(
+        num_layers=facts.num_layers,
+        hidden_size=facts.hidden_size,
+        ffn_hidden_size=facts.ffn_hidden_size,
+        num_attention_heads=facts.num_attention_heads,
+        num_query_groups=facts.num_query_groups,
+        kv_channels=facts.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=facts.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=_ACTIVATIONS[facts.hidden_act],
+        add_bias_linear=False,
+        add_qkv_bias=facts.qkv_bias,
+        qk_layernorm=facts.qk_norm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=0.02,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        pipeline_dtype=dtype,
+        attention_softmax_in_fp32=True,
+        # RL batches change length between micro-batches; with PP the stages then exchange shapes
+        # first. megatron refuses it with the allgather MoE dispatcher (pad to one length there).
+        variable_seq_lengths=megatron.pipeline_model_parallel_size > 1
+        and megatron.moe_token_dispatcher_type != "allgather",
+        moe_token_dispatcher_type=megatron.moe_token_dispatcher_type,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=megatron.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=megatron.virtual_pipeline_model_parallel_size,
+        context_parallel_size=megatron.context_parallel_size,
+        expert_model_parallel_size=megatron.expert_model_parallel_size,
+        expert_tensor_parallel_size=megatron.expert_tensor_parallel_size or tp,
+        sequence_parallel=bool(megatron.sequence_parallel) and tp > 1,
+        use_cpu_initialization=on_cpu,
+        masked_softmax_fusion=False,
+        bias_activation_fusion=not on_cpu,
+        bias_dropout_fusion=not on_cpu,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        moe_permute_fusion=False,
+        moe_router_fusion=False,
+        cross_entropy_loss_fusion=False,
+    )
+    if facts.is_moe:
+        kwargs.update(
+            num_moe_experts=facts.num_experts,
+            moe_ffn_hidden_size=facts.moe_ffn_hidden_size,
+            moe_router_topk=facts.moe_router_topk,
+            moe_router_pre_softmax=not facts.moe_norm_topk_prob,
+            moe_router_score_function="softmax",
+            moe_router_load_balancing_type="none",
+            moe_aux_loss_coeff=0.0,
+            moe_router_dtype="fp32",
+            moe_grouped_gemm=bool(megatron.moe_grouped_gemm),
+            moe_layer_recompute=bool(megatron.moe_layer_recompute),
+        )
+    kwargs.update(_recompute_kwargs(override))
+    extra = dict(override.extra_fields())
+    known = set(TransformerConfig.__dataclass_fields__)
+    unknown = sorted(set(extra) - known)
+    if unknown:
+        raise UserError(f"override_transformer_config: unknown TransformerConfig field(s) {unknown}")
+    kwargs.update(extra)
+    try:
+        return TransformerConfig(**kwargs)
+    except (ValueError, AssertionError) as exc:
+        raise UserError(f"megatron settings rejected by megatron-core TransformerConfig: {exc}") from None
+
+
+class ValueHead(torch.nn.Linear):
+    """Scalar head replacing `output_layer` for the PPO critic: weight [1, hidden], no bias.
+
+    Replicated on every TP rank (one output cannot be split). Under sequence parallel the hidden
+    states are sequence shards, so the output is gathered and the weight tagged `sequence_parallel`
+    for finalize_model_grads to sum its partial grads (as verl's LinearForLastLayer)."""
+
+    def __init__(self, config: TransformerConfig):
+        super().__init__(config.hidden_size, 1, bias=False, dtype=config.params_dtype)
+        self.sequence_parallel = config.sequence_parallel
+        self.weight.sequence_parallel = config.sequence_parallel
+        torch.nn.init.normal_(self.weight, mean=0.0, std=config.init_method_std)
+
+    def forward(self, hidden: torch.Tensor, weight: Any = None, runtime_gather_output: Any = None):  # type: ignore[override]
+        values = super().forward(hidden)
+        if self.sequence_parallel:
+            values = tensor_parallel.gather_from_sequence_parallel_region(
+                values, tensor_parallel_output_grad=False
+            )
+        return values, None
+
+
+def build_model(
+    facts: ModelFacts, megatron: Any, *, device: str, dtype: torch.dtype, value_head: bool = False
+) -> list[GPTModel]:
+    """One GPTModel per virtual pipeline stage of this rank, on `device` (see trinity.models.spec for
+    the parameter names). `value_head=True` gives the critic: output_layer is a [1, hidden] head."""
+    config = transformer_config(facts, megatron, device=device, dtype=dtype)
+    tp = ps.get_tensor_model_parallel_world_size()
+    if tp != config.tensor_model_parallel_size:
+        raise RuntimeError(
+            f"parallel state has TP={tp} but the config asks TP={config.tensor_model_parallel_size}; "
+            "call init_parallel with this role's layout first"
+        )
+    vpp = config.virtual_pipeline_model_parallel_size
+    if facts.num_layers % (config.pipeline_model_parallel_size * (vpp or 1)):
+        raise UserError(
+            f"{facts.source}: {facts.num_layers} layers do not split into PP*VPP = "
+            f"{config.pipeline_model_parallel_size * (vpp or 1)} equal chunks"
+        )
+    chosen = specs.backend(config)
+    log.info("layer spec: %s", chosen)
+    tied = facts.tie_word_embeddings and not value_head
+    chunks: list[GPTModel] = []
+    for stage in range(vpp or 1):
+        vp_stage = stage if vpp else None
+        pre = ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
+        post = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=specs.block_spec(facts, config, vp_stage=vp_stage),
+            vocab_size=padded_vocab_size(facts, tp),
+            max_sequence_length=facts.max_position_embeddings,
+            pre_process=pre,
+            post_process=post,
+            parallel_output=True,
+            share_embeddings_and_output_weights=tied,
+            position_embedding_type="rope",
+            rotary_base=facts.rope_theta,
+            vp_stage=vp_stage,
+            **_rope_scaling_kwargs(facts),
+        )
+        if value_head and post:
+            model.output_layer = ValueHead(config)
+        model.to(device=device)
+        model.trinity_backend = chosen  # which layer implementation built it (logged, tested)
+        chunks.append(model)
+    return chunks
+
+
+__all__ = [
+    "ValueHead", "build_model", "causal_mask", "packed_causal_mask", "padded_vocab_size", "transformer_config",
+]

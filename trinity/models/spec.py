@@ -1,0 +1,146 @@
+"""Layer specs: TransformerEngine's when it imports, otherwise ours (megatron's local spec with SDPA).
+
+Our spec is `get_gpt_layer_local_spec(normalization="RMSNorm")` with two substitutions:
+- core attention: `trinity.models.attention.SDPACoreAttention` instead of DotProductAttention;
+- norms: `TorchNorm` instead of megatron's WrappedTorchNorm, which refuses sequence parallel (only
+  apex/TE norms are allowed, and neither is installed on our CPUs or GPUs). Under SP a norm acts on
+  each rank's sequence shard independently, so the torch module is correct as is; its params are tagged
+  `sequence_parallel` so finalize_model_grads sums their TP-partial grads, as megatron does for apex.
+
+Parameter names our spec produces (per layer N, 0-based within the chunk; MoE layers replace `mlp.*`):
+    embedding.word_embeddings.weight                      (pre_process chunks)
+    decoder.layers.N.input_layernorm.weight
+    decoder.layers.N.self_attention.linear_qkv.weight     (+ .bias when add_qkv_bias)
+    decoder.layers.N.self_attention.q_layernorm.weight    (qk_layernorm: Qwen3)
+    decoder.layers.N.self_attention.k_layernorm.weight
+    decoder.layers.N.self_attention.linear_proj.weight
+    decoder.layers.N.pre_mlp_layernorm.weight
+    decoder.layers.N.mlp.linear_fc1.weight                (dense; gate and up stacked: [2*ffn, h])
+    decoder.layers.N.mlp.linear_fc2.weight
+    decoder.layers.N.mlp.router.weight                    (MoE)
+    decoder.layers.N.mlp.experts.local_experts.E.linear_fc1.weight   (MoE, moe_grouped_gemm=False)
+    decoder.layers.N.mlp.experts.local_experts.E.linear_fc2.weight
+    decoder.layers.N.mlp.experts.weight1 / weight2                    (MoE, moe_grouped_gemm=True)
+    decoder.final_layernorm.weight                        (post_process chunks)
+    output_layer.weight                                   (post_process chunks, untied or value head)
+With TransformerEngine the two layer norms are fused instead: `self_attention.linear_qkv.layer_norm_weight`
+and `mlp.linear_fc1.layer_norm_weight` (dense layers).
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+
+import torch
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_decoder_block_spec,
+    get_gpt_layer_local_spec,
+)
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+from trinity.models.attention import SDPACoreAttention
+from trinity.models.facts import ModelFacts
+
+BACKEND_TE = "transformer_engine"
+BACKEND_LOCAL_SDPA = "local+sdpa"
+
+
+def have_transformer_engine() -> bool:
+    if importlib.util.find_spec("transformer_engine") is None:
+        return False
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception:  # an installed but broken TE (wrong CUDA) must not stop us: use our spec
+        return False
+    return True
+
+
+def backend(config: TransformerConfig) -> str:
+    """The layer implementation build_model uses: TE on CUDA when it imports, else ours."""
+    if not config.use_cpu_initialization and torch.cuda.is_available() and have_transformer_engine():
+        return BACKEND_TE
+    return BACKEND_LOCAL_SDPA
+
+
+class TorchNorm:
+    """torch.nn.RMSNorm / LayerNorm built from the config, allowed under sequence parallel."""
+
+    def __new__(  # same call signature megatron uses for its norm classes
+        cls,
+        config: TransformerConfig,
+        hidden_size: int,
+        eps: float = 1e-5,
+        persist_layer_norm: bool = False,
+        zero_centered_gamma: bool = False,
+        normalization: str = "LayerNorm",
+    ) -> torch.nn.Module:
+        if config.layernorm_zero_centered_gamma:
+            raise ValueError("layernorm_zero_centered_gamma needs apex or TransformerEngine norms")
+        norms = {"RMSNorm": torch.nn.RMSNorm, "LayerNorm": torch.nn.LayerNorm}
+        if config.normalization not in norms:
+            raise ValueError(f"normalization {config.normalization!r}: one of {sorted(norms)}")
+        device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
+        norm = norms[config.normalization](
+            normalized_shape=hidden_size, eps=eps, device=device, dtype=config.params_dtype
+        )
+        for p in norm.parameters():
+            p.sequence_parallel = config.sequence_parallel
+        return norm
+
+
+def _define_missing_te_names() -> None:
+    """megatron-core 0.16.1 moe_utils imports `te_general_gemm` only when TE imports, but the MoE
+    router (RouterGatingLinearFunction) tests `te_general_gemm is not None` unconditionally: without TE
+    every MoE forward raises NameError, on GPUs too. Define it as None, which selects the torch path."""
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+def layer_spec(facts: ModelFacts, config: TransformerConfig) -> ModuleSpec:
+    """Our transformer-layer spec for `facts` (every layer of the supported families is alike)."""
+    _define_missing_te_names()
+    spec = get_gpt_layer_local_spec(
+        num_experts=facts.num_experts,
+        moe_grouped_gemm=config.moe_grouped_gemm,
+        qk_layernorm=config.qk_layernorm,
+        normalization="RMSNorm",
+    )
+    spec = copy.deepcopy(spec)  # megatron's spec objects are shared between calls
+    sub = spec.submodules
+    sub.input_layernorm = TorchNorm
+    sub.pre_mlp_layernorm = TorchNorm
+    attn = sub.self_attention.submodules
+    attn.core_attention = SDPACoreAttention
+    if config.qk_layernorm:
+        attn.q_layernorm = TorchNorm
+        attn.k_layernorm = TorchNorm
+    return spec
+
+
+def block_spec(
+    facts: ModelFacts, config: TransformerConfig, *, vp_stage: int | None, pp_rank: int | None = None
+) -> TransformerBlockSubmodules:
+    """The decoder-block spec for one model chunk (the layers of this PP rank / VPP stage)."""
+    if backend(config) == BACKEND_TE:
+        return get_gpt_decoder_block_spec(
+            config, use_transformer_engine=True, normalization="RMSNorm", vp_stage=vp_stage, pp_rank=pp_rank
+        )
+    n = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
+    return TransformerBlockSubmodules(layer_specs=[layer_spec(facts, config)] * n, layer_norm=TorchNorm)
+
+
+def layer_offset(config: TransformerConfig, *, vp_stage: int | None) -> int:
+    """Global index of a chunk's first layer (HF layer = offset + local index)."""
+    return get_transformer_layer_offset(config, vp_stage=vp_stage)
+
+
+__all__ = [
+    "BACKEND_LOCAL_SDPA", "BACKEND_TE", "TorchNorm", "backend", "block_spec", "layer_offset",
+    "layer_spec", "have_transformer_engine",
+]

@@ -1,0 +1,77 @@
+"""Tiny random-weight HF checkpoints of each supported family, for tests, benchmarks and the quickstart.
+
+No model hub is reachable, so every test that needs "a Qwen2" makes one here: 2 layers, hidden 64,
+4 heads, 2 KV heads, vocab 128 (MoE: 4 experts, top-2), saved with `save_pretrained` as safetensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# Shape shared by every family; one place to change it.
+_BASE: dict[str, Any] = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+    initializer_range=0.02,
+)
+_MOE: dict[str, Any] = dict(num_experts_per_tok=2, moe_intermediate_size=32)
+
+
+@dataclass(frozen=True)
+class TinyFamily:
+    config_class: str  # transformers class names, imported lazily
+    model_class: str
+    defaults: dict[str, Any] = field(default_factory=dict)
+
+
+FAMILIES: dict[str, TinyFamily] = {
+    "llama": TinyFamily("LlamaConfig", "LlamaForCausalLM", {"attention_bias": False}),
+    "qwen2": TinyFamily("Qwen2Config", "Qwen2ForCausalLM", {"use_sliding_window": False}),
+    "qwen3": TinyFamily("Qwen3Config", "Qwen3ForCausalLM", {"attention_bias": False, "use_sliding_window": False}),
+    "qwen3_moe": TinyFamily(
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        {**_MOE, "num_experts": 4, "num_local_experts": 4, "norm_topk_prob": True, "decoder_sparse_step": 1,
+         "mlp_only_layers": [], "attention_bias": False, "use_sliding_window": False},
+    ),
+    "mixtral": TinyFamily(
+        "MixtralConfig", "MixtralForCausalLM",
+        {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None},
+    ),
+}
+
+
+def make_tiny_hf_model(
+    family: str, out_dir: str | Path, *, seed: int = 0, tie_word_embeddings: bool = False, **config_overrides: Any
+) -> Path:
+    """Write a random-weight HF causal LM of `family` to `out_dir` and return that path."""
+    import torch
+    import transformers
+
+    if family not in FAMILIES:
+        raise ValueError(f"unknown tiny family {family!r}; one of {sorted(FAMILIES)}")
+    spec = FAMILIES[family]
+    kwargs = {**_BASE, **spec.defaults, "tie_word_embeddings": tie_word_embeddings, **config_overrides}
+    if "moe_intermediate_size" in kwargs and family == "mixtral":
+        kwargs.pop("moe_intermediate_size", None)  # Mixtral experts use intermediate_size
+    config = getattr(transformers, spec.config_class)(**kwargs)
+    torch.manual_seed(seed)
+    model = getattr(transformers, spec.model_class)(config).to(torch.float32)
+    # Random init gives near-zero norms' deviation from 1; perturb every parameter so that a wrong
+    # weight mapping (e.g. swapped norms) changes the logits.
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    return out
