@@ -1,0 +1,216 @@
+"""The one definition of trinity's dist checkpoint format (megatron-core `dist_checkpointing`, torch_dist).
+
+Folder layout:
+    <dir>/                      megatron-core torch_dist files (`__*.distcp`, metadata.json, common.pt)
+    <dir>/trinity_meta.json     architecture, HF config, dtype, layout, source fingerprint
+    <dir>/hf/                   config.json, tokenizer and generation files of the source model
+
+State dict layout (the same for every TP/PP/VPP/EP layout, so any layout loads any other):
+    {"model": {"chunk<i>/<local key>": ShardedTensor...},  # data addressed by global sharded keys
+     "optimizer": ...,                              # only when an optimizer is passed (training)
+     "extra": {...}}                                # `extra_common`: plain objects saved by rank 0
+
+The tensors' data is addressed by megatron-core's global sharded keys and offsets (layer numbers
+are global), so the chunk structure of a VPP layout never appears in the data. Writes go to a temporary sibling folder renamed at
+the end; a failure leaves no output folder.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trinity.convert.builtin import unwrap
+from trinity.convert.hf_io import copy_side_files
+from trinity.convert.outdir import check_output, publish
+from trinity.errors import UserError
+
+META = "trinity_meta.json"
+HF_SUBDIR = "hf"
+FORMAT = "trinity-mcore-dist/1"
+
+
+def source_fingerprint(hf_dir: str | Path) -> str:
+    """Identity of an HF folder's weights and config (names, sizes, mtimes)."""
+    h = hashlib.sha256()
+    for f in sorted(Path(hf_dir).iterdir()):
+        if f.is_file() and f.suffix in (".json", ".safetensors", ".bin"):
+            st = f.stat()
+            h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns};".encode())
+    return h.hexdigest()[:16]
+
+
+def _flat_sharded(models: list[torch.nn.Module]) -> tuple[dict[str, Any], list[dict[str, str]]]:
+    """All chunks' sharded tensors in one flat dict, plus, per chunk, local state-dict key -> flat key.
+
+    Only sharded values are kept: their data is addressed by megatron-core's global sharded key and
+    offsets, never by the dict key, so the dict keys (which name the chunk) do not tie the checkpoint
+    to a VPP layout. Plain objects would be, and GPTModel has none worth keeping.
+    """
+    from megatron.core.dist_checkpointing.mapping import ShardedBase
+
+    flat: dict[str, Any] = {}
+    back: list[dict[str, str]] = []
+    for i, chunk in enumerate(models):
+        local_to_key: dict[str, str] = {}
+        for local, value in unwrap(chunk).sharded_state_dict().items():
+            if isinstance(value, ShardedBase):
+                flat[f"chunk{i}/{local}"] = value
+                local_to_key[local] = f"chunk{i}/{local}"
+        back.append(local_to_key)
+    return flat, back
+
+
+def _rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+
+
+def _broadcast(obj: Any) -> Any:
+    if not torch.distributed.is_initialized():
+        return obj
+    box = [obj]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def save_model_checkpoint(
+    models: list[torch.nn.Module],
+    ckpt_dir: str | Path,
+    *,
+    hf_dir: str | Path | None = None,
+    meta: dict[str, Any] | None = None,
+    extra_common: dict[str, Any] | None = None,
+    optimizer: Any = None,
+    force: bool = False,
+) -> Path:
+    """Save model chunks (and optionally a megatron-core optimizer) as a dist checkpoint. All ranks call.
+
+    hf_dir: the source HF folder, whose config and tokenizer files are copied into `<ckpt_dir>/hf/`
+    and whose config.json goes into trinity_meta.json (needed by mcore-to-hf).
+    meta: extra fields for trinity_meta.json (layout, dtype, source...); rank 0's copy is written.
+    extra_common: plain picklable objects (step, RNG, data position...) saved once by rank 0;
+    read back by `load_model_checkpoint(...)` or `read_extra(dir)`.
+    optimizer: a megatron-core MegatronOptimizer; its `sharded_state_dict` is saved under "optimizer".
+    """
+    from megatron.core import dist_checkpointing
+
+    out = Path(ckpt_dir).resolve()
+    tmp: Path | None = None
+    if _rank() == 0:
+        check_output(out, force)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.parent / f".{out.name}.tmp-{int(time.time() * 1e6):x}"
+        tmp.mkdir()
+    tmp = Path(_broadcast(str(tmp)))
+    try:
+        flat, _ = _flat_sharded(models)
+        state: dict[str, Any] = {"model": flat, "extra": dict(extra_common or {})}
+        if optimizer is not None:
+            state["optimizer"] = optimizer.sharded_state_dict(flat)
+        dist_checkpointing.save(state, str(tmp))
+        _barrier()
+        if _rank() == 0:
+            _write_meta(tmp, models, hf_dir, meta, has_optimizer=optimizer is not None)
+            publish(tmp, out)
+        _barrier()
+    except BaseException:
+        if _rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def _write_meta(
+    tmp: Path, models: list[torch.nn.Module], hf_dir: str | Path | None, meta: dict[str, Any] | None, *, has_optimizer: bool
+) -> None:
+    params = [p for m in models for p in m.parameters()]
+    body: dict[str, Any] = {
+        "format": FORMAT,
+        "dtype": str(params[0].dtype).removeprefix("torch.") if params else None,
+        "has_optimizer": has_optimizer,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
+    if hf_dir is not None:
+        hf = Path(hf_dir)
+        (tmp / HF_SUBDIR).mkdir()
+        copy_side_files(hf, tmp / HF_SUBDIR)
+        cfg = json.loads((hf / "config.json").read_text())
+        body.update(
+            architecture=(cfg.get("architectures") or [None])[0],
+            hf_config=cfg,
+            source={"path": str(hf.resolve()), "fingerprint": source_fingerprint(hf)},
+        )
+    body.update(meta or {})
+    (tmp / META).write_text(json.dumps(body, indent=2, default=str) + "\n")
+
+
+def read_meta(ckpt_dir: str | Path) -> dict[str, Any]:
+    """trinity_meta.json of a dist checkpoint; UserError naming the file if it is missing or bad."""
+    path = Path(ckpt_dir) / META
+    if not path.is_file():
+        raise UserError(f"{path}: not a trinity dist checkpoint (no {META}; write one with `trinity convert hf-to-mcore`)")
+    try:
+        meta = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise UserError(f"{path}: not valid JSON ({exc})") from None
+    if meta.get("format") != FORMAT:
+        raise UserError(f"{path}: unknown checkpoint format {meta.get('format')!r} (expected {FORMAT})")
+    return meta
+
+
+def hf_dir_of(ckpt_dir: str | Path) -> Path:
+    """The HF config/tokenizer folder saved inside a dist checkpoint."""
+    path = Path(ckpt_dir) / HF_SUBDIR
+    if not (path / "config.json").is_file():
+        raise UserError(f"{path / 'config.json'}: missing from the dist checkpoint")
+    return path
+
+
+def read_extra(ckpt_dir: str | Path) -> dict[str, Any]:
+    """The `extra_common` dict saved with the checkpoint (no model needed)."""
+    from megatron.core import dist_checkpointing
+
+    return dict(dist_checkpointing.load_common_state_dict(str(ckpt_dir)).get("extra", {}))
+
+
+def load_model_checkpoint(
+    models: list[torch.nn.Module],
+    ckpt_dir: str | Path,
+    *,
+    strict: bool = True,
+    optimizer: Any = None,
+) -> dict[str, Any]:
+    """Load a dist checkpoint into built model chunks of any layout (resharding as needed), and the
+    optimizer state when `optimizer` is given. All ranks call. Returns the saved `extra_common`."""
+    from megatron.core import dist_checkpointing
+
+    path = Path(ckpt_dir)
+    read_meta(path)
+    flat, back = _flat_sharded(models)
+    request: dict[str, Any] = {"model": flat}
+    if optimizer is not None:
+        request["optimizer"] = optimizer.sharded_state_dict(flat, is_loading=True)
+    try:
+        loaded = dist_checkpointing.load(request, str(path))
+    except (KeyError, ValueError, RuntimeError, FileNotFoundError) as exc:
+        raise UserError(f"{path}: cannot load the dist checkpoint into this model ({exc})") from None
+    for chunk, local_to_key in zip(models, back):
+        sd = {local: loaded["model"][key] for local, key in local_to_key.items()}
+        result = unwrap(chunk).load_state_dict(sd, strict=False)
+        missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
+        if strict and missing:
+            raise UserError(f"{path}: checkpoint has no value for model parameter {missing[0]!r}")
+    if optimizer is not None:
+        optimizer.load_state_dict(loaded["optimizer"])
+    return read_extra(path)

@@ -1,0 +1,36 @@
+"""torchrun entry of a multi-rank conversion: `python -m trinity.convert.worker ARGS.json`.
+
+Rank 0 writes `{"report": ...}` or `{"error": "<user error>"}` to the report path named in ARGS.json;
+the parent (`trinity.convert.api`) turns it back into a ConvertReport or a UserError.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+
+def main(argv: list[str]) -> int:
+    spec = json.loads(Path(argv[0]).read_text())
+    report_path = Path(spec["report"])
+    rank = int(os.environ.get("RANK", "0"))
+    from trinity.convert.api import report_to_json
+    from trinity.convert.jobs import run_hf_to_mcore
+    from trinity.errors import UserError
+
+    try:
+        report = run_hf_to_mcore(**spec["args"])
+    except UserError as exc:
+        if rank == 0 or not report_path.exists():
+            report_path.write_text(json.dumps({"error": str(exc)}))
+        print(f"rank {rank}: {exc}", file=sys.stderr)
+        return 2
+    if rank == 0:
+        report_path.write_text(json.dumps({"report": report_to_json(report)}))
+    return 0
+
+
+if __name__ == "__main__":  # the dist-checkpoint writer re-imports __main__: keep the guard
+    sys.exit(main(sys.argv[1:]))
