@@ -49,8 +49,31 @@ def _worker(rank: int, world: int, port: int) -> None:
         explicit, _ = vocab_parallel_log_probs_and_entropy(shard.detach(), targets, group=group, vocab_start=rank * width)
         torch.testing.assert_close(explicit, ref_logp.detach(), atol=1e-5, rtol=1e-5)
         _agrees_with_megatron(logits, targets, up_logp, rank, width)
+        for real_vocab in (40, 20):  # rank 1's shard partly / wholly vocabulary padding
+            _padded_vocab(logits, targets, up_logp, up_ent, rank, width, group, real_vocab)
     finally:
         dist.destroy_process_group()
+
+
+def _padded_vocab(logits, targets, up_logp, up_ent, rank, width, group, real_vocab) -> None:
+    from trinity.algorithms.logprob import vocab_parallel_log_probs_and_entropy
+
+    targets = targets % real_vocab
+    shard = logits[..., rank * width : (rank + 1) * width].clone().requires_grad_(True)
+    logp, entropy = vocab_parallel_log_probs_and_entropy(shard, targets, group=group, vocab_size=real_vocab)
+    (logp * up_logp + entropy * up_ent).sum().backward()
+    real = logits[..., :real_vocab].clone().requires_grad_(True)
+    ref_all = torch.log_softmax(real, -1)
+    ref_logp = ref_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    ref_ent = -(ref_all.exp() * ref_all).sum(-1)
+    (ref_logp * up_logp + ref_ent * up_ent).sum().backward()
+    torch.testing.assert_close(logp, ref_logp, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(entropy, ref_ent, atol=1e-5, rtol=1e-5)
+    expected_grad = torch.zeros_like(shard)
+    lo, hi = rank * width, min((rank + 1) * width, real_vocab)
+    if hi > lo:
+        expected_grad[..., : hi - lo] = real.grad[..., lo:hi]
+    torch.testing.assert_close(shard.grad, expected_grad, atol=1e-5, rtol=1e-5)
 
 
 def _agrees_with_megatron(logits: torch.Tensor, targets: torch.Tensor, up: torch.Tensor, rank: int, width: int) -> None:

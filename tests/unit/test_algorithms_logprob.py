@@ -84,3 +84,22 @@ def test_large_logits_do_not_overflow():
 def test_shape_mismatch_is_rejected():
     with pytest.raises(ValueError, match="targets shape"):
         vocab_parallel_log_probs(torch.randn(2, 3, 5), torch.zeros(3, 2, dtype=torch.long))
+
+
+def test_padded_vocabulary_columns_are_excluded():
+    torch.manual_seed(4)
+    padded = torch.randn(3, 4, 64, requires_grad=True)  # real vocabulary 50, padded to 64
+    targets = torch.randint(0, 50, (3, 4))
+    up_logp, up_ent = torch.randn(3, 4), torch.randn(3, 4)
+    logp, entropy = vocab_parallel_log_probs_and_entropy(padded, targets, vocab_size=50, chunk_size=5)
+    (logp * up_logp + entropy * up_ent).sum().backward()
+
+    real = padded.detach()[..., :50].clone().requires_grad_(True)
+    ref_logp, ref_ent = _reference(real, targets)
+    (ref_logp * up_logp + ref_ent * up_ent).sum().backward()
+    torch.testing.assert_close(logp, ref_logp)
+    torch.testing.assert_close(entropy, ref_ent)
+    torch.testing.assert_close(padded.grad[..., :50], real.grad)
+    assert padded.grad[..., 50:].abs().max().item() == 0.0
+    # without vocab_size the padding columns would change the result
+    assert (vocab_parallel_log_probs(padded, targets) - ref_logp).abs().max().item() > 1e-3

@@ -12,6 +12,10 @@ Backward needs no communication: d logp / d x_j = onehot_j - p_j and d H / d x_j
 with p_j = exp(x_j - logsumexp) using the global logsumexp saved by forward. The gradient of the
 sharded logits is what megatron's ColumnParallelLinear output layer expects.
 
+Vocabulary padding: megatron models carry a vocabulary padded to a multiple of 128 * TP, whose extra
+logits are not the HF model's; pass `vocab_size` (the real one) and those columns are left out of the
+softmax (and get zero gradient). A shard that is all padding takes part with empty statistics.
+
 fp32 temporaries are bounded by `chunk_size` tokens at a time (default: about 2^26 elements), so
 `[seq, vocab]` is never materialised in fp32. With group None (or of size 1) the results equal
 `torch.log_softmax` ones.
@@ -48,18 +52,22 @@ class _VocabParallelStats(torch.autograd.Function):
         targets: torch.Tensor | None,
         group: Any,
         vocab_start: int,
+        vocab_local: int,
         chunk_size: int,
         with_entropy: bool,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        vocab_local = logits.shape[-1]
+        # vocab_local: leading columns of this shard that are real tokens (the rest is vocab padding)
         lead_shape = logits.shape[:-1]
-        flat = logits.reshape(-1, vocab_local)
+        flat = logits.reshape(-1, logits.shape[-1])[:, :vocab_local]
         n = flat.shape[0]
         flat_targets = None if targets is None else targets.reshape(-1)
 
         # fp32 at least; fp64 inputs stay fp64 (lets gradcheck verify the backward exactly)
         compute = torch.promote_types(logits.dtype, torch.float32)
-        maxes = flat.max(dim=-1).values.to(compute)
+        if vocab_local > 0:
+            maxes = flat.max(dim=-1).values.to(compute)
+        else:  # a shard that is all padding
+            maxes = torch.full((n,), float("-inf"), dtype=compute, device=logits.device)
         _all_reduce(maxes, dist.ReduceOp.MAX, group)
 
         # columns: sumexp, shifted target logit, sum exp(x - max) * (x - max)
@@ -69,7 +77,7 @@ class _VocabParallelStats(torch.autograd.Function):
             shifted = flat[start:end].to(compute) - maxes[start:end, None]
             exp = shifted.exp()
             stats[start:end, 0] = exp.sum(-1)
-            if flat_targets is not None:
+            if flat_targets is not None and vocab_local > 0:  # an all-padding shard owns no target
                 local = flat_targets[start:end] - vocab_start
                 owned = (local >= 0) & (local < vocab_local)
                 picked = shifted.gather(-1, local.clamp(0, vocab_local - 1).unsqueeze(-1)).squeeze(-1)
@@ -89,6 +97,7 @@ class _VocabParallelStats(torch.autograd.Function):
         ctx.save_for_backward(logits, saved_targets, logsumexp, maxes + mean_shifted)
         ctx.has_targets = has_targets
         ctx.vocab_start = vocab_start
+        ctx.vocab_local = vocab_local
         ctx.chunk_size = chunk_size
         ctx.set_materialize_grads(False)
         return logp, entropy
@@ -96,14 +105,17 @@ class _VocabParallelStats(torch.autograd.Function):
     @staticmethod
     def backward(  # type: ignore[override]
         ctx: Any, grad_logp: torch.Tensor | None, grad_entropy: torch.Tensor | None
-    ) -> tuple[torch.Tensor | None, None, None, None, None, None]:
+    ) -> tuple[torch.Tensor | None, None, None, None, None, None, None]:
         logits, flat_targets, logsumexp, mean_logit = ctx.saved_tensors
         if grad_logp is None and grad_entropy is None:
-            return None, None, None, None, None, None
-        vocab_local = logits.shape[-1]
-        flat = logits.reshape(-1, vocab_local)
-        grad = torch.empty_like(flat)
+            return None, None, None, None, None, None, None
+        vocab_local = ctx.vocab_local
+        full = logits.reshape(-1, logits.shape[-1])
+        flat = full[:, :vocab_local]
+        grad = torch.zeros_like(full)  # padding columns get no gradient
         compute = logsumexp.dtype
+        if vocab_local == 0:
+            return grad.reshape(logits.shape), None, None, None, None, None, None
         g_logp = None if grad_logp is None or not ctx.has_targets else grad_logp.reshape(-1).to(compute)
         g_ent = None if grad_entropy is None else grad_entropy.reshape(-1).to(compute)
         for start in range(0, flat.shape[0], ctx.chunk_size):
@@ -121,19 +133,29 @@ class _VocabParallelStats(torch.autograd.Function):
                 )
             if g_ent is not None:
                 chunk_grad += probs * (mean_logit[start:end, None] - x) * g_ent[start:end, None]
-            grad[start:end] = chunk_grad.to(grad.dtype)
-        return grad.reshape(logits.shape), None, None, None, None, None
+            grad[start:end, :vocab_local] = chunk_grad.to(grad.dtype)
+        return grad.reshape(logits.shape), None, None, None, None, None, None
 
 
-def _resolve(logits: torch.Tensor, group: Any, vocab_start: int | None, chunk_size: int | None) -> tuple[int, int]:
-    size, rank = _group_size_rank(group)
+def _resolve(
+    logits: torch.Tensor, group: Any, vocab_start: int | None, vocab_size: int | None, chunk_size: int | None
+) -> tuple[int, int, int]:
+    """(vocab_start, real columns on this shard, chunk_size)."""
+    _, rank = _group_size_rank(group)
+    width = logits.shape[-1]
     if vocab_start is None:
-        vocab_start = rank * logits.shape[-1]  # megatron's equal vocabulary partition
+        vocab_start = rank * width  # megatron's equal vocabulary partition
+    valid = width if vocab_size is None else max(0, min(width, vocab_size - vocab_start))
     if chunk_size is None:
-        chunk_size = max(1, _CHUNK_ELEMENTS // max(1, logits.shape[-1]))
+        chunk_size = max(1, _CHUNK_ELEMENTS // max(1, width))
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    return vocab_start, chunk_size
+    return vocab_start, valid, chunk_size
+
+
+def _check_targets(logits: torch.Tensor, targets: torch.Tensor) -> None:
+    if targets.shape != logits.shape[:-1]:
+        raise ValueError(f"targets shape {tuple(targets.shape)} != logits leading shape {tuple(logits.shape[:-1])}")
 
 
 def vocab_parallel_log_probs_and_entropy(
@@ -142,16 +164,18 @@ def vocab_parallel_log_probs_and_entropy(
     group: Any = None,
     vocab_start: int | None = None,
     chunk_size: int | None = None,
+    vocab_size: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log p(targets), entropy), both fp32 (fp64 for fp64 logits) with the shape of `targets` (= logits' leading dims).
+    """(log p(targets), entropy), both fp32 (fp64 for fp64 logits) with the shape of `targets`.
 
     targets hold global vocabulary ids. vocab_start (first id of this shard) defaults to
-    rank-in-group * shard width, megatron's partition. Differentiable w.r.t. logits_shard.
+    rank-in-group * shard width, megatron's partition. vocab_size is the tokenizer's vocabulary when
+    the model's is padded (trinity.models.build pads to a multiple of 128 * TP): ids >= vocab_size
+    are left out of the softmax, as in the HF model. Differentiable w.r.t. logits_shard.
     """
-    if targets.shape != logits_shard.shape[:-1]:
-        raise ValueError(f"targets shape {tuple(targets.shape)} != logits leading shape {tuple(logits_shard.shape[:-1])}")
-    start, chunk = _resolve(logits_shard, group, vocab_start, chunk_size)
-    return _VocabParallelStats.apply(logits_shard, targets, group, start, chunk, True)
+    _check_targets(logits_shard, targets)
+    start, valid, chunk = _resolve(logits_shard, group, vocab_start, vocab_size, chunk_size)
+    return _VocabParallelStats.apply(logits_shard, targets, group, start, valid, chunk, True)
 
 
 def vocab_parallel_log_probs(
@@ -160,17 +184,21 @@ def vocab_parallel_log_probs(
     group: Any = None,
     vocab_start: int | None = None,
     chunk_size: int | None = None,
+    vocab_size: int | None = None,
 ) -> torch.Tensor:
     """log p(targets) (fp32, shape of targets) from vocab-sharded logits; see the module doc."""
-    if targets.shape != logits_shard.shape[:-1]:
-        raise ValueError(f"targets shape {tuple(targets.shape)} != logits leading shape {tuple(logits_shard.shape[:-1])}")
-    start, chunk = _resolve(logits_shard, group, vocab_start, chunk_size)
-    return _VocabParallelStats.apply(logits_shard, targets, group, start, chunk, False)[0]
+    _check_targets(logits_shard, targets)
+    start, valid, chunk = _resolve(logits_shard, group, vocab_start, vocab_size, chunk_size)
+    return _VocabParallelStats.apply(logits_shard, targets, group, start, valid, chunk, False)[0]
 
 
 def vocab_parallel_entropy(
-    logits_shard: torch.Tensor, group: Any = None, chunk_size: int | None = None
+    logits_shard: torch.Tensor,
+    group: Any = None,
+    chunk_size: int | None = None,
+    vocab_size: int | None = None,
+    vocab_start: int | None = None,
 ) -> torch.Tensor:
     """Entropy of the full-vocabulary softmax (fp32, logits' leading shape) from vocab-sharded logits."""
-    start, chunk = _resolve(logits_shard, group, None, chunk_size)
-    return _VocabParallelStats.apply(logits_shard, None, group, start, chunk, True)[1]
+    start, valid, chunk = _resolve(logits_shard, group, vocab_start, vocab_size, chunk_size)
+    return _VocabParallelStats.apply(logits_shard, None, group, start, valid, chunk, True)[1]
