@@ -14,6 +14,7 @@ beyond `keep_last` are deleted only after a newer one is complete.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -30,9 +31,22 @@ from trinity.errors import UserError
 
 COMPLETE = "complete"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
-# Fault injection for tests: seconds to sleep after the data is written, before the checkpoint is
-# marked complete (a test kills the job in that window).
+# Fault injection for tests, `<step>:<seconds>`: sleep after checkpoint <step>'s data is written,
+# before it is marked complete (a test kills the job in that window).
 PAUSE_ENV = "TRINITY_TEST_CKPT_PAUSE_S"
+
+
+def _pause_s(step: int) -> float:
+    at, _, seconds = os.environ.get(PAUSE_ENV, "").partition(":")
+    return float(seconds) if at.strip() == str(step) and seconds else 0.0
+
+
+def _cpu_mode() -> Any:
+    """On CPU, the distributed optimizer's state gather/scatter has `.cuda()` literals
+    (get_parameter_state_dp_zero); run checkpoint I/O under cpu_compat's cuda->cpu mode."""
+    from trinity.distributed import cpu_compat
+
+    return cpu_compat.CudaToCpuMode() if cpu_compat.is_enabled() else contextlib.nullcontext()
 
 
 def _rank() -> int:
@@ -71,6 +85,26 @@ def set_rng_state(state: dict[str, Any]) -> None:
     tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
+
+
+class ReshardableOptimizer:
+    """The optimizer as dist_ckpt sees it: its sharded state in the `fully_reshardable` format.
+
+    megatron-core 0.16's default for the distributed optimizer (`fully_sharded_model_space`) uses
+    flattened ranges that the torch_dist writer refuses; `fully_reshardable` saves each parameter's
+    state in its model shape, so a checkpoint resumes under any TP/PP/DP layout.
+    """
+
+    METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+
+    def __init__(self, optimizer: Any):
+        self.optimizer = optimizer
+
+    def sharded_state_dict(self, model_sharded_state_dict: Any, is_loading: bool = False) -> Any:
+        return self.optimizer.sharded_state_dict(model_sharded_state_dict, is_loading=is_loading, metadata=self.METADATA)
+
+    def load_state_dict(self, state_dict: Any) -> None:
+        self.optimizer.load_state_dict(state_dict)
 
 
 def complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
@@ -114,16 +148,15 @@ class CheckpointManager:
             "scheduler": state.scheduler.state_dict(),
             "world_size": _world(),
         }
-        save_model_checkpoint(
-            state.model, tmp, hf_dir=self.hf_dir, extra_common=extra, optimizer=state.optimizer, force=True,
-            meta={"kind": "training", "step": step},
-        )
+        with _cpu_mode():
+            save_model_checkpoint(
+                state.model, tmp, hf_dir=self.hf_dir, extra_common=extra, optimizer=ReshardableOptimizer(state.optimizer), force=True,
+                meta={"kind": "training", "step": step},
+            )
         (tmp / "rng").mkdir(exist_ok=True)
         torch.save(rng_state(), tmp / "rng" / f"rank_{_rank()}.pt")
         _barrier()
-        pause = float(os.environ.get(PAUSE_ENV, "0") or 0)
-        if pause > 0:
-            time.sleep(pause)
+        time.sleep(_pause_s(step))
         if self.is_rank0:
             _write_synced(tmp / COMPLETE, json.dumps({"step": step, "time": time.time()}) + "\n")
             if final.exists():  # a checkpoint of the same step from an earlier attempt
@@ -141,7 +174,8 @@ class CheckpointManager:
         """Restore model, optimizer, schedule, data position and RNG from `path`; returns its step."""
         from trinity.convert.dist_ckpt import load_model_checkpoint
 
-        extra = load_model_checkpoint(state.model, path, optimizer=state.optimizer)
+        with _cpu_mode():
+            extra = load_model_checkpoint(state.model, path, optimizer=ReshardableOptimizer(state.optimizer))
         try:
             step = int(extra["step"])
             data.load_state_dict(extra["data"])

@@ -116,7 +116,9 @@ def run_sft(ctx: WorkerContext) -> None:
     steps = total_steps(ctx, data)
     ctx.log(f"data: {data.summary()}; training {steps} steps")
     state = build_train_state(ctx.actor, megatron, cfg.actor_rollout_ref.actor.optim, dtype=ctx.dtype, total_steps=steps)
-    ckpt = CheckpointManager(ctx.output_dir / "checkpoints", keep_last=cfg.trainer.keep_last, is_rank0=ctx.is_rank0)
+    ckpt = CheckpointManager(
+        ctx.output_dir / "checkpoints", keep_last=cfg.trainer.keep_last, is_rank0=ctx.is_rank0, hf_dir=cfg.model.path
+    )
     start = 0
     resume_from = ckpt.resume_path(cfg.trainer.resume)
     if resume_from is not None:

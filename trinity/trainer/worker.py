@@ -19,7 +19,7 @@ def _rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
-def build_actor(loaded: Any, device: Any, dtype: Any) -> list[Any]:
+def build_actor(loaded: Any, device: str, dtype: Any) -> list[Any]:
     """The actor's GPTModel chunks on `device`, with weights from mbridge or the dist checkpoint."""
     from trinity.models.build import build_model
 
@@ -27,9 +27,9 @@ def build_actor(loaded: Any, device: Any, dtype: Any) -> list[Any]:
     megatron = cfg.actor_rollout_ref.actor.megatron
     chunks = build_model(loaded.facts, megatron, device=device, dtype=dtype)
     if megatron.use_mbridge:
-        from trinity.convert.api import load_with_mbridge
+        from trinity.convert.mbridge_adapter import load_weights
 
-        load_with_mbridge(chunks, cfg.model.path, loaded.facts)
+        load_weights(chunks, cfg.model.path, loaded.facts)
     elif megatron.use_dist_checkpointing:
         from trinity.convert.dist_ckpt import load_model_checkpoint
 
@@ -64,7 +64,7 @@ def run_worker(config_path: str | Path) -> None:
         else:
             device = torch.device("cpu")
         dtype = training_dtype(cfg.model.dtype, device_kind)
-        actor = build_actor(loaded, device, dtype)
+        actor = build_actor(loaded, device_kind, dtype)
         ctx = WorkerContext(
             loaded=loaded, device=device, dtype=dtype, actor=actor,
             rank=dist.get_rank(), world_size=dist.get_world_size(),
