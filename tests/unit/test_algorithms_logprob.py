@@ -55,10 +55,10 @@ def test_single_output_functions():
 
 def test_gradcheck_float64():
     torch.manual_seed(2)
-    logits = torch.randn(3, 4, 9, dtype=torch.float64, requires_grad=True)
-    targets = torch.randint(0, 9, (3, 4))
+    logits = torch.randn(2, 3, 7, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, 7, (2, 3))
     assert torch.autograd.gradcheck(
-        lambda x: vocab_parallel_log_probs_and_entropy(x, targets, chunk_size=5), (logits,)
+        lambda x: vocab_parallel_log_probs_and_entropy(x, targets, chunk_size=4), (logits,)
     )
 
 
