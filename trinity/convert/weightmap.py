@@ -115,12 +115,15 @@ def to_mcore(rule: Rule, tensors: list[torch.Tensor], geo: Geometry) -> torch.Te
     if kind is Kind.GATE_UP:
         return torch.cat(tensors, dim=0)
     if kind is Kind.GROUPED_FC1:
-        # GroupedMLP views weight1 as [E, h, 2*ffn]: expert e's [gate; up] transposed, side by side.
+        # GroupedMLP's forward views weight1 [h, E*2*ffn] as [E, h, 2*ffn] (a memory reshape):
+        # block e is expert e's [gate; up] transposed.
         pairs = [torch.cat(tensors[i : i + 2], dim=0).t() for i in range(0, len(tensors), 2)]
-        return torch.cat(pairs, dim=1)
+        stacked = torch.stack(pairs)
+        return stacked.reshape(stacked.shape[1], -1)
     if kind is Kind.GROUPED_FC2:
-        # GroupedMLP views weight2 as [E, ffn, h]: expert e's down projection transposed, stacked.
-        return torch.cat([t.t() for t in tensors], dim=0)
+        # ... and weight2 [E*ffn, h] as [E, ffn, h]: block e is expert e's down projection transposed.
+        stacked = torch.stack([t.t() for t in tensors])
+        return stacked.reshape(-1, stacked.shape[2])
     raise AssertionError(kind)
 
 
@@ -146,35 +149,53 @@ def to_hf(rule: Rule, full: torch.Tensor, geo: Geometry, n_experts: int = 1) -> 
         return list(torch.chunk(full, 2, dim=0))
     if kind is Kind.GROUPED_FC1:
         out: list[torch.Tensor] = []
-        for block in torch.chunk(full, n_experts, dim=1):
+        for block in _grouped_3d(rule, full, n_experts):
             out.extend(torch.chunk(block.t(), 2, dim=0))
         return out
     if kind is Kind.GROUPED_FC2:
-        return [block.t() for block in torch.chunk(full, n_experts, dim=0)]
+        return [block.t() for block in _grouped_3d(rule, full, n_experts)]
     raise AssertionError(kind)
 
 
-def _blocks(rule: Rule, n_experts: int) -> int:
-    return _HALVES.get(rule.kind, 1) * (n_experts if rule.grouped else 1)
+def _grouped_3d(rule: Rule, t: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """GroupedMLP's per-expert view: weight1 -> [E, h, 2*ffn], weight2 -> [E, ffn, h]."""
+    if rule.kind is Kind.GROUPED_FC1:
+        return t.reshape(n_experts, t.shape[0], -1)
+    return t.reshape(n_experts, -1, t.shape[1])
+
+
+def _grouped_2d(rule: Rule, t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(t.shape[1], -1) if rule.kind is Kind.GROUPED_FC1 else t.reshape(-1, t.shape[2])
 
 
 def tp_split(rule: Rule, full: torch.Tensor, rank: int, size: int, n_experts: int = 1) -> torch.Tensor:
     """The part of `full` that TP rank `rank` of `size` holds."""
     if rule.tp_dim is None or size == 1:
         return full
-    blocks = torch.chunk(full, _blocks(rule, n_experts), dim=rule.tp_dim)
-    return torch.cat([torch.chunk(b, size, dim=rule.tp_dim)[rank] for b in blocks], dim=rule.tp_dim)
+    if rule.grouped:  # each rank holds every local expert's shard, in the same per-expert view
+        local = _split_blocks(_grouped_3d(rule, full, n_experts), rule.tp_dim + 1, _HALVES.get(rule.kind, 1), rank, size)
+        return _grouped_2d(rule, local)
+    return _split_blocks(full, rule.tp_dim, _HALVES.get(rule.kind, 1), rank, size)
+
+
+def _split_blocks(t: torch.Tensor, dim: int, nblocks: int, rank: int, size: int) -> torch.Tensor:
+    blocks = torch.chunk(t, nblocks, dim=dim)
+    return torch.cat([torch.chunk(b, size, dim=dim)[rank] for b in blocks], dim=dim)
+
+
+def _merge_blocks(parts: list[torch.Tensor], dim: int, nblocks: int) -> torch.Tensor:
+    per_rank = [torch.chunk(p, nblocks, dim=dim) for p in parts]
+    return torch.cat([torch.cat([pr[b] for pr in per_rank], dim=dim) for b in range(nblocks)], dim=dim)
 
 
 def tp_merge(rule: Rule, parts: list[torch.Tensor], n_experts: int = 1) -> torch.Tensor:
     """Inverse of tp_split: the full tensor from every TP rank's part, in rank order."""
     if rule.tp_dim is None or len(parts) == 1:
         return parts[0]
-    nb = _blocks(rule, n_experts)
-    per_rank = [torch.chunk(p, nb, dim=rule.tp_dim) for p in parts]
-    return torch.cat(
-        [torch.cat([pr[b] for pr in per_rank], dim=rule.tp_dim) for b in range(nb)], dim=rule.tp_dim
-    )
+    if rule.grouped:
+        views = [_grouped_3d(rule, p, n_experts) for p in parts]
+        return _grouped_2d(rule, _merge_blocks(views, rule.tp_dim + 1, _HALVES.get(rule.kind, 1)))
+    return _merge_blocks(parts, rule.tp_dim, _HALVES.get(rule.kind, 1))
 
 
 @dataclass(frozen=True)

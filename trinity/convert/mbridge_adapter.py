@@ -1,0 +1,67 @@
+"""The one place that talks to mbridge 0.15.1 (the `--backend mbridge` / `use_mbridge` path).
+
+What mbridge needs from us, and why:
+- Model construction stays ours (`trinity.models.build`): mbridge's `get_model` hard-codes the
+  TransformerEngine layer spec and calls `.cuda()`, neither of which exists on CPU or without TE. We
+  only use mbridge's name maps, TP splitting and PP/EP gathering on the chunks we built.
+- Our local spec names the layer norms `input_layernorm` / `pre_mlp_layernorm` (TE fuses them into
+  `linear_qkv` / `linear_fc1`), so each bridge instance gets those two map entries added.
+- mbridge reads `hf_config.rope_theta`; transformers 5 moved it into `rope_parameters`, so it is put
+  back on the config from ModelFacts before the bridge is built.
+- MoE: mbridge maps only TE's grouped expert names (`experts.linear_fc1.weightN`); our local spec
+  builds SequentialMLP (`experts.local_experts.N`), so MoE models need the builtin backend here.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from trinity.errors import UserError
+from trinity.models.facts import ModelFacts
+
+
+def make_bridge(hf_dir: str | Path, facts: ModelFacts, dtype: torch.dtype) -> Any:
+    """An mbridge Bridge for `hf_dir` that understands our parameter names. Parallel state must be up."""
+    if facts.is_moe:
+        raise UserError(
+            f"{facts.source}: the mbridge backend needs TransformerEngine grouped experts for MoE "
+            f"({facts.architecture}); use --backend builtin"
+        )
+    from mbridge import AutoBridge
+    from transformers import AutoConfig
+
+    hf_config = AutoConfig.from_pretrained(str(hf_dir))
+    if getattr(hf_config, "rope_theta", None) is None:
+        hf_config.rope_theta = facts.rope_theta
+    bridge = AutoBridge.from_config(hf_config, dtype=dtype)
+    layer = "model.layers.{layer_number}"
+    # Instance attributes: the class-level dicts are shared by every bridge of that family.
+    bridge._OTHER_MAPPING = {**bridge._OTHER_MAPPING, "input_layernorm.weight": [f"{layer}.input_layernorm.weight"]}
+    bridge._MLP_MAPPING = {
+        "pre_mlp_layernorm.weight": [f"{layer}.post_attention_layernorm.weight"],
+        **bridge._MLP_MAPPING,
+    }
+    return bridge
+
+
+def load_weights(models: list[torch.nn.Module], hf_dir: str | Path, facts: ModelFacts) -> None:
+    """Fill our built chunks from `hf_dir` through mbridge (all ranks call)."""
+    dtype = next(p for m in models for p in m.parameters()).dtype
+    bridge = make_bridge(hf_dir, facts, dtype)
+    try:
+        bridge.load_weights(models, str(hf_dir))
+    except (KeyError, NotImplementedError, ValueError) as exc:
+        raise UserError(f"{hf_dir}: mbridge could not map the checkpoint onto the model ({exc})") from None
+
+
+def export_weights(models: list[torch.nn.Module], hf_dir: str | Path, facts: ModelFacts) -> Iterator[tuple[str, torch.Tensor]]:
+    """Full HF (name, tensor) pairs through mbridge; `hf_dir` supplies the HF config (all ranks call)."""
+    dtype = next(p for m in models for p in m.parameters()).dtype
+    bridge = make_bridge(hf_dir, facts, dtype)
+    for name, tensor in bridge.export_weights(models):
+        if facts.tie_word_embeddings and name == "lm_head.weight":
+            continue  # a tied HF checkpoint has no lm_head tensor
+        yield name, tensor[: facts.vocab_size] if name in ("model.embed_tokens.weight", "lm_head.weight") else tensor
