@@ -85,13 +85,15 @@ def init_parallel(*, device: str, layout: ParallelLayout, seed: int, timeout_s: 
         expert_tensor_parallel_size=layout.etp,
         distributed_timeout_minutes=max(1, timeout_s // 60),
     )
-    # Data-parallel ranks share the default stream (seed); megatron derives the TP/EP streams.
-    random.seed(seed)
-    torch.manual_seed(seed)
+    # As Megatron-LM's _set_random_seed: pipeline stages get distinct streams (seed + 100 * PP rank),
+    # data-parallel replicas share them; megatron derives the TP and expert streams from that.
+    rank_seed = seed + 100 * ps.get_pipeline_model_parallel_rank()
+    random.seed(rank_seed)
+    torch.manual_seed(rank_seed)
     if device == "cpu":
-        cpu_compat.model_parallel_seed(seed)
+        cpu_compat.model_parallel_seed(rank_seed)
     else:
-        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+        tensor_parallel.model_parallel_cuda_manual_seed(rank_seed)
 
 
 def destroy() -> None:

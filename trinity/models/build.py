@@ -198,6 +198,14 @@ def build_model(
             f"{facts.source}: {facts.num_layers} layers do not split into PP*VPP = "
             f"{config.pipeline_model_parallel_size * (vpp or 1)} equal chunks"
         )
+    if config.moe_grouped_gemm and facts.is_moe:
+        from megatron.core.transformer.moe import grouped_gemm_util
+
+        if specs.backend(config) != specs.BACKEND_TE and not grouped_gemm_util.grouped_gemm_is_available():
+            raise UserError(
+                "megatron.moe_grouped_gemm: needs TransformerEngine or the grouped_gemm package; "
+                "set it to false (experts then run as a loop of linear layers)"
+            )
     chosen = specs.backend(config)
     log.info("layer spec: %s", chosen)
     tied = facts.tie_word_embeddings and not value_head

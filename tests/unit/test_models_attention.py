@@ -1,0 +1,121 @@
+"""SDPACoreAttention against megatron-core's own DotProductAttention (local), fp32 on CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trinity.distributed.layout import ParallelLayout
+from trinity.distributed.parallel import destroy, init_parallel
+
+
+@pytest.fixture(scope="module")
+def tp1():
+    init_parallel(device="cpu", layout=ParallelLayout(), seed=3)
+    yield
+    destroy()
+
+
+def _config(heads: int = 4, groups: int = 2, dim: int = 16):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=1, hidden_size=heads * dim, num_attention_heads=heads, num_query_groups=groups,
+        kv_channels=dim, use_cpu_initialization=True, masked_softmax_fusion=False,
+        attention_dropout=0.0, hidden_dropout=0.0,
+    )
+
+
+def _pair(config):
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from trinity.models.attention import SDPACoreAttention
+
+    kw = dict(config=config, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")
+    return SDPACoreAttention(**kw), DotProductAttention(**kw)
+
+
+def _qkv(sq: int, sk: int, b: int = 2, heads: int = 4, groups: int = 2, dim: int = 16):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(sq, b, heads, dim, generator=g)
+    k = torch.randn(sk, b, groups, dim, generator=g)
+    v = torch.randn(sk, b, groups, dim, generator=g)
+    return q, k, v
+
+
+def test_causal_gqa_fast_path_matches_dot_product_attention(tp1):
+    from trinity.models.attention import causal_mask
+
+    ours, ref = _pair(_config())
+    q, k, v = _qkv(12, 12)
+    out = ours(q, k, v, None)  # is_causal=True path, K/V not repeated
+    expected = ref(q, k, v, causal_mask(12))
+    assert out.shape == (12, 2, 64)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=0)
+
+
+def test_packed_block_diagonal_mask_matches_dot_product_attention(tp1):
+    from trinity.models.attention import packed_causal_mask
+
+    ours, ref = _pair(_config())
+    q, k, v = _qkv(10, 10)
+    doc_ids = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 2, 2, 2], [0] * 6 + [1] * 4])
+    mask = packed_causal_mask(doc_ids)
+    torch.testing.assert_close(ours(q, k, v, mask), ref(q, k, v, mask), atol=1e-5, rtol=0)
+    # The mask really separates documents: a token of doc 1 ignores doc 0 entirely.
+    assert mask[0, 0, 3, :3].all() and not mask[0, 0, 4, 3:5].any()
+
+
+def test_decode_step_attends_to_every_cached_key(tp1):
+    from megatron.core.transformer.enums import AttnMaskType
+
+    ours, ref = _pair(_config())
+    q, k, v = _qkv(1, 9)
+    no_mask = torch.zeros(1, 1, 1, 9, dtype=torch.bool)
+    out = ours(q, k, v, None, attn_mask_type=AttnMaskType.no_mask)
+    torch.testing.assert_close(out, ref(q, k, v, no_mask), atol=1e-5, rtol=0)
+
+
+def test_queries_behind_keys_get_bottom_right_causal_mask(tp1):
+    from trinity.models.attention import causal_mask
+
+    ours, ref = _pair(_config())
+    q, k, v = _qkv(3, 8)  # three new tokens after five cached ones
+    torch.testing.assert_close(ours(q, k, v, None), ref(q, k, v, causal_mask(3, 8)), atol=1e-5, rtol=0)
+
+
+def test_mha_without_gqa_and_gradients_match(tp1):
+    from trinity.models.attention import causal_mask
+
+    ours, ref = _pair(_config(heads=4, groups=4))
+    q, k, v = (t.requires_grad_() for t in _qkv(8, 8, groups=4))
+    ours(q, k, v, None).square().sum().backward()
+    grads = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    ref(q, k, v, causal_mask(8)).square().sum().backward()
+    for mine, theirs in zip(grads, (q.grad, k.grad, v.grad)):
+        torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=0)
+
+
+def test_dropout_is_applied_in_training_only(tp1):
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from trinity.models.attention import SDPACoreAttention
+
+    attn = SDPACoreAttention(_config(), 1, AttnMaskType.causal, "self", attention_dropout=0.5)
+    q, k, v = _qkv(8, 8)
+    attn.eval()
+    assert torch.equal(attn(q, k, v, None), attn(q, k, v, None))
+    attn.train()
+    assert not torch.allclose(attn(q, k, v, None), attn(q, k, v, None))
+
+
+def test_packed_seq_params_is_refused_with_a_pointer_to_the_mask(tp1):
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    ours, _ = _pair(_config())
+    q, k, v = _qkv(4, 4)
+    with pytest.raises(ValueError, match="packed_causal_mask"):
+        ours(q, k, v, None, packed_seq_params=PackedSeqParams(qkv_format="thd"))

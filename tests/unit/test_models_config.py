@@ -1,0 +1,117 @@
+"""transformer_config: HF facts + the megatron block -> megatron-core TransformerConfig."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from trinity.config.megatron import MegatronConfig
+from trinity.errors import UserError
+from trinity.models.facts import ModelFacts
+
+from tests.conftest import HF_CONFIGS
+
+
+def _namespace(**kw):
+    """The duck-typed megatron block (what tools pass without the pydantic class)."""
+    override = types.SimpleNamespace(
+        recompute_granularity=None, recompute_method=None, recompute_num_layers=None, recompute_modules=None,
+        extra_fields=lambda: kw.pop("extra", {}),
+    )
+    base = dict(
+        tensor_model_parallel_size=1, pipeline_model_parallel_size=1, virtual_pipeline_model_parallel_size=None,
+        context_parallel_size=1, expert_model_parallel_size=1, expert_tensor_parallel_size=None,
+        sequence_parallel=False, moe_token_dispatcher_type="alltoall", moe_grouped_gemm=False,
+        moe_layer_recompute=False, override_transformer_config=override,
+    )
+    for key in ("recompute_granularity", "recompute_method", "recompute_num_layers", "recompute_modules"):
+        if key in kw:
+            setattr(override, key, kw.pop(key))
+    base.update({k: v for k, v in kw.items() if k != "extra"})
+    return types.SimpleNamespace(**base)
+
+
+def test_qwen2_dense_fields_on_cpu():
+    from trinity.models.build import transformer_config
+
+    facts = ModelFacts.from_hf_dir(HF_CONFIGS / "qwen2_5_7b")
+    cfg = transformer_config(facts, _namespace(), device="cpu", dtype=torch.float32)
+    assert (cfg.num_layers, cfg.hidden_size, cfg.ffn_hidden_size) == (28, 3584, 18944)
+    assert (cfg.num_attention_heads, cfg.num_query_groups, cfg.kv_channels) == (28, 4, 128)
+    assert cfg.normalization == "RMSNorm" and cfg.gated_linear_unit and cfg.activation_func is torch.nn.functional.silu
+    assert cfg.add_qkv_bias and not cfg.add_bias_linear and not cfg.qk_layernorm
+    assert cfg.params_dtype == torch.float32 and not cfg.bf16 and cfg.use_cpu_initialization
+    fusions = ("masked_softmax_fusion", "bias_activation_fusion", "bias_dropout_fusion", "apply_rope_fusion",
+               "gradient_accumulation_fusion", "persist_layer_norm")
+    assert not any(getattr(cfg, f) for f in fusions)
+    assert cfg.num_moe_experts is None
+
+
+def test_qwen3_moe_routing_follows_norm_topk_prob():
+    from trinity.models.build import transformer_config
+
+    raw = ModelFacts.from_hf_dir(HF_CONFIGS / "qwen3_30b_a3b")
+    cfg = transformer_config(raw, _namespace(), device="cpu", dtype=torch.float32)
+    assert (cfg.num_moe_experts, cfg.moe_router_topk, cfg.moe_ffn_hidden_size) == (128, 8, 768)
+    assert cfg.qk_layernorm and not cfg.add_qkv_bias
+    # norm_topk_prob=True: softmax over the top-k logits (renormalised), not top-k of a full softmax
+    assert raw.moe_norm_topk_prob and cfg.moe_router_pre_softmax is False
+    assert cfg.moe_router_load_balancing_type == "none" and cfg.moe_aux_loss_coeff == 0.0
+    from dataclasses import replace
+
+    unnormalised = replace(raw, moe_norm_topk_prob=False)
+    assert transformer_config(unnormalised, _namespace(), device="cpu", dtype=torch.float32).moe_router_pre_softmax
+
+
+def test_real_megatron_config_class_with_recompute_enums_and_extra_fields():
+    from trinity.models.build import transformer_config
+
+    facts = ModelFacts.from_hf_dir(HF_CONFIGS / "qwen2_5_0_5b")
+    block = MegatronConfig.model_validate({
+        "tensor_model_parallel_size": 2, "sequence_parallel": True,
+        "override_transformer_config": {"recompute_granularity": "selective",
+                                        "recompute_modules": ["core_attn", "mlp"], "init_method_std": 0.01},
+    })
+    cfg = transformer_config(facts, block, device="cpu", dtype=torch.float32)
+    assert cfg.recompute_granularity == "selective" and type(cfg.recompute_granularity) is str
+    assert cfg.recompute_modules == ["core_attn", "mlp"]
+    assert cfg.init_method_std == 0.01
+    assert cfg.tensor_model_parallel_size == 2 and cfg.sequence_parallel and cfg.expert_tensor_parallel_size == 2
+
+
+def test_full_recompute_defaults_to_uniform_one_layer():
+    from trinity.models.build import transformer_config
+
+    facts = ModelFacts.from_hf_dir(HF_CONFIGS / "qwen2_5_0_5b")
+    cfg = transformer_config(facts, _namespace(recompute_granularity="full"), device="cpu", dtype=torch.float32)
+    assert (cfg.recompute_granularity, cfg.recompute_method, cfg.recompute_num_layers) == ("full", "uniform", 1)
+
+
+def test_unknown_override_field_names_the_key():
+    from trinity.models.build import transformer_config
+
+    facts = ModelFacts.from_hf_dir(HF_CONFIGS / "qwen2_5_0_5b")
+    with pytest.raises(UserError, match="not_a_field"):
+        transformer_config(facts, _namespace(extra={"not_a_field": 1}), device="cpu", dtype=torch.float32)
+
+
+def test_bf16_on_cpu_is_refused_and_cuda_gets_jit_fusions_only():
+    from trinity.models.build import transformer_config
+
+    facts = ModelFacts.from_hf_dir(HF_CONFIGS / "qwen2_5_0_5b")
+    with pytest.raises(UserError, match="float32"):
+        transformer_config(facts, _namespace(), device="cpu", dtype=torch.bfloat16)
+    cfg = transformer_config(facts, _namespace(), device="cuda", dtype=torch.bfloat16)
+    assert cfg.bf16 and cfg.params_dtype == torch.bfloat16 and not cfg.use_cpu_initialization
+    assert cfg.bias_activation_fusion and not cfg.masked_softmax_fusion and not cfg.apply_rope_fusion
+
+
+def test_padded_vocab_size():
+    from trinity.models.build import padded_vocab_size
+
+    facts = ModelFacts.from_hf_dir(HF_CONFIGS / "qwen2_5_0_5b")
+    assert facts.vocab_size == 151936
+    assert padded_vocab_size(facts, 1) == 151936  # already a multiple of 128
+    assert padded_vocab_size(facts, 8) == 152576  # next multiple of 1024
