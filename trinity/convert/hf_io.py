@@ -160,7 +160,7 @@ def write_safetensors(path: Path, tensors: list[tuple[str, torch.Tensor]]) -> in
         f.write(blob)
         for _, t in tensors:
             t = t.detach().contiguous().cpu()
-            f.write(memoryview(t.view(torch.uint8).reshape(-1).numpy()) if t.numel() else b"")
+            f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else b"")
         f.flush()
         os.fsync(f.fileno())
     return 8 + len(blob) + offset

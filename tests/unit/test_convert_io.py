@@ -1,0 +1,119 @@
+"""Safetensors reading/writing and atomic output folders: every failure names its file and tensor."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from trinity.convert.hf_io import INDEX, HFCheckpoint, write_safetensors, write_shards
+from trinity.convert.outdir import atomic_dir, check_output
+from trinity.errors import UserError
+
+
+def _sharded(tmp_path):
+    tensors = {"a.weight": torch.randn(4, 3), "b.weight": torch.randn(5), "c.bias": torch.randn(2, 2)}
+    save_file({"a.weight": tensors["a.weight"]}, tmp_path / "model-00001-of-00002.safetensors")
+    save_file({k: tensors[k] for k in ("b.weight", "c.bias")}, tmp_path / "model-00002-of-00002.safetensors")
+    wm = {"a.weight": "model-00001-of-00002.safetensors", "b.weight": "model-00002-of-00002.safetensors",
+          "c.bias": "model-00002-of-00002.safetensors"}
+    (tmp_path / INDEX).write_text(json.dumps({"metadata": {}, "weight_map": wm}))
+    return tensors
+
+
+def test_reads_sharded_folder_tensor_by_tensor(tmp_path):
+    tensors = _sharded(tmp_path)
+    ck = HFCheckpoint(tmp_path)
+    assert sorted(ck.names()) == sorted(tensors)
+    assert ck.shape("a.weight") == (4, 3)
+    for k, v in tensors.items():
+        assert torch.equal(ck.get(k), v)
+    ck.close()
+
+
+def test_missing_shard_names_file(tmp_path):
+    _sharded(tmp_path)
+    (tmp_path / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(UserError, match=r"model-00002-of-00002\.safetensors: weight shard listed in the index does not exist"):
+        HFCheckpoint(tmp_path)
+
+
+def test_truncated_shard_names_file(tmp_path):
+    _sharded(tmp_path)
+    shard = tmp_path / "model-00001-of-00002.safetensors"
+    data = shard.read_bytes()
+    shard.write_bytes(data[:-7])
+    with pytest.raises(UserError, match=r"model-00001-of-00002\.safetensors: corrupt or truncated"):
+        HFCheckpoint(tmp_path)
+
+
+def test_garbage_shard_names_file(tmp_path):
+    _sharded(tmp_path)
+    (tmp_path / "model-00002-of-00002.safetensors").write_bytes(b"not a safetensors file at all")
+    with pytest.raises(UserError, match=r"model-00002-of-00002\.safetensors: corrupt or truncated"):
+        HFCheckpoint(tmp_path)
+
+
+def test_index_entry_missing_from_shard_names_tensor_and_file(tmp_path):
+    _sharded(tmp_path)
+    idx = json.loads((tmp_path / INDEX).read_text())
+    idx["weight_map"]["d.weight"] = "model-00001-of-00002.safetensors"
+    (tmp_path / INDEX).write_text(json.dumps(idx))
+    with pytest.raises(UserError, match=r"model-00001-of-00002\.safetensors: tensor 'd.weight' listed in the index is missing"):
+        HFCheckpoint(tmp_path)
+
+
+def test_no_weights_and_bad_index(tmp_path):
+    with pytest.raises(UserError, match="no \\*.safetensors"):
+        HFCheckpoint(tmp_path)
+    (tmp_path / INDEX).write_text("{oops")
+    with pytest.raises(UserError, match="model.safetensors.index.json: not a valid weight index"):
+        HFCheckpoint(tmp_path)
+
+
+def test_bin_shards_load_with_weights_only(tmp_path):
+    t = {"x.weight": torch.randn(3, 2)}
+    torch.save(t, tmp_path / "pytorch_model.bin")
+    ck = HFCheckpoint(tmp_path)
+    assert torch.equal(ck.get("x.weight"), t["x.weight"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_writer_output_reads_back_exactly(tmp_path, dtype):
+    pairs = [("w", torch.randn(7, 3).to(dtype)), ("b", torch.randn(5).to(dtype)), ("s", torch.randn(()).to(dtype))]
+    n = write_safetensors(tmp_path / "x.safetensors", pairs)
+    assert n == (tmp_path / "x.safetensors").stat().st_size
+    with safe_open(str(tmp_path / "x.safetensors"), "pt") as f:
+        for name, t in pairs:
+            got = f.get_tensor(name)
+            assert got.dtype == dtype and torch.equal(got, t)
+
+
+def test_write_shards_splits_and_indexes(tmp_path):
+    pairs = [(f"t{i}", torch.full((256,), float(i))) for i in range(5)]  # 1 KiB each
+    written, wm = write_shards(iter(pairs), tmp_path, dtype=torch.bfloat16, max_shard_bytes=1100)
+    files = sorted(p.name for p in tmp_path.glob("*.safetensors"))
+    assert files == [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]  # 512 B each in bf16: 2 per shard
+    ck = HFCheckpoint(tmp_path)
+    assert torch.equal(ck.get("t4"), torch.full((256,), 4.0, dtype=torch.bfloat16))
+    assert json.loads((tmp_path / INDEX).read_text())["metadata"]["total_size"] == written
+
+
+def test_output_refused_unless_force_and_failure_leaves_nothing(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("x")
+    with pytest.raises(UserError, match="output folder exists and is not empty"):
+        check_output(out, force=False)
+    with pytest.raises(RuntimeError):
+        with atomic_dir(out, force=True) as tmp:
+            (tmp / "half").write_text("partial")
+            raise RuntimeError("boom")
+    assert (out / "keep.txt").is_file() and sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    with atomic_dir(out, force=True) as tmp:
+        (tmp / "new").write_text("y")
+    assert sorted(p.name for p in out.iterdir()) == ["new"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
