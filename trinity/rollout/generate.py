@@ -1,0 +1,217 @@
+"""Generation with the actor's own megatron-core GPTModel (hybrid engine: no second copy, no weight sync).
+
+Layout: prompts are LEFT-padded to the batch's longest prompt, so every row's next token sits at the same
+KV-cache slot and one `StaticInferenceContext` serves the whole batch. megatron's GPT applies RoPE by
+cache slot (it ignores position_ids for RoPE), and RoPE only depends on the distance between two tokens,
+so a row shifted right by its padding sees exactly the attention scores it would see unpadded. Padding
+keys are masked out; a padding query attends to itself only (a query with every key masked gives NaN in
+SDPA, and that NaN would reach real tokens through the next layer's values).
+
+Steps: one prefill call over the prompts, then one call per new token with `inference_context=ctx`,
+advancing `ctx.sequence_len_offset`. Logits are gathered over TP (`runtime_gather_output=True`) and the
+padded vocabulary columns are dropped before sampling. All ranks of a TP group must feed the same token:
+TP rank 0's sample is broadcast to the group.
+
+`Rollout.logprobs` are log p(token) under the model's own distribution at temperature 1 over the full
+(unpadded) vocabulary, NOT under the temperature / top-k / top-p distribution the token was drawn from.
+That is what PPO's ratio compares against (the trainer recomputes old log-probs with a training forward
+anyway, which also absorbs KV-cache vs full-forward rounding in bf16); at temperature 1 without
+truncation both definitions coincide. Rows stop at the first EOS id (the EOS token is part of the
+response and of the response mask); later positions hold `pad_id` and mask 0.
+Pipeline parallelism is not supported here (`check_rollout_layout`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from trinity.errors import UserError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    max_new_tokens: int = 128
+    eos_token_ids: tuple[int, ...] = ()
+
+
+@dataclass
+class Rollout:
+    """A batch of sequences `[prompt (left-padded) | response (right-padded)]`.
+
+    tokens [B, P + R]; prompt_mask [B, P] (1 on real prompt tokens); response_mask [B, R] (1 on generated
+    tokens up to and including EOS); logprobs [B, R] fp32 (see module doc; 0 where the mask is 0).
+    """
+
+    tokens: torch.Tensor
+    prompt_mask: torch.Tensor
+    response_mask: torch.Tensor
+    logprobs: torch.Tensor
+
+    @property
+    def prompt_len(self) -> int:
+        return self.prompt_mask.shape[1]
+
+    @property
+    def response_len(self) -> int:
+        return self.response_mask.shape[1]
+
+    @property
+    def responses(self) -> torch.Tensor:
+        return self.tokens[:, self.prompt_len :]
+
+    def attention_pad_mask(self) -> torch.Tensor:
+        """[B, P + R] 1 where a key is a real token (prompt padding is 0; response tail counts as real:
+        only tokens after EOS look at it, and they are masked out of every loss)."""
+        ones = torch.ones_like(self.response_mask)
+        return torch.cat([self.prompt_mask, ones], dim=1)
+
+    def select(self, index: torch.Tensor | slice) -> "Rollout":
+        return Rollout(self.tokens[index], self.prompt_mask[index], self.response_mask[index], self.logprobs[index])
+
+
+def check_rollout_layout(megatron: Any, where: str = "actor_rollout_ref.actor.megatron") -> None:
+    """Layouts the rollout engine cannot serve yet, as UserErrors naming the key."""
+    if megatron.pipeline_model_parallel_size > 1:
+        raise UserError(f"{where}.pipeline_model_parallel_size: rollout with PP>1 is not supported yet; use PP=1")
+    if megatron.sequence_parallel and megatron.tensor_model_parallel_size > 1:
+        raise UserError(f"{where}.sequence_parallel: rollout decodes one token per step, which sequence parallel cannot split; turn it off")
+
+
+def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens [B, P], mask [B, P]) with each prompt right-aligned."""
+    width = max(len(p) for p in prompts)
+    tokens = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        if p:
+            tokens[i, width - len(p) :] = torch.tensor(list(p), dtype=torch.long)
+            mask[i, width - len(p) :] = 1
+    return tokens.to(device), mask.to(device)
+
+
+def attention_mask(key_mask: torch.Tensor, sq: int | None = None) -> torch.Tensor:
+    """Megatron boolean mask (True = masked) [B, 1, sq, sk] for the last `sq` queries over `sk` keys:
+    causal, padding keys masked, a padding query keeps its own key (see module doc)."""
+    b, sk = key_mask.shape
+    sq = sk if sq is None else sq
+    q_pos = torch.arange(sk - sq, sk, device=key_mask.device).view(1, sq, 1)
+    k_pos = torch.arange(sk, device=key_mask.device).view(1, 1, sk)
+    pad_key = (key_mask == 0).view(b, 1, sk)
+    masked = (k_pos > q_pos) | (pad_key & (k_pos != q_pos))
+    return masked.unsqueeze(1)
+
+
+def _filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    if top_k > 0 and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        # drop a token when the mass before it already reaches top_p (the first token always stays)
+        drop_sorted = (cum - sorted_logits.softmax(-1)) >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
+    """Next token ids [B] from fp32 logits [B, V]."""
+    if params.temperature == 0:
+        return logits.argmax(-1)
+    filtered = _filter_logits(logits / params.temperature, params.top_k, params.top_p)
+    probs = filtered.softmax(-1)
+    # multinomial draws on the generator's device (a CPU generator gives the same draws on any device)
+    where = generator.device if generator is not None else probs.device
+    picked = torch.multinomial(probs.to(where), 1, generator=generator).squeeze(-1)
+    return picked.to(logits.device)
+
+
+def _tp_broadcast(tokens: torch.Tensor) -> torch.Tensor:
+    from megatron.core import parallel_state as ps
+
+    if ps.get_tensor_model_parallel_world_size() > 1:
+        torch.distributed.broadcast(
+            tokens, src=ps.get_tensor_model_parallel_src_rank(), group=ps.get_tensor_model_parallel_group()
+        )
+    return tokens
+
+
+def _unwrap(model: Any) -> Any:
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+@torch.no_grad()
+def generate(
+    model: Any,
+    prompts: Sequence[Sequence[int]],
+    params: SamplingParams,
+    *,
+    vocab_size: int,
+    pad_id: int,
+    generator: torch.Generator | None = None,
+    use_cache: bool = True,
+) -> Rollout:
+    """Sample responses for `prompts` (token id lists) with a megatron GPTModel (or its DDP wrapper).
+
+    use_cache=False re-runs the whole sequence every step (the reference the KV-cache path is tested
+    against). Returns a `Rollout` whose response width is the longest response generated.
+    """
+    from megatron.core.inference.contexts import StaticInferenceContext
+
+    gpt = _unwrap(model)
+    device = next(gpt.parameters()).device
+    was_training = gpt.training
+    gpt.eval()
+    tokens, prompt_mask = left_pad(prompts, pad_id, device)
+    batch, plen = tokens.shape
+    eos = torch.tensor(sorted(set(params.eos_token_ids)) or [-1], device=device)
+    key_mask = prompt_mask
+    ctx = StaticInferenceContext(batch, plen + params.max_new_tokens) if use_cache else None
+    out_tokens, out_logp = [], []
+    done = torch.zeros(batch, dtype=torch.bool, device=device)
+    lengths = torch.zeros(batch, dtype=torch.long, device=device)
+    seq = tokens
+    try:
+        for step in range(params.max_new_tokens):
+            if ctx is None or step == 0:
+                inp = seq
+                mask = attention_mask(key_mask)
+            else:
+                inp = seq[:, -1:]
+                mask = attention_mask(key_mask, sq=1)
+            pos = torch.arange(seq.shape[1] - inp.shape[1], seq.shape[1], device=device).expand(batch, -1)
+            logits = gpt(inp, pos, mask, inference_context=ctx, runtime_gather_output=True)
+            if ctx is not None:
+                ctx.sequence_len_offset += inp.shape[1]
+            last = logits[:, -1, :vocab_size].float()
+            nxt = _tp_broadcast(sample(last, params, generator).contiguous())
+            logp = torch.log_softmax(last, -1).gather(-1, nxt.unsqueeze(-1)).squeeze(-1)
+            nxt = torch.where(done, torch.full_like(nxt, pad_id), nxt)
+            out_tokens.append(nxt)
+            out_logp.append(torch.where(done, torch.zeros_like(logp), logp))
+            lengths += (~done).long()
+            done = done | torch.isin(nxt, eos)
+            seq = torch.cat([seq, nxt.unsqueeze(1)], dim=1)
+            key_mask = torch.cat([key_mask, torch.ones_like(nxt).unsqueeze(1)], dim=1)
+            if bool(done.all()):
+                break
+    finally:
+        gpt.train(was_training)
+    responses = torch.stack(out_tokens, dim=1)
+    width = responses.shape[1]
+    response_mask = (torch.arange(width, device=device).unsqueeze(0) < lengths.unsqueeze(1)).long()
+    return Rollout(
+        tokens=torch.cat([tokens, responses], dim=1),
+        prompt_mask=prompt_mask,
+        response_mask=response_mask,
+        logprobs=torch.stack(out_logp, dim=1) * response_mask,
+    )
