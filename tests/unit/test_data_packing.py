@@ -44,27 +44,28 @@ def test_first_fit_decreasing_is_a_partition_within_capacity():
         first_fit_decreasing([65], 64)
 
 
-def unpack_documents(rows, r: int) -> list[tuple[list[int], list[int], list[float]]]:
+def unpack_documents(rows: dict, r: int) -> list[tuple[list[int], list[int], list[float]]]:
     """Brute force: walk a row token by token and cut documents at doc_id changes."""
     docs: dict[int, list[int]] = {}
-    for t in range(rows.seq_len):
-        d = int(rows.doc_ids[r, t])
+    for t in range(rows["tokens"].shape[1]):
+        d = int(rows["doc_ids"][r, t])
         if d >= 0:
             docs.setdefault(d, []).append(t)
     out = []
     for d in sorted(docs):
         pos = docs[d]
         assert pos == list(range(pos[0], pos[0] + len(pos))), "a document must be contiguous"
-        out.append(([int(rows.tokens[r, t]) for t in pos], [int(rows.labels[r, t]) for t in pos], [float(rows.loss_mask[r, t]) for t in pos]))
+        out.append(([int(rows["tokens"][r, t]) for t in pos], [int(rows["labels"][r, t]) for t in pos], [float(rows["loss_mask"][r, t]) for t in pos]))
     return out
 
 
 @pytest.mark.parametrize("mode", ["pack", "pad"])
 def test_rows_hold_whole_documents_with_in_document_labels(mode):
     samples = random_samples(60, 24, seed=1)
-    rows = (pack if mode == "pack" else pad)(samples, 32, pad_id=PAD)
+    packed = (pack if mode == "pack" else pad)(samples, 32, pad_id=PAD)
+    rows = packed.all_rows()
     seen = []
-    for r in range(rows.num_rows):
+    for r in range(packed.num_rows):
         for tokens, labels, loss in unpack_documents(rows, r):
             i = next(i for i, s in enumerate(samples) if s.input_ids == tokens and i not in seen)
             seen.append(i)
@@ -72,20 +73,24 @@ def test_rows_hold_whole_documents_with_in_document_labels(mode):
             assert labels[:-1] == tokens[1:], "label = next token of the same document"
             assert loss[:-1] == [float(m) for m in mask[1:]], "loss where the next token is a response token"
             assert loss[-1] == 0.0 and labels[-1] == PAD, "the last token has no target in its document"
-        pad_pos = rows.doc_ids[r] < 0
-        assert (rows.tokens[r, pad_pos] == PAD).all() and (rows.loss_mask[r, pad_pos] == 0).all()
+        pad_pos = rows["doc_ids"][r] < 0
+        assert (rows["tokens"][r, pad_pos] == PAD).all() and (rows["loss_mask"][r, pad_pos] == 0).all()
         # positions restart at every document
-        d = rows.doc_ids[r]
-        for t in range(rows.seq_len):
+        d = rows["doc_ids"][r]
+        for t in range(packed.seq_len):
             if d[t] >= 0:
-                expected = 0 if t == 0 or d[t - 1] != d[t] else rows.position_ids[r, t - 1] + 1
-                assert rows.position_ids[r, t] == expected
+                expected = 0 if t == 0 or d[t - 1] != d[t] else rows["position_ids"][r, t - 1] + 1
+                assert rows["position_ids"][r, t] == expected
     assert sorted(seen) == list(range(len(samples))), "every sample exactly once"
     if mode == "pad":
-        assert rows.num_rows == len(samples) and (rows.doc_ids.max(axis=1) == 0).all()
+        assert packed.num_rows == len(samples) and (rows["doc_ids"].max(axis=1) == 0).all()
     else:
-        assert rows.num_rows < len(samples) / 2
-    assert rows.loss_mask.sum() == sum(sum(s.loss_mask[1:]) for s in samples)
+        assert packed.num_rows < len(samples) / 2
+    assert rows["loss_mask"].sum() == sum(sum(s.loss_mask[1:]) for s in samples)
+    assert packed.row_loss_tokens.tolist() == rows["loss_mask"].sum(axis=1).astype(int).tolist()
+    assert packed.padding_fraction() == pytest.approx((rows["doc_ids"] < 0).mean())
+    some = [2, 0, 2]
+    assert all(np.array_equal(packed.rows(some)[k], rows[k][some]) for k in rows)
 
 
 def reference_mask(doc_ids: np.ndarray) -> np.ndarray:
@@ -102,36 +107,34 @@ def reference_mask(doc_ids: np.ndarray) -> np.ndarray:
 
 
 def test_block_causal_mask_equals_brute_force():
-    rows = pack(random_samples(12, 9, seed=2), 16, pad_id=PAD)
-    doc_ids = torch.from_numpy(rows.doc_ids)
-    mask = block_causal_mask(doc_ids)
-    assert mask.dtype == torch.bool and mask.shape == (rows.num_rows, 1, 16, 16)
-    assert np.array_equal(mask.numpy(), reference_mask(rows.doc_ids))
+    doc_ids = pack(random_samples(12, 9, seed=2), 16, pad_id=PAD).all_rows()["doc_ids"]
+    mask = block_causal_mask(torch.from_numpy(doc_ids))
+    assert mask.dtype == torch.bool and mask.shape == (doc_ids.shape[0], 1, 16, 16)
+    assert np.array_equal(mask.numpy(), reference_mask(doc_ids))
 
 
 def test_cu_seqlens_equals_document_lengths():
-    rows = pack(random_samples(12, 9, seed=3), 16, pad_id=PAD)
-    cu, max_len = cu_seqlens(torch.from_numpy(rows.doc_ids))
+    doc_ids = pack(random_samples(12, 9, seed=3), 16, pad_id=PAD).all_rows()["doc_ids"]
+    cu, max_len = cu_seqlens(torch.from_numpy(doc_ids))
     lengths = []
-    for r in range(rows.num_rows):
-        ids = rows.doc_ids[r].tolist()
+    for r in range(doc_ids.shape[0]):
+        ids = doc_ids[r].tolist()
         for d in sorted(set(ids), key=ids.index):
             lengths.append(ids.count(d))
     assert cu.dtype == torch.int32
     assert cu.tolist() == np.concatenate([[0], np.cumsum(lengths)]).tolist()
-    assert cu[-1] == rows.num_rows * 16 and max_len == max(lengths)
+    assert cu[-1] == doc_ids.size and max_len == max(lengths)
 
 
 def test_packed_attention_equals_separate_documents():
     """Attention over a packed row with the block mask gives each document's own attention."""
     torch.manual_seed(0)
     samples = random_samples(6, 10, seed=4)
-    rows = pack(samples, 24, pad_id=PAD)
-    doc_ids = torch.from_numpy(rows.doc_ids)
-    q, k, v = (torch.randn(rows.num_rows, 2, 24, 8) for _ in range(3))
+    doc_ids = torch.from_numpy(pack(samples, 24, pad_id=PAD).all_rows()["doc_ids"])
+    q, k, v = (torch.randn(doc_ids.shape[0], 2, 24, 8) for _ in range(3))
     packed = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=~block_causal_mask(doc_ids))
     assert torch.isfinite(packed).all(), "padding rows must not produce NaN"
-    for r in range(rows.num_rows):
+    for r in range(doc_ids.shape[0]):
         for d in doc_ids[r].unique().tolist():
             if d < 0:
                 continue

@@ -134,7 +134,7 @@ class SFTData:
         import torch
 
         indices = self.sampler.next_global_indices()
-        self.last_step_loss_tokens = int(self.rows.loss_mask[indices].sum())
+        self.last_step_loss_tokens = int(self.rows.row_loss_tokens[indices].sum())
         return [
             {name: torch.from_numpy(a) for name, a in self.rows.rows(micro).items()}
             for micro in self.sampler.rank_micro_batches(indices)
