@@ -76,3 +76,13 @@ def test_quickstart_assets_load_run_and_are_idempotent(tmp_path):
     stamp = {p: p.stat().st_mtime_ns for p in [paths["model"] / "model.safetensors", paths["sft_train"]]}
     assert make_quickstart_assets(tmp_path / "qs", seed=0) == paths
     assert {p: p.stat().st_mtime_ns for p in stamp} == stamp, "a second call must not rewrite"
+
+
+def test_quickstart_assets_rebuild_when_incomplete(tmp_path):
+    out = tmp_path / "qs"
+    paths = make_quickstart_assets(out, seed=0)
+    (out / "assets.json").unlink()  # as if interrupted before the end
+    paths["sft_train"].write_text("garbage\n")
+    assert make_quickstart_assets(out, seed=0) == paths
+    assert json.loads(paths["sft_train"].read_text().splitlines()[0]).keys() == {"prompt", "response"}
+    assert not (out / "model.tmp").exists() and not (out / "tokenizer.tmp").exists()

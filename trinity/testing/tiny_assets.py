@@ -1,7 +1,7 @@
 """Locally made tiny assets for the quickstart and tests: tokenizer, arithmetic task, Qwen2 model.
 
 Nothing here touches the network. The task ("12+7=" -> "19", "3-8=" -> "-5") is small enough for a
-~0.5M-parameter model to learn on CPU in minutes, and has exact answers for RL rewards.
+~0.6M-parameter model to learn on CPU in minutes, and has exact answers for RL rewards.
 
 The tokenizer is Qwen2's byte-level BPE without merges (one token per UTF-8 byte, so one per ASCII
 character, and digits stay single tokens) plus `<|endoftext|>` (EOS and padding), `<|im_start|>` and
@@ -24,6 +24,9 @@ CHAT_TEMPLATE = (
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
+# Operands 0..20: the 4-layer quickstart model reaches ~95% exact answers after 500 SFT steps of 64
+# samples (HF model, AdamW lr 3e-3, fp32 CPU, ~5 min on 2 busy cores); with 0..99 it is at ~19% after 1500 steps.
+DEFAULT_MAX_OPERAND = 20
 # Written last by make_quickstart_assets: its presence means the assets are complete.
 COMPLETE_MARKER = "assets.json"
 
@@ -54,7 +57,7 @@ def make_tiny_tokenizer(out_dir: str | Path) -> Path:
     return out
 
 
-def arithmetic_problem(rng: random.Random, max_operand: int = 99) -> tuple[str, str]:
+def arithmetic_problem(rng: random.Random, max_operand: int = DEFAULT_MAX_OPERAND) -> tuple[str, str]:
     """One problem: ("a+b=" or "a-b=", the exact answer as text)."""
     a, b = rng.randint(0, max_operand), rng.randint(0, max_operand)
     if rng.random() < 0.5:
@@ -71,7 +74,9 @@ def _write_jsonl(path: str | Path, rows: list[dict]) -> Path:
     return out
 
 
-def write_sft_dataset(path: str | Path, n: int, seed: int, *, chat: bool = False, max_operand: int = 99) -> Path:
+def write_sft_dataset(
+    path: str | Path, n: int, seed: int, *, chat: bool = False, max_operand: int = DEFAULT_MAX_OPERAND
+) -> Path:
     """n arithmetic SFT samples as jsonl: {"prompt", "response"}, or {"messages"} with `chat`."""
     rng = random.Random(seed)
     rows = []
@@ -84,7 +89,7 @@ def write_sft_dataset(path: str | Path, n: int, seed: int, *, chat: bool = False
     return _write_jsonl(path, rows)
 
 
-def write_prompt_dataset(path: str | Path, n: int, seed: int, *, max_operand: int = 99) -> Path:
+def write_prompt_dataset(path: str | Path, n: int, seed: int, *, max_operand: int = DEFAULT_MAX_OPERAND) -> Path:
     """n arithmetic RL prompts as jsonl: {"prompt", "answer"} (answer is the exact result as text)."""
     rng = random.Random(seed)
     rows = [dict(zip(("prompt", "answer"), arithmetic_problem(rng, max_operand))) for _ in range(n)]
@@ -135,7 +140,8 @@ def make_tiny_qwen2(
 def make_quickstart_assets(out_dir: str | Path, *, seed: int = 0) -> dict[str, Path]:
     """Tokenizer + tiny Qwen2 in out_dir/model, arithmetic data in out_dir/data; returns their paths.
 
-    Idempotent: when out_dir/assets.json exists (written last) nothing is redone. Each part is made
+    Idempotent: when out_dir/assets.json (written last) records the same seed and task, nothing is
+    redone. Each part is made
     in a temporary sibling and renamed into place, so an interrupted run leaves no half-written part.
     """
     out = Path(out_dir)
@@ -146,17 +152,21 @@ def make_quickstart_assets(out_dir: str | Path, *, seed: int = 0) -> dict[str, P
         "rl_prompts": out / "data" / "rl_prompts.jsonl",
     }
     marker = out / COMPLETE_MARKER
+    recipe = {"seed": seed, "max_operand": DEFAULT_MAX_OPERAND}
     if marker.is_file() and all(p.exists() for p in paths.values()):
-        return paths
+        if {k: v for k, v in json.loads(marker.read_text()).items() if k in recipe} == recipe:
+            return paths
+    marker.unlink(missing_ok=True)
     out.mkdir(parents=True, exist_ok=True)
-    tmp_model = out / "model.tmp"
-    shutil.rmtree(tmp_model, ignore_errors=True)
-    make_tiny_qwen2(tmp_model, make_tiny_tokenizer(out / "tokenizer.tmp"), seed=seed)
-    shutil.rmtree(out / "tokenizer.tmp")
+    tmp_model, tmp_tokenizer = out / "model.tmp", out / "tokenizer.tmp"
+    for tmp in (tmp_model, tmp_tokenizer):
+        shutil.rmtree(tmp, ignore_errors=True)
+    make_tiny_qwen2(tmp_model, make_tiny_tokenizer(tmp_tokenizer), seed=seed)
+    shutil.rmtree(tmp_tokenizer)
     shutil.rmtree(paths["model"], ignore_errors=True)
     tmp_model.rename(paths["model"])
     write_sft_dataset(paths["sft_train"], 4000, seed)
     write_sft_dataset(paths["sft_chat_train"], 4000, seed, chat=True)
     write_prompt_dataset(paths["rl_prompts"], 1000, seed + 1)
-    marker.write_text(json.dumps({"seed": seed, **{k: str(v) for k, v in paths.items()}}, indent=1) + "\n")
+    marker.write_text(json.dumps({**recipe, **{k: str(v) for k, v in paths.items()}}, indent=1) + "\n")
     return paths
