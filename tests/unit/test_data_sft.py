@@ -120,3 +120,17 @@ def test_ten_thousand_samples_tokenise_in_seconds(tokenizer, tmp_path):
     first = json.loads(f.read_text().splitlines()[0])
     assert split(tokenizer, samples[0])[1] == first["response"] + "<|endoftext|>"
     assert elapsed < 20, f"tokenising 10k samples took {elapsed:.1f} s"
+
+
+def test_raw_prompt_gets_the_bos_the_tokenizer_would_add():
+    from tokenizers import Tokenizer, decoders, models, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<s>": 0, "</s>": 1, **{c: i + 2 for i, c in enumerate("0123456789+-=")}}
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    core.decoder = decoders.Fuse()
+    core.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<s>", eos_token="</s>")
+    (sample,), _ = tokenize_sft([rec({"prompt": "1+2=", "response": "3"})], tok, max_seq_len=16)
+    assert sample.input_ids == tok("1+2=")["input_ids"] + [vocab["3"], vocab["</s>"]]
+    assert sample.loss_mask == [0, 0, 0, 0, 0, 1, 1]

@@ -86,3 +86,24 @@ def test_quickstart_assets_rebuild_when_incomplete(tmp_path):
     assert make_quickstart_assets(out, seed=0) == paths
     assert json.loads(paths["sft_train"].read_text().splitlines()[0]).keys() == {"prompt", "response"}
     assert not (out / "model.tmp").exists() and not (out / "tokenizer.tmp").exists()
+
+
+def test_job_config_builds_sft_and_prompt_data(tmp_path):
+    from trinity.config.schema import JobConfig
+    from trinity.data.loader import sft_data_from_job
+    from trinity.data.prompts import prompt_data_from_job
+
+    paths = make_quickstart_assets(tmp_path / "qs")
+    job = JobConfig.model_validate(
+        {
+            "model": {"path": str(paths["model"])},
+            "data": {"train_files": [str(paths["sft_chat_train"])], "seq_length": 64, "packing": False, "train_batch_size": 4},
+            "trainer": {"global_batch_size": 8, "micro_batch_size": 2, "seed": 3},
+        }
+    )
+    sft = sft_data_from_job(job, dp_rank=1, dp_size=2)
+    assert sft.num_rows == 4000 and sft.seq_len == 64 and sft.sampler.seed == 3
+    assert [m["tokens"].shape for m in sft.next_global_batch()] == [(2, 64), (2, 64)]
+    rl_job = job.model_copy(update={"data": job.data.model_copy(update={"train_files": [str(paths["rl_prompts"])]})})
+    rl = prompt_data_from_job(rl_job, dp_rank=0, dp_size=2)
+    assert rl.num_prompts == 1000 and len(rl.next_batch()) == 2

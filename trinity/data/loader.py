@@ -208,3 +208,23 @@ def build_sft_data(
         shuffle=shuffle,
     )
     return SFTData(rows, sampler, stats)
+
+
+def sft_data_from_job(job: Any, *, dp_rank: int, dp_size: int, tokenizer: Any = None) -> SFTData:
+    """`build_sft_data` with the settings of a validated JobConfig (data.*, trainer.*, model.*)."""
+    data, trainer = job.data, job.trainer
+    return build_sft_data(
+        data.train_files,
+        tokenizer if tokenizer is not None else (job.model.tokenizer_path or job.model.path),
+        seq_len=data.seq_length,
+        packing=data.packing,
+        global_batch_size=trainer.global_batch_size,
+        micro_batch_size=trainer.micro_batch_size,
+        seed=trainer.seed,
+        dp_rank=dp_rank,
+        dp_size=dp_size,
+        shuffle=data.shuffle,
+        prompt_key=data.prompt_key,
+        response_key=data.response_key,
+        messages_key=data.messages_key,
+    )

@@ -134,3 +134,21 @@ def build_prompt_data(
         what="data.train_batch_size",
     )
     return PromptData(prompts, sampler, truncated)
+
+
+def prompt_data_from_job(job: Any, *, dp_rank: int, dp_size: int, tokenizer: Any = None) -> PromptData:
+    """`build_prompt_data` with the settings of a validated JobConfig (data.*, trainer.seed, model.*)."""
+    data = job.data
+    return build_prompt_data(
+        data.train_files,
+        tokenizer if tokenizer is not None else (job.model.tokenizer_path or job.model.path),
+        batch_size=data.train_batch_size,
+        max_prompt_length=data.max_prompt_length,
+        seed=job.trainer.seed,
+        dp_rank=dp_rank,
+        dp_size=dp_size,
+        shuffle=data.shuffle,
+        prompt_key=data.prompt_key,
+        messages_key=data.messages_key,
+        answer_key=data.answer_key,
+    )

@@ -82,14 +82,22 @@ def has_chat_template(tokenizer: Any) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
 
 
+def _bos_text(tokenizer: Any) -> str:
+    bos, bos_id = getattr(tokenizer, "bos_token", None), getattr(tokenizer, "bos_token_id", None)
+    if bos and bos_id is not None and tokenizer("", add_special_tokens=True)["input_ids"][:1] == [bos_id]:
+        return bos
+    return ""
+
+
 def render_prompt(tokenizer: Any, prompt: str | list[dict[str, str]]) -> str:
     """The text a model is given to answer `prompt` (one user turn, or a chat without the answer).
 
-    Shared by SFT and RL so that both see the same prompt text.
+    Shared by SFT and RL so that both see the same prompt text. Chat templates write their own BOS;
+    raw text gets the BOS that the tokenizer itself would add (texts are tokenised without it).
     """
     if isinstance(prompt, str):
         if not has_chat_template(tokenizer):
-            return prompt
+            return _bos_text(tokenizer) + prompt
         prompt = [{"role": "user", "content": prompt}]
     return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
 
