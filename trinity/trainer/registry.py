@@ -19,6 +19,8 @@ from trinity.errors import UserError
 
 LOOPS: dict[str, str] = {
     "sft": "trinity.trainer.sft:run_sft",
+    "grpo": "trinity.trainer.rl:run_rl",
+    "ppo": "trinity.trainer.rl:run_rl",
 }
 
 

@@ -1,0 +1,163 @@
+"""Actor and critic updates of one RL step: mini-batches x epochs, micro batches through megatron's
+schedules, losses normalised over the whole mini-batch (`trinity.algorithms.losses` recipe).
+
+Per optimizer update (one mini-batch): D = global_agg_denominator(masks of this rank's micro batches,
+all-reduced over DP); micro loss = agg(loss, mask, denominator=D) x num_micro x DP, which cancels the
+schedule's division by the number of micro batches and DDP's average over DP ranks, so that the
+gradient is the one of the whole mini-batch's loss on every layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Callable
+
+import torch
+
+from trinity.algorithms.losses import actor_loss, global_agg_denominator, value_loss
+from trinity.rollout.generate import Rollout
+from trinity.trainer.roles import forward_output, response_logprobs, response_values
+
+
+@dataclass
+class Experience:
+    """Everything the updates need for this rank's sequences (all [B, R] except rollout)."""
+
+    rollout: Rollout
+    old_logp: torch.Tensor
+    advantages: torch.Tensor
+    returns: torch.Tensor
+    ref_logp: torch.Tensor | None = None
+    values: torch.Tensor | None = None
+
+    @property
+    def size(self) -> int:
+        return self.rollout.tokens.shape[0]
+
+    def part(self, idx: slice) -> dict[str, Any]:
+        pick = lambda t: None if t is None else t[idx]  # noqa: E731
+        return {
+            "rollout": self.rollout.select(idx), "old_logp": pick(self.old_logp), "advantages": pick(self.advantages),
+            "returns": pick(self.returns), "ref_logp": pick(self.ref_logp), "values": pick(self.values),
+        }
+
+
+def _dp() -> tuple[int, Any]:
+    from megatron.core import parallel_state as ps
+
+    return ps.get_data_parallel_world_size(), ps.get_data_parallel_group()
+
+
+def _actor_loss_func(micro: dict, actor_cfg: Any, vocab_size: int, denom: torch.Tensor, scale: float, output: torch.Tensor):
+    ro: Rollout = micro["rollout"]
+    logp, entropy = response_logprobs(output, ro, vocab_size, with_entropy=True)
+    loss, metrics = actor_loss(
+        logp, micro["old_logp"], micro["advantages"], ro.response_mask, actor_cfg,
+        entropy=entropy, ref_logp=micro["ref_logp"], denominator=denom,
+    )
+    return loss * scale, {k: v.float() for k, v in metrics.items()} | {"actor/loss": loss.detach()}
+
+
+def _critic_loss_func(micro: dict, critic_cfg: Any, mode: Any, denom: torch.Tensor, scale: float, output: torch.Tensor):
+    ro: Rollout = micro["rollout"]
+    values = response_values(output, ro)
+    loss, m = value_loss(values, micro["values"], micro["returns"], ro.response_mask, critic_cfg.cliprange_value, mode, denom)
+    return loss * scale, {"critic/vf_loss": loss.detach(), "critic/vf_clipfrac": m.vf_clipfrac, "critic/vpred_mean": m.vpred_mean}
+
+
+def _forward_step(loss_fn: Callable, data_iterator, model):
+    micro = next(data_iterator)
+    ro: Rollout = micro["rollout"]
+    output = forward_output(model, ro.tokens, ro.attention_pad_mask())
+    return output, partial(loss_fn, micro)
+
+
+def _one_update(state: Any, micros: list[dict], make_loss: Callable[[torch.Tensor, float], Callable], mode: Any) -> tuple[list[dict], float]:
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    dp, group = _dp()
+    denom = global_agg_denominator([m["rollout"].response_mask for m in micros], mode, group if dp > 1 else None)
+    scale = float(len(micros) * dp)
+    for chunk in state.model:
+        chunk.zero_grad_buffer()
+    state.optimizer.zero_grad()
+    ro0: Rollout = micros[0]["rollout"]
+    outputs = get_forward_backward_func()(
+        forward_step_func=partial(_forward_step, make_loss(denom, scale)),
+        data_iterator=iter(micros),
+        model=state.model[0],
+        num_microbatches=len(micros),
+        seq_length=ro0.tokens.shape[1],
+        micro_batch_size=ro0.tokens.shape[0],
+        forward_only=False,
+    )
+    ok, grad_norm, _ = state.optimizer.step()
+    if not ok:
+        raise RuntimeError("optimizer step skipped (non-finite gradients)")
+    return outputs, float(grad_norm if grad_norm is not None else float("nan"))
+
+
+def _micro_batches(exp: Experience, start: int, end: int, micro: int) -> list[dict]:
+    return [exp.part(slice(s, min(s + micro, end))) for s in range(start, end, micro)]
+
+
+def _reduce(records: list[dict], grad_norms: list[float], prefix: str) -> dict[str, float]:
+    """Mean over micro batches and DP ranks; losses are summed per update first (each micro loss is a
+    share of its mini-batch's loss), then averaged over updates."""
+    dp, group = _dp()
+    keys = sorted({k for r in records for k in r})
+    sums = torch.tensor([sum(float(r[k]) for r in records if k in r) for k in keys], dtype=torch.float64)
+    counts = torch.tensor([sum(1 for r in records if k in r) for k in keys], dtype=torch.float64)
+    if dp > 1:
+        torch.distributed.all_reduce(sums, group=group)
+        torch.distributed.all_reduce(counts, group=group)
+    updates = max(len(grad_norms), 1)
+    out = {}
+    for k, s, c in zip(keys, sums.tolist(), counts.tolist()):
+        is_loss = k.endswith("loss")
+        out[k] = s / updates / (dp if is_loss else 1) if is_loss else s / max(c, 1)
+    out[f"{prefix}/grad_norm"] = sum(grad_norms) / updates
+    return out
+
+
+def update(
+    state: Any, exp: Experience, *, seqs_per_update: int, epochs: int, micro: int,
+    make_loss: Callable[[torch.Tensor, float], Callable], mode: Any, prefix: str,
+) -> dict[str, float]:
+    """`epochs` passes over this rank's sequences in mini-batches of `seqs_per_update`."""
+    records: list[dict] = []
+    norms: list[float] = []
+    for _ in range(epochs):
+        for start in range(0, exp.size, seqs_per_update):
+            micros = _micro_batches(exp, start, min(start + seqs_per_update, exp.size), micro)
+            outputs, norm = _one_update(state, micros, make_loss, mode)
+            records.extend(outputs)
+            norms.append(norm)
+    return _reduce(records, norms, prefix)
+
+
+def actor_update(state: Any, exp: Experience, actor_cfg: Any, vocab_size: int, *, seqs_per_update: int, micro: int) -> dict[str, float]:
+    def make(denom: torch.Tensor, scale: float) -> Callable:
+        return partial(_actor_loss_func, actor_cfg=actor_cfg, vocab_size=vocab_size, denom=denom, scale=scale)
+
+    return update(state, exp, seqs_per_update=seqs_per_update, epochs=actor_cfg.ppo_epochs, micro=micro,
+                  make_loss=_kw_last(make), mode=actor_cfg.loss_agg_mode, prefix="actor")
+
+
+def critic_update(state: Any, exp: Experience, critic_cfg: Any, mode: Any, *, seqs_per_update: int, micro: int) -> dict[str, float]:
+    def make(denom: torch.Tensor, scale: float) -> Callable:
+        return partial(_critic_loss_func, critic_cfg=critic_cfg, mode=mode, denom=denom, scale=scale)
+
+    return update(state, exp, seqs_per_update=seqs_per_update, epochs=critic_cfg.ppo_epochs, micro=micro,
+                  make_loss=_kw_last(make), mode=mode, prefix="critic")
+
+
+def _kw_last(make: Callable[[torch.Tensor, float], Callable]) -> Callable[[torch.Tensor, float], Callable]:
+    """Loss functions take (micro, <keywords>, output): bind micro positionally, output last."""
+
+    def bound(denom: torch.Tensor, scale: float) -> Callable:
+        fn = make(denom, scale)
+        return lambda micro, output: fn(micro, output=output)
+
+    return bound
