@@ -109,6 +109,9 @@ class _CpuCuda:
     def current_stream(self, device: Any = None) -> _CpuStream:
         return _CPU_STREAM
 
+    def default_stream(self, device: Any = None) -> _CpuStream:
+        return _CPU_STREAM
+
     def stream(self, stream: Any) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()
 
@@ -220,6 +223,8 @@ def enable() -> None:
     """Apply every CPU accommodation once; later calls do nothing."""
     if _patches:
         return
+    import megatron.core.distributed.distributed_data_parallel as distributed_data_parallel
+    import megatron.core.distributed.param_and_grad_buffer as param_and_grad_buffer
     import megatron.core.fusions.fused_softmax as fused_softmax
     import megatron.core.optimizer.clip_grads as clip_grads
     import megatron.core.optimizer.distrib_optimizer as distrib_optimizer
@@ -266,10 +271,16 @@ def enable() -> None:
         _patch(clip_grads, name, wrapped)
         if hasattr(optimizer, name):
             _patch(optimizer, name, wrapped)
-    # optimizer/optimizer.py MixedPrecisionOptimizer.__init__ (device='cuda' found_inf buffers) and
-    # distrib_optimizer.py DistributedOptimizer._build_model_and_main_param_groups (type() checks for
-    # 'torch.cuda.FloatTensor'); both run once, at construction.
-    _patch(optimizer.MixedPrecisionOptimizer, "__init__", cuda_to_cpu(optimizer.MixedPrecisionOptimizer.__init__))
+    # optimizer/optimizer.py: FP32Optimizer / MixedPrecisionOptimizer constructors make device='cuda'
+    # scale buffers; restore_from_cpu (RL offload) moves state back with .cuda().
+    _patch(optimizer, "torch", _CpuFactoryTorch())
+    _patch(optimizer.MegatronOptimizer, "restore_from_cpu", cuda_to_cpu(optimizer.MegatronOptimizer.restore_from_cpu))
+    # distributed/distributed_data_parallel.py + param_and_grad_buffer.py: with overlap_grad_reduce the
+    # buffers communicate on a torch.cuda.Stream.
+    _patch(distributed_data_parallel, "torch", _CpuFactoryTorch())
+    _patch(param_and_grad_buffer, "torch", _CpuFactoryTorch())
+    # distrib_optimizer.py DistributedOptimizer._build_model_and_main_param_groups checks
+    # `param.type() == 'torch.cuda.FloatTensor'` (runs once, at construction).
     _patch(
         distrib_optimizer.DistributedOptimizer,
         "_build_model_and_main_param_groups",
