@@ -130,7 +130,8 @@ def chat_segments(record: Record, tokenizer: Any, chat: list[dict[str, str]]) ->
         done = after
     if not segments:
         raise record.error("no assistant message to train on")
-    full = _render(tokenizer, chat, generation_prompt=False)
+    # Rendering is the slow part (Jinja); a chat that ends with its answer is already fully rendered.
+    full = done if chat[-1]["role"] == "assistant" else _render(tokenizer, chat, generation_prompt=False)
     if not full.startswith(done):
         raise record.error("the tokenizer's chat template renders the whole chat differently from its turns")
     segments.append((full[len(done) :], False))
