@@ -164,6 +164,14 @@ def test_grouped_gemm_without_its_kernel_is_a_clear_error(tp1, tiny_dir):
         _build(facts, MegatronConfig(moe_grouped_gemm=True))
 
 
+def test_context_parallel_without_te_is_a_clear_error(tp1, tiny_dir):
+    from trinity.errors import UserError
+
+    facts = ModelFacts.from_hf_dir(tiny_dir("qwen2"))
+    with pytest.raises(UserError, match="context_parallel_size"):
+        _build(facts, MegatronConfig(context_parallel_size=2))
+
+
 def test_cpu_compat_enable_is_idempotent_and_disable_restores(tp1):
     import megatron.core.tensor_parallel.random as mrandom
 

@@ -68,7 +68,6 @@ def train_steps(model_dir, *, distributed_optimizer: bool, steps: int = 3) -> li
     return history
 
 
-@pytest.mark.slow
 def test_megatron_optimizers_step_on_cpu_and_agree(tp1, tmp_path):
     model_dir = make_tiny_hf_model("qwen2", tmp_path / "qwen2")
     plain = train_steps(model_dir, distributed_optimizer=False)

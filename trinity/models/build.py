@@ -207,6 +207,8 @@ def build_model(
                 "set it to false (experts then run as a loop of linear layers)"
             )
     chosen = specs.backend(config)
+    if config.context_parallel_size > 1 and chosen != specs.BACKEND_TE:
+        raise UserError("megatron.context_parallel_size > 1 needs TransformerEngine, which is not installed")
     log.info("layer spec: %s", chosen)
     tied = facts.tie_word_embeddings and not value_head
     chunks: list[GPTModel] = []
