@@ -99,6 +99,12 @@ def test_sft_single_process_learns_and_exports(assets, tmp_path):
     assert len(changed) == len(names), "every trained tensor differs from the initial model"
 
 
+def _runs_worker(cmdline: list[str]) -> bool:
+    """A worker rank (`python -u -m trinity.trainer.worker ...`), not torchrun's agent, whose first
+    `-m` is torch.distributed.run."""
+    return "-m" in cmdline and cmdline[cmdline.index("-m") + 1 :][:1] == ["trinity.trainer.worker"]
+
+
 @pytest.fixture(scope="module")
 def baseline(assets, tmp_path_factory) -> dict[int, float]:
     """Losses of an uninterrupted 10-step run at TP=PP=DP=1 (constant lr after a 2-step warm-up, so
@@ -126,15 +132,14 @@ def test_stop_resume_and_kill_during_save(assets, baseline, tmp_path):
     code = f"import sys; from trinity.cli.commands import run; sys.exit(run({str(path)!r}, []))"
     env = {**os.environ, "TRINITY_TEST_CKPT_PAUSE_S": "9:60"}
     proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            stdout=(tmp_path / "p2.out").open("w"), stderr=subprocess.STDOUT)
     tmp_ckpt = ckpts / "step_9.tmp"
     try:
         deadline = time.time() + 150
         while not (tmp_ckpt / "rng" / "rank_0.pt").is_file():
             assert time.time() < deadline and proc.poll() is None, "the save of step 9 never started"
             time.sleep(0.2)
-        workers = [p for p in psutil.Process(proc.pid).children(recursive=True)
-                   if "trinity.trainer.worker" in " ".join(p.cmdline())]
+        workers = [p for p in psutil.Process(proc.pid).children(recursive=True) if _runs_worker(p.cmdline())]
         assert len(workers) == 1
         os.kill(workers[0].pid, signal.SIGKILL)
         assert proc.wait(timeout=60) != 0
