@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+
+# CI machines have 2 cores and several tests start 2 processes: more than one intra-op thread per
+# process makes tiny megatron steps 30-100x slower through contention. Subprocesses inherit this.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest
 import yaml
@@ -10,6 +15,15 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "tests" / "fixtures"
 HF_CONFIGS = FIXTURES / "hf_configs"
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _one_thread():
+    try:
+        import torch
+    except ImportError:  # pragma: no cover - torch is a dependency
+        return
+    torch.set_num_threads(1)
 
 
 @pytest.fixture

@@ -155,6 +155,8 @@ def test_moe_rules(write_job, small_job):
     assert any(p.startswith(f"{ACTOR}.expert_model_parallel_size: 128 experts are not divisible by EP=3") for p in probs)
     probs = problems_of(path, [f"{ACTOR}.expert_model_parallel_size=4", f"{ACTOR}.tensor_model_parallel_size=2"])
     assert any(p.startswith(f"{ACTOR}.sequence_parallel: megatron-core needs sequence_parallel") for p in probs)
+    probs = problems_of(path, [f"{ACTOR}.moe_grouped_gemm=true"])
+    assert any(p.startswith(f"{ACTOR}.moe_grouped_gemm: needs the grouped_gemm package") for p in probs)
     cfg = load_config(path, [f"{ACTOR}.expert_model_parallel_size=8"]).config
     assert cfg.actor_rollout_ref.actor.megatron.layout().expert_dp(8) == 1
 

@@ -140,6 +140,13 @@ def _check_against_model(p: str, m: MegatronConfig, f: ModelFacts, problems: lis
         problems.append(f"{p}.expert_model_parallel_size: {f.num_experts} experts are not divisible by EP={lay.ep}")
     if f.is_moe and lay.ep > 1 and lay.tp > 1 and not m.sequence_parallel:
         problems.append(f"{p}.sequence_parallel: megatron-core needs sequence_parallel with both TP>1 and EP>1; set it to true")
+    if f.is_moe and m.moe_grouped_gemm and not any(
+        importlib.util.find_spec(mod) for mod in ("grouped_gemm", "transformer_engine")
+    ):
+        problems.append(
+            f"{p}.moe_grouped_gemm: needs the grouped_gemm package or TransformerEngine, neither is installed; "
+            "set it to false or use the Docker image (scripts/docker_for_megatron)"
+        )
     if not f.is_moe and (m.moe_grouped_gemm or m.moe_layer_recompute):
         warnings.append(f"{p}: moe_grouped_gemm/moe_layer_recompute have no effect on the dense {f.architecture}")
 
