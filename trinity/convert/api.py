@@ -69,7 +69,11 @@ def _device(device: str) -> str:
 
 
 def megatron_config(*, tp: int = 1, pp: int = 1, vpp: int | None = None, ep: int = 1) -> Any:
-    """The job-config megatron block for a conversion layout (other fields at their defaults)."""
+    """The job-config megatron block for a conversion layout (other fields at their defaults).
+
+    Parameters are not randomly initialised: every one is overwritten by the loader (which checks
+    that), and megatron-core's CPU init materialises full master weights, which would set the peak.
+    """
     from trinity.config.megatron import MegatronConfig
 
     return MegatronConfig(
@@ -77,6 +81,7 @@ def megatron_config(*, tp: int = 1, pp: int = 1, vpp: int | None = None, ep: int
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp,
         expert_model_parallel_size=ep,
+        override_transformer_config={"perform_initialization": False},
     )
 
 

@@ -1,6 +1,7 @@
 """Reading HF checkpoints tensor by tensor and writing sharded safetensors folders.
 
-Reading opens one shard at a time with `safe_open` and copies out one tensor per call, so a loader
+Reading validates every shard header with `safe_open`, then preads one tensor at a time into a fresh
+buffer (no mmap, so shard pages never count against the process), so a loader
 holds the model plus the tensor in flight. `.bin` shards go through `torch.load(weights_only=True,
 mmap=True)`; nothing else is unpickled. Writing streams tensors into shards with our own safetensors
 writer (header, then each tensor's bytes straight from its storage), so no shard is ever built as one
@@ -49,6 +50,7 @@ _ST_DTYPES = {
     torch.uint8: "U8",
     torch.bool: "BOOL",
 }
+_FROM_ST = {v: k for k, v in _ST_DTYPES.items()}
 
 
 class HFCheckpoint:
@@ -124,17 +126,15 @@ class HFCheckpoint:
             raise UserError(f"{self.folder}: tensor {name!r} is not in the checkpoint")
         if self._open_name != fname:
             self.close()
-            path = str(self.folder / fname)
+            path = self.folder / fname
             if fname.endswith(".safetensors"):
-                from safetensors import safe_open
-
-                self._open = safe_open(path, framework="pt")
+                self._open = _SafetensorsFile(path)
             else:
-                self._open = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+                self._open = torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
             self._open_name = fname
         if isinstance(self._open, dict):
             return self._open[name].clone()
-        return self._open.get_tensor(name)
+        return self._open.read(name)
 
     def close(self) -> None:
         # Dropping the handle unmaps the shard, so its pages stop counting against this process.
@@ -145,13 +145,46 @@ class HFCheckpoint:
         return sum((self.folder / f).stat().st_size for f in set(self.weight_map.values()))
 
 
-def write_safetensors(path: Path, tensors: list[tuple[str, torch.Tensor]]) -> int:
-    """Write one safetensors file from (name, tensor) pairs without an in-memory copy; returns bytes."""
+class _SafetensorsFile:
+    """Reads one tensor at a time with pread into a fresh buffer: no mmap, so the shard's pages never
+    count against this process (safe_open maps the whole file). The header was validated by safe_open."""
+
+    def __init__(self, path: Path):
+        self.fd = os.open(path, os.O_RDONLY)
+        (n,) = struct.unpack("<Q", os.pread(self.fd, 8, 0))
+        self.header = json.loads(os.pread(self.fd, n, 8))
+        self.data_start = 8 + n
+
+    def read(self, name: str) -> torch.Tensor:
+        info = self.header[name]
+        begin, end = info["data_offsets"]
+        buf = bytearray(end - begin)
+        view = memoryview(buf)
+        got = 0
+        while got < len(buf):
+            n = os.preadv(self.fd, [view[got:]], self.data_start + begin + got)
+            if n <= 0:
+                raise UserError(f"tensor {name!r}: shard ended early")
+            got += n
+        dtype = _FROM_ST[info["dtype"]]
+        if not buf:
+            return torch.empty(info["shape"], dtype=dtype)
+        return torch.frombuffer(buf, dtype=dtype).reshape(info["shape"])
+
+    def __del__(self) -> None:
+        os.close(self.fd)
+
+
+def write_safetensors(path: Path, tensors: list[tuple[str, torch.Tensor]], dtype: torch.dtype | None = None) -> int:
+    """Write one safetensors file from (name, tensor) pairs, casting floating tensors to `dtype` one at
+    a time as they are written (no copy of the whole shard in memory); returns bytes written."""
+    tensors = [(n, t) for n, t in tensors]
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offset = 0
     for name, t in tensors:
-        n = t.numel() * t.element_size()
-        header[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        out_dtype = _out_dtype(t, dtype)
+        n = t.numel() * out_dtype.itemsize
+        header[name] = {"dtype": _ST_DTYPES[out_dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
         offset += n
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # the format wants the data aligned to 8 bytes
@@ -159,11 +192,15 @@ def write_safetensors(path: Path, tensors: list[tuple[str, torch.Tensor]]) -> in
         f.write(struct.pack("<Q", len(blob)))
         f.write(blob)
         for _, t in tensors:
-            t = t.detach().contiguous().cpu()
+            t = t.detach().to(device="cpu", dtype=_out_dtype(t, dtype)).contiguous()
             f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else b"")
         f.flush()
         os.fsync(f.fileno())
     return 8 + len(blob) + offset
+
+
+def _out_dtype(t: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
+    return dtype if dtype is not None and t.is_floating_point() else t.dtype
 
 
 def write_shards(
@@ -186,7 +223,7 @@ def write_shards(
         if not shard:
             return
         tmp = out_dir / f"shard-{len(files) + 1:05d}.tmp"
-        written += write_safetensors(tmp, shard)
+        written += write_safetensors(tmp, shard, dtype)
         files.append((tmp, [n for n, _ in shard]))
         shard, shard_bytes = [], 0
 
@@ -194,9 +231,9 @@ def write_shards(
         if name in seen:
             raise RuntimeError(f"tensor {name!r} exported twice")
         seen.add(name)
-        if dtype is not None and t.is_floating_point():
-            t = t.to(dtype)
-        n = t.numel() * t.element_size()
+        # Shards hold references (mostly views of the model's parameters); the cast happens per tensor
+        # while writing, so a shard never costs a second copy of the model.
+        n = t.numel() * _out_dtype(t, dtype).itemsize
         if shard and shard_bytes + n > max_shard_bytes:
             flush()
         shard.append((name, t))
