@@ -1,0 +1,123 @@
+"""Rollout throughput: trinity's megatron-core generation vs HF `generate`, next to the decode floor.
+
+    python benchmarks/generate.py --shape tiny --device cpu
+    python benchmarks/generate.py --shape 0.5b --device cuda --batches 1 32 256
+
+Fixed-length decoding (no EOS) of `--new-tokens` tokens after `--prompt-len` random prompt tokens, on a
+random-weight Qwen2 of the chosen shape. The floor of one decode step is (weight bytes + KV-cache bytes
+read at the mean context length) / memory bandwidth, the bandwidth measured in the same run with a
+large device-to-device copy (read + write counted). On CPU the "bandwidth" is that of a memory copy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+
+import torch
+
+SHAPES = {
+    "tiny": dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, vocab_size=256),
+    "0.5b": dict(num_hidden_layers=24, hidden_size=896, intermediate_size=4864, num_attention_heads=14, num_key_value_heads=2, vocab_size=151936),
+    "7b": dict(num_hidden_layers=28, hidden_size=3584, intermediate_size=18944, num_attention_heads=28, num_key_value_heads=4, vocab_size=152064),
+}
+
+
+def bandwidth(device: torch.device) -> float:
+    """Bytes/s of a 1 GiB (256 MiB on CPU) copy, read + write counted."""
+    n = (1 << 28) if device.type == "cuda" else (1 << 26)
+    a = torch.empty(n, dtype=torch.float32, device=device)
+    b = torch.empty_like(a)
+    b.copy_(a)
+    _sync(device)
+    t0 = time.perf_counter()
+    reps = 10
+    for _ in range(reps):
+        b.copy_(a)
+    _sync(device)
+    return 2 * a.numel() * 4 * reps / (time.perf_counter() - t0)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def make_model(shape: str, out: str, dtype: torch.dtype) -> str:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(**SHAPES[shape], max_position_embeddings=4096, tie_word_embeddings=shape != "7b", torch_dtype=dtype)
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(cfg).to(dtype).save_pretrained(out, safe_serialization=True)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 32, 256])
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--no-hf", action="store_true", help="skip HF generate")
+    args = ap.parse_args()
+
+    from transformers import AutoModelForCausalLM
+
+    from trinity.config.megatron import MegatronConfig
+    from trinity.convert.builtin import load_hf_weights
+    from trinity.distributed.parallel import destroy, init_parallel
+    from trinity.models.build import build_model
+    from trinity.models.facts import ModelFacts
+    from trinity.rollout.generate import SamplingParams, generate
+
+    device = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    bw = bandwidth(device)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = make_model(args.shape, tmp, dtype)
+        facts = ModelFacts.from_hf_dir(path)
+        init_parallel(device=args.device, layout=MegatronConfig().layout(), seed=0)
+        try:
+            (gpt,) = build_model(facts, MegatronConfig(), device=args.device, dtype=dtype)
+            load_hf_weights([gpt], path, facts)
+            hf = None if args.no_hf else AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+            weight_bytes = sum(p.numel() * p.element_size() for p in gpt.parameters())
+            kv_per_token = 2 * facts.num_layers * facts.num_query_groups * facts.head_dim * torch.finfo(dtype).bits // 8
+            params = SamplingParams(temperature=0.0, max_new_tokens=args.new_tokens)
+            print(f"shape {args.shape} on {args.device}: {weight_bytes / 2**30:.3f} GiB weights, "
+                  f"copy bandwidth {bw / 1e9:.1f} GB/s, prompt {args.prompt_len}, {args.new_tokens} new tokens")
+            print(f"{'batch':>6} | {'trinity tok/s':>13} | {'ms/step':>8} | {'HF tok/s':>10} | {'ms/step':>8} | {'floor ms/step':>13} | {'floor tok/s':>11}")
+            for batch in args.batches:
+                g = torch.Generator().manual_seed(batch)
+                prompts = torch.randint(1, facts.vocab_size, (batch, args.prompt_len), generator=g)
+                generate(gpt, prompts[:, :8].tolist(), SamplingParams(temperature=0.0, max_new_tokens=2), vocab_size=facts.vocab_size, pad_id=0)
+                _sync(device)
+                t0 = time.perf_counter()
+                ro = generate(gpt, prompts.tolist(), params, vocab_size=facts.vocab_size, pad_id=0)
+                _sync(device)
+                dt = time.perf_counter() - t0
+                n = int(ro.response_mask.sum())
+                hf_tps, hf_ms = float("nan"), float("nan")
+                if hf is not None:
+                    ids = prompts.to(device)
+                    with torch.no_grad():
+                        hf.generate(ids[:, :8], max_new_tokens=2, do_sample=False, eos_token_id=None, pad_token_id=0)
+                        _sync(device)
+                        t1 = time.perf_counter()
+                        hf.generate(ids, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False,
+                                    eos_token_id=None, pad_token_id=0)
+                        _sync(device)
+                    hf_dt = time.perf_counter() - t1
+                    hf_tps, hf_ms = batch * args.new_tokens / hf_dt, hf_dt / args.new_tokens * 1e3
+                mean_ctx = args.prompt_len + args.new_tokens / 2
+                floor_s = (weight_bytes + batch * mean_ctx * kv_per_token) / (bw / 2)  # bw counts read + write
+                print(f"{batch:>6} | {n / dt:>13.1f} | {dt / args.new_tokens * 1e3:>8.2f} | {hf_tps:>10.1f} | {hf_ms:>8.2f} | "
+                      f"{floor_s * 1e3:>13.3f} | {batch / floor_s:>11.0f}")
+        finally:
+            destroy()
+
+
+if __name__ == "__main__":
+    main()
