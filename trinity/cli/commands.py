@@ -5,7 +5,6 @@ Heavy modules (torch, megatron, transformers) are imported inside the functions 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shlex
 from pathlib import Path
@@ -58,16 +57,6 @@ def write_resolved(cfg: JobConfig, path: Path) -> None:
     tmp.replace(path)
 
 
-def source_fingerprint(hf_dir: Path) -> str:
-    """Identity of an HF folder's weights and config (names, sizes, mtimes): the cache key."""
-    h = hashlib.sha256()
-    for f in sorted(hf_dir.iterdir()):
-        if f.is_file() and f.suffix in (".json", ".safetensors", ".bin"):
-            st = f.stat()
-            h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns};".encode())
-    return h.hexdigest()[:16]
-
-
 def prepare_weights(loaded: LoadedConfig, out: Path) -> None:
     """The seeds' convert-then-launch flow: roles that load neither through mbridge nor from a dist
     checkpoint get one converted from the HF model, cached under <output_dir>/mcore_cache/<fingerprint>
@@ -76,6 +65,8 @@ def prepare_weights(loaded: LoadedConfig, out: Path) -> None:
     roles = [m for m in cfg.roles().values() if not m.use_mbridge and not m.use_dist_checkpointing]
     if not roles:
         return
+    from trinity.convert.dist_ckpt import source_fingerprint
+
     src = Path(cfg.model.path)
     cache = out / "mcore_cache" / source_fingerprint(src)
     if not (cache / "trinity_meta.json").is_file():
