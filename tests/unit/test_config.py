@@ -180,3 +180,18 @@ def test_cp_sequence_divisibility(write_job, small_job, monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: object() if n == "transformer_engine" else real(n, *a))
     probs = problems_of(write_job(with_keys(small_job, data__seq_length=510)), [f"{ACTOR}.context_parallel_size=2"])
     assert any(p.startswith("data.seq_length: sequence length 510 must be divisible by 2 x CP = 4") for p in probs)
+
+
+def test_rl_layout_rules(write_job, small_job):
+    job = with_keys(small_job, algorithm__name="ppo", data__train_batch_size=8,
+                    actor_rollout_ref__actor__ppo_mini_batch_size=8, actor_rollout_ref__actor__use_kl_loss=True,
+                    critic={"megatron": {"tensor_model_parallel_size": 2, "use_mbridge": True}})
+    job["actor_rollout_ref"]["actor"]["megatron"] = {"pipeline_model_parallel_size": 2}
+    probs = problems_of(write_job(job), ["cluster.nproc_per_node=8"])
+    assert any(p.startswith(f"{ACTOR}.pipeline_model_parallel_size: rollout with PP > 1 is not supported") for p in probs)
+    assert any(p.startswith("actor_rollout_ref.ref.megatron.pipeline_model_parallel_size: 1 differs from the actor's 2") for p in probs)
+    assert any(p.startswith("critic.megatron.tensor_model_parallel_size: 2 differs from the actor's 1") for p in probs)
+    assert any(p.startswith("critic.megatron.use_mbridge: the critic's value head") for p in probs)
+    job["actor_rollout_ref"]["actor"]["megatron"] = {"tensor_model_parallel_size": 2, "sequence_parallel": True}
+    probs = problems_of(write_job(job))
+    assert any(p.startswith(f"{ACTOR}.sequence_parallel: rollout with sequence parallel") for p in probs)

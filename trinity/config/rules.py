@@ -33,6 +33,7 @@ def check_job(cfg: JobConfig, *, check_paths: bool = True) -> tuple[ModelFacts |
     _check_roles_exist(cfg, problems)
     for path, megatron in cfg.roles().items():
         _check_megatron(f"{path}.megatron", megatron, cfg, facts, problems, warnings, check_paths)
+    _check_rl_roles(cfg, problems)
     _check_batches(cfg, problems)
     _check_data(cfg, problems, check_paths)
     return facts, problems, warnings
@@ -59,6 +60,37 @@ def _check_roles_exist(cfg: JobConfig, problems: list[str]) -> None:
                     f"actor_rollout_ref.ref.megatron.{flag}: the ref role does not exist in this job ({why}); "
                     "remove the flag"
                 )
+
+
+LAYOUT_FIELDS = (
+    "tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
+    "context_parallel_size", "expert_model_parallel_size", "expert_tensor_parallel_size",
+)
+
+
+def _check_rl_roles(cfg: JobConfig, problems: list[str]) -> None:
+    """What the RL loop cannot do yet: rollout across pipeline stages or with sequence parallel, and
+    roles of different layouts (which would need resharding weights between them)."""
+    if not cfg.is_rl:
+        return
+    roles = cfg.roles()
+    actor = roles.pop("actor_rollout_ref.actor")
+    a = "actor_rollout_ref.actor.megatron"
+    if actor.pipeline_model_parallel_size > 1:
+        problems.append(f"{a}.pipeline_model_parallel_size: rollout with PP > 1 is not supported yet; use TP (or DP) instead")
+    if actor.sequence_parallel:
+        problems.append(f"{a}.sequence_parallel: rollout with sequence parallel is not supported yet; set it to false")
+    for path, m in roles.items():
+        for name in LAYOUT_FIELDS:
+            if getattr(m, name) != getattr(actor, name):
+                problems.append(
+                    f"{path}.megatron.{name}: {getattr(m, name)} differs from the actor's {getattr(actor, name)}; "
+                    "roles share the GPUs with one layout (resharding between roles is out of scope)"
+                )
+        if m.sequence_parallel != actor.sequence_parallel:
+            problems.append(f"{path}.megatron.sequence_parallel: must equal the actor's ({actor.sequence_parallel})")
+    if cfg.critic is not None and cfg.critic.megatron.use_mbridge:
+        problems.append("critic.megatron.use_mbridge: the critic's value head cannot load through mbridge; set it to false")
 
 
 def _check_megatron(

@@ -277,6 +277,13 @@ def enable() -> None:
     _patch(optimizer.MegatronOptimizer, "restore_from_cpu", cuda_to_cpu(optimizer.MegatronOptimizer.restore_from_cpu))
     # distributed/distributed_data_parallel.py + param_and_grad_buffer.py: with overlap_grad_reduce the
     # buffers communicate on a torch.cuda.Stream.
+    # models/common/language_module/language_module.py setup_embeddings_and_output_layer moves the
+    # tied embedding to `.cuda()` before its all-reduce between the first and last PP stage (PP>1
+    # with tied embeddings; runs once, at construction).
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    _patch(LanguageModule, "setup_embeddings_and_output_layer",
+           cuda_to_cpu(LanguageModule.setup_embeddings_and_output_layer))
     _patch(distributed_data_parallel, "torch", _CpuFactoryTorch())
     _patch(param_and_grad_buffer, "torch", _CpuFactoryTorch())
     # distrib_optimizer.py DistributedOptimizer._build_model_and_main_param_groups checks
