@@ -156,6 +156,27 @@ def test_default_mask_is_causal_and_packed_rows_equal_separate_documents(tp1, ti
     assert not torch.allclose(packed[:, 5:], model(ids, pos, None)[:, 5:].detach(), atol=1e-3)
 
 
+def test_document_packed_params_through_the_model_equal_the_dense_mask(tp1, tiny_dir):
+    """megatron hands sbhd packed_seq_params to every layer (and RoPE) unchanged: the packed row's
+    logits and gradients equal the dense block-diagonal mask's, with full recompute too."""
+    from trinity.models.attention import document_packed_params, packed_causal_mask
+
+    block = MegatronConfig()
+    block.override_transformer_config.recompute_granularity = "full"
+    (model,) = _build(ModelFacts.from_hf_dir(tiny_dir("qwen2")), block)
+    ids, pos = _batch(b=2, s=12)
+    doc_ids = torch.tensor([[0] * 5 + [1] * 7, [0] * 3 + [1] * 3 + [2] * 6])
+    out = model(ids, pos, None, packed_seq_params=document_packed_params(doc_ids))
+    out.float().square().mean().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    expected = model(ids, pos, packed_causal_mask(doc_ids))
+    expected.float().square().mean().backward()
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=0)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(grads[n], p.grad, atol=1e-6, rtol=0, msg=n)
+
+
 def test_grouped_gemm_without_its_kernel_is_a_clear_error(tp1, tiny_dir):
     from trinity.errors import UserError
 

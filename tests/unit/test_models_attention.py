@@ -117,5 +117,38 @@ def test_packed_seq_params_is_refused_with_a_pointer_to_the_mask(tp1):
 
     ours, _ = _pair(_config())
     q, k, v = _qkv(4, 4)
-    with pytest.raises(ValueError, match="packed_causal_mask"):
+    with pytest.raises(ValueError, match="document_packed_params"):
         ours(q, k, v, None, packed_seq_params=PackedSeqParams(qkv_format="thd"))
+
+
+def test_flex_document_mask_matches_dense_packed_mask_and_gradients(tp1):
+    from trinity.models.attention import document_packed_params, packed_causal_mask
+
+    ours, ref = _pair(_config())
+    q, k, v = (t.requires_grad_() for t in _qkv(20, 20))
+    doc_ids = torch.tensor([[0] * 7 + [1] * 9 + [2] * 4, [0] * 20])
+    out = ours(q, k, v, None, packed_seq_params=document_packed_params(doc_ids))
+    expected = ref(q, k, v, packed_causal_mask(doc_ids))
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=0)
+    grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+    ref_grads = torch.autograd.grad(expected.square().sum(), (q, k, v))
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r, atol=1e-5, rtol=0)
+    # the second row is one document: plain causal attention
+    torch.testing.assert_close(out[:, 1], ours(q, k, v, None)[:, 1], atol=1e-5, rtol=0)
+
+
+def test_flex_block_mask_itself_matches_the_dense_mask_without_grad(tp1):
+    """CPU layers use the dense form (FlexAttention has no CPU backward); check the BlockMask that CUDA
+    layers use encodes the same mask by running eager FlexAttention forward."""
+    from trinity.models.attention import _flex_attention, document_packed_params
+
+    q, k, v = (t.permute(1, 2, 0, 3) for t in _qkv(20, 20))
+    doc_ids = torch.tensor([[0] * 7 + [1] * 9 + [2] * 4, [3] * 20])
+    params = document_packed_params(doc_ids)
+    with torch.no_grad():
+        out = _flex_attention(q, k, v, params.block_mask, 0.25, True)
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=~params.dense_mask(), scale=0.25, enable_gqa=True
+    )
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=0)

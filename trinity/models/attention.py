@@ -7,12 +7,21 @@ step throughput at 0.9B and a quarter of the memory (docs/../shared notes gpu-me
 
 Conventions are megatron's: q [sq, b, heads, d], k/v [sk, b, groups, d], output [sq, b, heads*d];
 `attention_mask` is boolean with True = masked out, broadcastable to [b, 1|heads, sq, sk].
+
+Packed rows (several documents per row) have two forms:
+- a dense block-diagonal boolean mask (`packed_causal_mask`): simple, but SDPA then runs its masked
+  (memory-efficient) kernel and reads an [b, 1, s, s] mask in every layer;
+- `document_packed_params(doc_ids)`: a PackedSeqParams carrying a FlexAttention BlockMask built once
+  per batch; every layer reuses it and FlexAttention skips the blocks between documents. megatron
+  passes `packed_seq_params` to each layer by closure (not through its checkpoint's saved tensors), and
+  with qkv_format "sbhd" it leaves q/k/v and RoPE as for unpacked rows.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Optional
+from dataclasses import dataclass
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -46,6 +55,56 @@ def packed_causal_mask(doc_ids: Tensor) -> Tensor:
     same_doc = doc_ids.unsqueeze(2) == doc_ids.unsqueeze(1)
     s = doc_ids.size(1)
     return ~same_doc.unsqueeze(1) | causal_mask(s, device=doc_ids.device)
+
+
+@dataclass
+class DocumentPackedParams(PackedSeqParams):
+    """Packed rows in megatron's sbhd layout with a FlexAttention block mask over document ids."""
+
+    block_mask: Any = None  # torch.nn.attention.flex_attention.BlockMask, [b, 1, s, s]
+    doc_ids: Optional[Tensor] = None
+    _dense: Optional[Tensor] = None
+
+    def dense_mask(self) -> Tensor:
+        """The same mask as a boolean [b, 1, s, s] tensor (True = masked), built once: FlexAttention
+        has no backward on CPU, so CPU layers run SDPA with it."""
+        if self._dense is None:
+            self._dense = packed_causal_mask(self.doc_ids)
+        return self._dense
+
+
+def document_packed_params(doc_ids: Tensor) -> DocumentPackedParams:
+    """Block-diagonal causal attention for packed rows as a FlexAttention BlockMask, built once per
+    batch. `doc_ids` [b, s]: each token's document within its row (padding may carry its own id)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    b, s = doc_ids.shape
+    docs = doc_ids.contiguous()
+
+    def same_doc_causal(batch: Tensor, head: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return (q_idx >= kv_idx) & (docs[batch, q_idx] == docs[batch, kv_idx])
+
+    mask = create_block_mask(same_doc_causal, b, None, s, s, device=doc_ids.device)
+    return DocumentPackedParams(
+        qkv_format="sbhd", max_seqlen_q=s, max_seqlen_kv=s, block_mask=mask, doc_ids=docs
+    )
+
+
+_compiled_flex: Any = None
+
+
+def _flex_attention(q: Tensor, k: Tensor, v: Tensor, block_mask: Any, scale: float, enable_gqa: bool) -> Tensor:
+    """FlexAttention; compiled on CUDA (eager flex materialises the score matrix), eager on CPU. Inside
+    an outer torch.compile region dynamo traces the call itself."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    global _compiled_flex
+    fn = flex_attention
+    if q.is_cuda and not torch.compiler.is_compiling():
+        if _compiled_flex is None:
+            _compiled_flex = torch.compile(flex_attention, dynamic=False)
+        fn = _compiled_flex
+    return fn(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
 
 
 class SDPACoreAttention(MegatronModule):
@@ -99,10 +158,14 @@ class SDPACoreAttention(MegatronModule):
     ) -> Tensor:
         if attention_bias is not None:
             raise ValueError("attention_bias is not supported by SDPACoreAttention")
-        if packed_seq_params is not None:
+        block_mask = getattr(packed_seq_params, "block_mask", None)
+        if block_mask is not None and not query.is_cuda:
+            attention_mask, block_mask = packed_seq_params.dense_mask(), None
+        elif packed_seq_params is not None and block_mask is None:
             raise ValueError(
-                "packed_seq_params needs TransformerEngine; pass a block-diagonal attention_mask "
-                "(trinity.models.attention.packed_causal_mask) instead"
+                "packed_seq_params in thd format needs TransformerEngine; pass "
+                "trinity.models.attention.document_packed_params(doc_ids) or a block-diagonal "
+                "attention_mask (packed_causal_mask) instead"
             )
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
         sq, b, heads, d = query.shape
@@ -124,6 +187,11 @@ class SDPACoreAttention(MegatronModule):
         # 2.98 ms with K/V repeated; causal without a mask 1.04 ms.
         enable_gqa = heads != k.size(1)
         dropout_p = self.dropout_p if self.training else 0.0
+        if block_mask is not None:
+            if dropout_p > 0.0:
+                raise ValueError("document_packed_params excludes attention dropout on CUDA")
+            out = _flex_attention(q, k, v, block_mask, self.softmax_scale, enable_gqa)
+            return out.permute(2, 0, 1, 3).reshape(sq, b, self.hidden_size_per_partition)
 
         def attend() -> Tensor:
             return F.scaled_dot_product_attention(
