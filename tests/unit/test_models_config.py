@@ -115,3 +115,16 @@ def test_padded_vocab_size():
     assert facts.vocab_size == 151936
     assert padded_vocab_size(facts, 1) == 151936  # already a multiple of 128
     assert padded_vocab_size(facts, 8) == 152576  # next multiple of 1024
+
+
+def test_compile_scope_reads_the_optional_block_field():
+    from types import SimpleNamespace
+
+    from trinity.errors import UserError
+    from trinity.models.build import compile_scope
+
+    assert compile_scope(SimpleNamespace()) == "none"
+    assert compile_scope(SimpleNamespace(torch_compile=True)) == "layers"
+    assert compile_scope(SimpleNamespace(torch_compile="model")) == "model"
+    with pytest.raises(UserError, match="torch_compile"):
+        compile_scope(SimpleNamespace(torch_compile="everything"))

@@ -37,6 +37,10 @@ from trinity.models.facts import ModelFacts
 log = logging.getLogger(__name__)
 
 _ACTIVATIONS = {"silu": F.silu}
+# torch.compile scope (megatron block field `torch_compile`): "layers" compiles each TransformerLayer
+# (one graph reused by every layer: short compile, works with recompute and pipeline chunks), "model"
+# the whole GPTModel (fuses across layer boundaries too). True means "layers".
+COMPILE_SCOPES = ("none", "layers", "model")
 _VOCAB_MULTIPLE = 128
 
 
@@ -180,6 +184,25 @@ class ValueHead(torch.nn.Linear):
         return values, None
 
 
+def compile_scope(megatron: Any) -> str:
+    """The `torch_compile` scope the role asks for (read with a default until the job config has it)."""
+    scope = getattr(megatron, "torch_compile", "none")
+    if scope is None or isinstance(scope, bool):
+        scope = "layers" if scope else "none"
+    if scope not in COMPILE_SCOPES:
+        raise UserError(f"megatron.torch_compile: {scope!r} is not one of {list(COMPILE_SCOPES)}")
+    return scope
+
+
+def _apply_compile(model: GPTModel, scope: str) -> None:
+    # Module.compile keeps the module object and its parameter names (DDP, checkpoints, weight maps).
+    if scope == "layers":
+        for layer in model.decoder.layers:
+            layer.compile()
+    elif scope == "model":
+        model.compile()
+
+
 def build_model(
     facts: ModelFacts, megatron: Any, *, device: str, dtype: torch.dtype, value_head: bool = False
 ) -> list[GPTModel]:
@@ -209,7 +232,8 @@ def build_model(
     chosen = specs.backend(config)
     if config.context_parallel_size > 1 and chosen != specs.BACKEND_TE:
         raise UserError("megatron.context_parallel_size > 1 needs TransformerEngine, which is not installed")
-    log.info("layer spec: %s", chosen)
+    scope = compile_scope(megatron)
+    log.info("layer spec: %s, torch.compile: %s", chosen, scope)
     tied = facts.tie_word_embeddings and not value_head
     chunks: list[GPTModel] = []
     for stage in range(vpp or 1):
@@ -233,11 +257,12 @@ def build_model(
         if value_head and post:
             model.output_layer = ValueHead(config)
         model.to(device=device)
+        _apply_compile(model, scope)
         model.trinity_backend = chosen  # which layer implementation built it (logged, tested)
         chunks.append(model)
     return chunks
 
 
 __all__ = [
-    "ValueHead", "build_model", "causal_mask", "packed_causal_mask", "padded_vocab_size", "transformer_config",
+    "COMPILE_SCOPES", "ValueHead", "build_model", "compile_scope", "causal_mask", "packed_causal_mask", "padded_vocab_size", "transformer_config",
 ]

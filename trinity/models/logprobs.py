@@ -1,0 +1,62 @@
+"""Per-token log-probabilities from a megatron-core GPTModel without full-vocabulary fp32 logits.
+
+megatron's own loss path (`GPTModel(labels=...)`) runs the output layer over the whole sequence and
+its vocab-parallel cross-entropy upcasts those logits to fp32 and keeps their exp for backward: at a
+Qwen2.5-7B shape (vocab 152k) and 4096 tokens that is 1.2 GB of bf16 logits plus ~5 GB of fp32. Here
+the output layer and cross-entropy run over sequence chunks under activation checkpointing, so at most
+one chunk's logits exist at a time (forward and backward); the output weight's gradient accumulates
+chunk by chunk.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.utils.checkpoint import checkpoint
+
+from megatron.core import tensor_parallel
+
+DEFAULT_CHUNK_TOKENS = 8192  # tokens (sequence x batch) per chunk
+
+
+def decoder_hidden(model: Any, input_ids: Tensor, position_ids: Tensor, attention_mask: Tensor | None = None,
+                   **kwargs: Any) -> Tensor:
+    """Final-normed hidden states [s, b, h] of a post_process GPTModel, without the output layer.
+    GPTModel returns the decoder output when `post_process` is off (its final norm lives in the decoder,
+    which keeps its own flag), so the flag is lowered for this one call."""
+    if not model.post_process:
+        raise ValueError("decoder_hidden needs the last pipeline stage (post_process) model chunk")
+    model.post_process = False
+    try:
+        return model(input_ids, position_ids, attention_mask, **kwargs)
+    finally:
+        model.post_process = True
+
+
+def _chunk_logprobs(model: Any, hidden: Tensor, labels: Tensor) -> Tensor:
+    weight = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else None
+    logits, _ = model.output_layer(hidden, weight=weight)
+    return -tensor_parallel.vocab_parallel_cross_entropy(logits, labels)
+
+
+def token_logprobs(model: Any, hidden: Tensor, labels: Tensor, chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> Tensor:
+    """log p(labels) [b, s] in fp32 from `hidden` [s, b, h] (decoder_hidden) and `labels` [b, s]."""
+    labels_sb = labels.transpose(0, 1).contiguous()
+    if model.output_layer.sequence_parallel:
+        # hidden is this rank's sequence shard and the output layer gathers it: chunking would need
+        # the labels gathered to match; one chunk keeps megatron's own behaviour.
+        return _chunk_logprobs(model, hidden, labels_sb).transpose(0, 1)
+    s, b = labels_sb.shape
+    rows = max(1, chunk_tokens // b)
+    if rows >= s:
+        return _chunk_logprobs(model, hidden, labels_sb).transpose(0, 1)
+    pieces = [
+        checkpoint(_chunk_logprobs, model, hidden[i:i + rows], labels_sb[i:i + rows], use_reentrant=False)
+        for i in range(0, s, rows)
+    ]
+    return torch.cat(pieces, dim=0).transpose(0, 1)
+
+
+__all__ = ["DEFAULT_CHUNK_TOKENS", "decoder_hidden", "token_logprobs"]
