@@ -1,15 +1,20 @@
-"""One training step (forward + backward + Adam) of a random-weight Qwen2 shape: trinity's
-megatron-core path vs HF transformers with `attn_implementation="sdpa"`, in the same process.
+"""One training step (forward + backward + AdamW, bf16, random weights) of Qwen2.5 shapes: our
+megatron-core model (`trinity.models.build.build_model`, our spec) next to HF transformers with
+`attn_implementation="sdpa"`, same process, same GPU.
 
-    python benchmarks/train_step.py --shape qwen2_5_7b --seq 4096            # one GPU, bf16
     python benchmarks/train_step.py --shape qwen2_5_0_5b --seq 4096 --mbs 2
-    python benchmarks/train_step.py --shape tiny --device cpu --seq 128      # smoke run on CPU
+    python benchmarks/train_step.py --shape qwen2_5_7b --recompute none,selective,full --compile none,layers
+    python benchmarks/train_step.py --shape qwen2_5_0_5b --packed no,yes --engines mcore
+    python benchmarks/train_step.py --shape tiny --device cpu --seq 128 --steps 2 --warmup 1   # CPU smoke
 
-TFLOP/s = (6 * params * tokens + 12 * layers * hidden * seq * tokens) / step time. Peak memory is
-torch.cuda.max_memory_allocated per engine on GPU, the process' max RSS on CPU (cumulative: the
-second engine's number includes the first's). megatron-core trains as `trinity run` does (DDP with
-fp32 grads, distributed optimizer with fp32 master weights, our SDPA layer spec); HF uses bf16
-params with torch AdamW, so it holds less optimizer memory than megatron's mixed precision.
+Every combination of --engines x --recompute x --compile x --packed is one case (cases an engine cannot
+run are skipped: HF has no selective recompute, no per-layer compile, no packed rows here).
+TFLOP/s = (6 * params * tokens + 12 * layers * hidden * seq * tokens) / step time, params counted from
+the HF shape (tied embeddings once); packed rows use the same count (their attention does less work, so
+tokens/s is the fair comparison). Both engines use bf16 params and torch's fused AdamW (fp32 on CPU);
+ours takes the loss through `trinity.models.logprobs` (chunked, no full-vocabulary fp32 logits), HF
+through its own loss. Peak memory = torch.cuda.max_memory_allocated, reset per case. Warm-up steps
+(compile included) are timed separately as "first s".
 """
 
 from __future__ import annotations
@@ -19,14 +24,17 @@ import gc
 import json
 import tempfile
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
-SHAPES: dict[str, dict[str, Any]] = {
+SHAPES: dict[str, dict[str, Any]] = {  # config.json fields of the Qwen2.5 releases
     "qwen2_5_7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
                        num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
+    "qwen2_5_1_5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                         num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
     "qwen2_5_0_5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                          num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -34,124 +42,172 @@ SHAPES: dict[str, dict[str, Any]] = {
 }
 
 
-def hf_config(shape: str, seq: int) -> Any:
-    from transformers import Qwen2Config
+@dataclass(frozen=True)
+class Case:
+    engine: str
+    recompute: str  # none | selective | full
+    compile: str  # none | layers | model
+    packed: bool
 
-    return Qwen2Config(
-        **SHAPES[shape], max_position_embeddings=max(seq, 4096), rope_theta=1e6, rms_norm_eps=1e-6,
-        architectures=["Qwen2ForCausalLM"],
-    )
+
+def hf_config_dict(shape: str, seq: int) -> dict[str, Any]:
+    return dict(SHAPES[shape], model_type="qwen2", architectures=["Qwen2ForCausalLM"], hidden_act="silu",
+                max_position_embeddings=max(seq, 4096), rope_theta=1e6, rms_norm_eps=1e-6,
+                attention_dropout=0.0, use_sliding_window=False)
+
+
+def param_count(cfg: dict[str, Any]) -> int:
+    h, f, n, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
+    kv = cfg["num_key_value_heads"] * (h // cfg["num_attention_heads"])
+    per_layer = h * h + 2 * h * kv + h + 2 * kv + h * h + 3 * h * f + 2 * h  # q,k,v (+bias), o, mlp, norms
+    return n * per_layer + v * h * (1 if cfg["tie_word_embeddings"] else 2) + h
 
 
 def step_flops(params: int, layers: int, hidden: int, seq: int, tokens: int) -> float:
     return 6.0 * params * tokens + 12.0 * layers * hidden * seq * tokens
 
 
-def peak_gib(device: torch.device) -> float:
-    from trinity.trainer.metrics import peak_memory_gib
-
-    return peak_memory_gib(device)
-
-
-def reset_memory(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
-
-
-def timed(step: Callable[[], None], device: torch.device, warmup: int, steps: int) -> float:
-    """Mean seconds per step after `warmup` untimed steps."""
-    for _ in range(warmup):
-        step()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        step()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return (time.perf_counter() - t0) / steps
-
-
-def random_batch(vocab: int, seq: int, mbs: int, seed: int = 0) -> dict[str, torch.Tensor]:
+def make_batch(vocab: int, seq: int, mbs: int, packed: bool, device: torch.device, seed: int = 0) -> dict[str, Any]:
+    """Random tokens; packed rows hold documents of random lengths (64..seq/2) back to back."""
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, vocab, (mbs, seq), generator=g)
-    return {
-        "tokens": tokens,
-        "labels": torch.roll(tokens, -1, dims=1),
-        "loss_mask": torch.ones(mbs, seq, dtype=torch.float32),
-        "position_ids": torch.arange(seq).expand(mbs, seq).contiguous(),
-        "doc_ids": torch.zeros(mbs, seq, dtype=torch.long),
-    }
+    doc_ids = torch.zeros(mbs, seq, dtype=torch.long)
+    if packed:
+        for row in range(mbs):
+            start, doc = 0, 0
+            while start < seq:
+                length = int(torch.randint(64, max(65, seq // 2), (1,), generator=g))
+                doc_ids[row, start:start + length] = doc
+                start, doc = start + length, doc + 1
+    return {"tokens": tokens.to(device), "labels": torch.roll(tokens, -1, 1).to(device),
+            "position_ids": torch.arange(seq).expand(mbs, seq).contiguous().to(device),
+            "doc_ids": doc_ids.to(device)}
 
 
-def bench_megatron(cfg_dir: Path, device: torch.device, dtype: torch.dtype, args: argparse.Namespace) -> float:
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def optimizer(params: Any, device: torch.device) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-5, weight_decay=0.0, fused=device.type == "cuda")
+
+
+def mcore_step(cfg_dir: Path, case: Case, device: torch.device, dtype: torch.dtype, args: Any) -> Callable[[], None]:
+    from types import SimpleNamespace
+
     from trinity.config.megatron import MegatronConfig
-    from trinity.config.schema import OptimConfig
+    from trinity.models.attention import document_packed_params
     from trinity.models.build import build_model
     from trinity.models.facts import ModelFacts
-    from trinity.trainer.setup import build_train_state
-    from trinity.trainer.sft import train_step
+    from trinity.models.logprobs import decoder_hidden, token_logprobs
 
-    facts = ModelFacts.from_hf_dir(cfg_dir)
-    megatron = MegatronConfig(use_distributed_optimizer=True)
-    if args.recompute:
-        megatron.override_transformer_config.recompute_granularity = args.recompute
-    chunks = build_model(facts, megatron, device=device.type, dtype=dtype)
-    state = build_train_state(chunks, megatron, OptimConfig(lr=1e-5), dtype=dtype, total_steps=1000)
-    batch = random_batch(facts.vocab_size, args.seq, args.mbs)
-    tokens = args.seq * args.mbs
+    block = MegatronConfig()
+    if case.recompute != "none":
+        block.override_transformer_config.recompute_granularity = case.recompute
+    # torch_compile is not a MegatronConfig field yet: build_model reads it with getattr.
+    megatron = SimpleNamespace(**{k: getattr(block, k) for k in type(block).model_fields}, torch_compile=case.compile)
+    (model,) = build_model(ModelFacts.from_hf_dir(cfg_dir), megatron, device=device.type, dtype=dtype)
+    model.train()
+    opt = optimizer(model.parameters(), device)
+    batch = make_batch(model.vocab_size, args.seq, args.mbs, case.packed, device)
 
     def step() -> None:
-        train_step(state, [batch], loss_tokens=tokens, seq_len=args.seq, device=device)
+        opt.zero_grad(set_to_none=True)
+        packed = document_packed_params(batch["doc_ids"]) if case.packed else None  # once per batch
+        hidden = decoder_hidden(model, batch["tokens"], batch["position_ids"], None, packed_seq_params=packed)
+        loss = -token_logprobs(model, hidden, batch["labels"]).mean()
+        loss.backward()
+        opt.step()
 
-    seconds = timed(step, device, args.warmup, args.steps)
-    del state, chunks
-    return seconds
+    return step
 
 
-def bench_hf(cfg_dir: Path, device: torch.device, dtype: torch.dtype, args: argparse.Namespace) -> float:
+def hf_step(cfg_dir: Path, case: Case, device: torch.device, dtype: torch.dtype, args: Any) -> Callable[[], None]:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(str(cfg_dir))
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype)
     model.train()
-    if args.recompute:
-        model.gradient_checkpointing_enable()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.0)
-    batch = random_batch(config.vocab_size, args.seq, args.mbs)
-    ids = batch["tokens"].to(device)
+    if case.recompute == "full":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if case.compile == "model":
+        model.compile()
+    opt = optimizer(model.parameters(), device)
+    ids = make_batch(config.vocab_size, args.seq, args.mbs, False, device)["tokens"]
 
     def step() -> None:
         opt.zero_grad(set_to_none=True)
-        out = model(input_ids=ids, labels=ids)
-        out.loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        model(input_ids=ids, labels=ids).loss.backward()
         opt.step()
 
-    seconds = timed(step, device, args.warmup, args.steps)
-    del model, opt
-    return seconds
+    return step
 
 
-ENGINES: dict[str, Callable[[Path, torch.device, torch.dtype, argparse.Namespace], float]] = {
-    "megatron-core": bench_megatron,
-    "hf-sdpa": bench_hf,
-}
+ENGINES: dict[str, Callable[..., Callable[[], None]]] = {"mcore": mcore_step, "hf": hf_step}
+
+
+def supported(case: Case) -> bool:
+    if case.engine == "hf":
+        return case.recompute != "selective" and case.compile != "layers" and not case.packed
+    return True
+
+
+def profile_step(step: Callable[[], None], device: torch.device, out: Path | None, rows: int = 30) -> None:
+    """One profiled step: the top kernels/ops by device time, printed (and a Chrome trace under `out`)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        step()
+        sync(device)
+    key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    print(prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=70), flush=True)
+    if out is not None:
+        prof.export_chrome_trace(str(out))
+
+
+def run_case(cfg_dir: Path, case: Case, device: torch.device, dtype: torch.dtype, args: Any) -> dict[str, Any]:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    torch._dynamo.reset()
+    step = ENGINES[case.engine](cfg_dir, case, device, dtype, args)
+    t0 = time.perf_counter()
+    for _ in range(args.warmup):
+        step()
+    sync(device)
+    first = time.perf_counter() - t0
+    times = []
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        step()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    if args.profile:
+        tag = f"{case.engine}-{case.recompute}-{case.compile}-{'packed' if case.packed else 'rows'}"
+        print(f"--- profile {tag}", flush=True)
+        profile_step(step, device, args.profile / f"trace-{tag}.json" if args.profile.is_dir() else None)
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
+    del step
+    return {"first_s": first, "step_s": sorted(times)[len(times) // 2], "peak_gib": peak}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--shape", choices=sorted(SHAPES), default="qwen2_5_7b")
+    p.add_argument("--shape", choices=sorted(SHAPES), default="qwen2_5_0_5b")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--mbs", type=int, default=1)
-    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--steps", type=int, default=5, help="timed steps (median reported)")
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--recompute", choices=["full", "selective"], default=None)
-    p.add_argument("--engines", default=",".join(ENGINES), help="comma-separated subset of " + ", ".join(ENGINES))
+    p.add_argument("--engines", default="hf,mcore")
+    p.add_argument("--recompute", default="none", help="comma list of none, selective, full")
+    p.add_argument("--compile", default="none", help="comma list of none, layers, model")
+    p.add_argument("--packed", default="no", help="comma list of no, yes")
+    p.add_argument("--profile", type=Path, default=None, help="profile one step per case; a folder gets traces")
     p.add_argument("--json", type=Path, default=None, help="also write the rows here")
     args = p.parse_args()
 
@@ -159,53 +215,44 @@ def main() -> None:
     from trinity.distributed.layout import ParallelLayout
 
     device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
-    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
-    config = hf_config(args.shape, args.seq)
-    params = _param_count(config)
-    tokens = args.seq * args.mbs
-    flops = step_flops(params, config.num_hidden_layers, config.hidden_size, args.seq, tokens)
-    rows = []
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    cfg = hf_config_dict(args.shape, args.seq)
+    params, tokens = param_count(cfg), args.seq * args.mbs
+    flops = step_flops(params, cfg["num_hidden_layers"], cfg["hidden_size"], args.seq, tokens)
+    cases = [Case(e, r, c, pk == "yes") for e in args.engines.split(",") for r in args.recompute.split(",")
+             for c in args.compile.split(",") for pk in args.packed.split(",")]
+    rows: list[dict[str, Any]] = []
     parallel.init_parallel(device=args.device, layout=ParallelLayout(), seed=1234)
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            config.save_pretrained(tmp)
-            for name in args.engines.split(","):
-                reset_memory(device)
-                seconds = ENGINES[name](Path(tmp), device, dtype, args)
-                rows.append({
-                    "engine": name, "shape": args.shape, "params_b": params / 1e9, "seq": args.seq, "mbs": args.mbs,
-                    "step_s": seconds, "tokens_per_s": tokens / seconds, "tflops": flops / seconds / 1e12,
-                    "peak_gib": peak_gib(device), "recompute": args.recompute or "none",
-                })
-                reset_memory(device)
+            (Path(tmp) / "config.json").write_text(json.dumps(cfg))
+            for case in filter(supported, cases):
+                try:
+                    result = run_case(Path(tmp), case, device, dtype, args)
+                except torch.OutOfMemoryError:
+                    result = {"first_s": float("nan"), "step_s": float("nan"), "peak_gib": float("inf")}
+                row = {**asdict(case), "shape": args.shape, "params_b": params / 1e9, "seq": args.seq,
+                       "mbs": args.mbs, **result, "tokens_per_s": tokens / result["step_s"],
+                       "tflops": flops / result["step_s"] / 1e12}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
     finally:
         parallel.destroy()
-    print_table(rows, device)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1) + "\n")
-
-
-def _param_count(config: Any) -> int:
-    """Parameters of the HF model (tied embeddings counted once), from the shapes alone."""
-    h, f, n, v = config.hidden_size, config.intermediate_size, config.num_hidden_layers, config.vocab_size
-    kv = config.num_key_value_heads * (h // config.num_attention_heads)
-    per_layer = h * h + 2 * h * kv + h + 2 * kv + h * h + 3 * h * f + 2 * h  # q,k,v (+bias), o, mlp, norms
-    embeddings = v * h * (1 if config.tie_word_embeddings else 2)
-    return n * per_layer + embeddings + h
+    print_table(rows, device)
 
 
 def print_table(rows: list[dict[str, Any]], device: torch.device) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    table = Table(title=f"training step on {name}")
-    for col in ("engine", "shape", "params", "seq x mbs", "recompute", "step s", "tokens/s", "TFLOP/s", "peak GiB"):
-        table.add_column(col, justify="right")
+    print(f"\ntraining step on {name}, torch {torch.__version__}")
+    head = ("engine", "shape", "seq x mbs", "recompute", "compile", "packed", "first s", "step s", "tokens/s",
+            "TFLOP/s", "peak GiB")
+    print(" | ".join(head))
     for r in rows:
-        table.add_row(r["engine"], r["shape"], f"{r['params_b'] * 1e3:.1f} M" if r["params_b"] < 1 else f"{r['params_b']:.2f} B", f"{r['seq']} x {r['mbs']}", r["recompute"],
-                      f"{r['step_s']:.3f}", f"{r['tokens_per_s']:.0f}", f"{r['tflops']:.1f}", f"{r['peak_gib']:.2f}")
-    Console(width=160).print(table)
+        print(" | ".join([r["engine"], r["shape"], f"{r['seq']} x {r['mbs']}", r["recompute"], r["compile"],
+                          "yes" if r["packed"] else "no", f"{r['first_s']:.1f}", f"{r['step_s']:.4f}",
+                          f"{r['tokens_per_s']:.0f}", f"{r['tflops']:.1f}", f"{r['peak_gib']:.2f}"]))
 
 
 if __name__ == "__main__":
