@@ -1,6 +1,6 @@
 """SFT end to end on CPU through `trinity.cli.commands.run` (the real torchrun path, gloo, fp32).
 
-A tiny Qwen2 (2 layers, hidden 64, character vocabulary) learns the arithmetic task of the
+A tiny Qwen2 (4 layers, hidden 64, character vocabulary) learns the arithmetic task of the
 quickstart. Every job is a real `trinity run`: config validation, HF -> dist checkpoint cache,
 torchrun, worker, megatron-core schedules, dist checkpoints, HF export.
 """
@@ -27,7 +27,8 @@ def assets(tmp_path_factory) -> dict[str, Path]:
 
     root = tmp_path_factory.mktemp("sft_assets")
     tok = make_tiny_tokenizer(root / "tokenizer")
-    model = make_tiny_qwen2(root / "model", tok, num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2)
+    # 4 layers so that PP=2 x VPP=2 has a layer per chunk.
+    model = make_tiny_qwen2(root / "model", tok, num_layers=4, hidden_size=64, num_heads=4, num_kv_heads=2)
     data = write_sft_dataset(root / "sft.jsonl", 600, seed=0)
     return {"model": model, "data": data, "root": root}
 
@@ -72,21 +73,42 @@ def losses(out: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in rows}
 
 
+def _runs_worker(cmdline: list[str]) -> bool:
+    """A worker rank (`python -u -m trinity.trainer.worker ...`), not torchrun's agent, whose first
+    `-m` is torch.distributed.run."""
+    return "-m" in cmdline and cmdline[cmdline.index("-m") + 1 :][:1] == ["trinity.trainer.worker"]
+
+
+@pytest.fixture(scope="module")
+def baseline_run(assets, tmp_path_factory) -> Path:
+    """An uninterrupted 10-step run at TP=PP=DP=1 with checkpoints every 5 steps and an HF export.
+    The lr is constant after a 2-step warm-up, so shorter runs of the same job follow the same schedule."""
+    out = tmp_path_factory.mktemp("baseline")
+    cfg = job(assets, out / "run", trainer={"total_steps": 10, "save_interval": 5, "export_hf": True})
+    assert run_job(cfg, out / "job.yaml") == 0
+    return out / "run"
+
+
+@pytest.fixture(scope="module")
+def baseline(baseline_run) -> dict[int, float]:
+    return losses(baseline_run)
+
+
 @pytest.mark.slow
-def test_sft_single_process_learns_and_exports(assets, tmp_path):
-    out = tmp_path / "run"
-    cfg = job(assets, out, trainer={"total_steps": 16, "save_interval": 8, "export_hf": True})
-    assert run_job(cfg, tmp_path / "job.yaml") == 0
+def test_sft_single_process_learns_and_exports(assets, baseline_run):
+    out = baseline_run
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == list(range(1, 17))
+    assert [r["step"] for r in rows] == list(range(1, 11))
     for key in ("loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "mem_peak_gib"):
-        assert all(isinstance(r[key], float) for r in rows), key
+        assert all(isinstance(r[key], float) and r[key] > 0 for r in rows), key
     first, last = rows[0]["loss"], rows[-1]["loss"]
-    assert last < 0.6 * first, (first, last)
-    assert rows[0]["lr"] == pytest.approx(1.5e-3) and rows[-1]["lr"] == pytest.approx(3e-3)  # warm-up 2 steps
-    ckpts = sorted(p.name for p in (out / "checkpoints").iterdir())
-    assert ckpts == ["step_16", "step_8"]
-    assert (out / "checkpoints" / "step_16" / "complete").is_file()
+    assert last < 0.75 * first, (first, last)
+    assert rows[0]["lr"] == pytest.approx(1.5e-3) and rows[-1]["lr"] == pytest.approx(3e-3)  # 2 warm-up steps
+    text = (out.parent / "job.out").read_text()
+    assert f"first loss {first:.4f} (step 1), last loss {last:.4f} (step 10)" in text
+    ckpts = out / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step_10", "step_5"]
+    assert (ckpts / "step_10" / "complete").is_file() and (ckpts / "step_10" / "hf" / "config.json").is_file()
 
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -97,21 +119,6 @@ def test_sft_single_process_learns_and_exports(assets, tmp_path):
     names = dict(orig.named_parameters())
     changed = [n for n, p in hf.named_parameters() if not torch.equal(p, names[n])]
     assert len(changed) == len(names), "every trained tensor differs from the initial model"
-
-
-def _runs_worker(cmdline: list[str]) -> bool:
-    """A worker rank (`python -u -m trinity.trainer.worker ...`), not torchrun's agent, whose first
-    `-m` is torch.distributed.run."""
-    return "-m" in cmdline and cmdline[cmdline.index("-m") + 1 :][:1] == ["trinity.trainer.worker"]
-
-
-@pytest.fixture(scope="module")
-def baseline(assets, tmp_path_factory) -> dict[int, float]:
-    """Losses of an uninterrupted 10-step run at TP=PP=DP=1 (constant lr after a 2-step warm-up, so
-    shorter runs of the same job follow the same schedule)."""
-    out = tmp_path_factory.mktemp("baseline")
-    assert run_job(job(assets, out / "run", trainer={"total_steps": 10}), out / "job.yaml") == 0
-    return losses(out / "run")
 
 
 @pytest.mark.slow
@@ -169,9 +176,14 @@ def test_stop_resume_and_kill_during_save(assets, baseline, tmp_path):
     [
         {"tensor_model_parallel_size": 2},
         {"pipeline_model_parallel_size": 2},
+        pytest.param(
+            {"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2},
+            marks=pytest.mark.xfail(strict=True, reason="known bug: PP=2 x VPP=2 differs from TP=1 from the first "
+                                    "forward (loss 5.754 vs 5.728) and its grad norm grows to ~800; not yet found"),
+        ),
         {"use_distributed_optimizer": True},  # DP=2
     ],
-    ids=["tp2", "pp2", "dp2"],
+    ids=["tp2", "pp2", "pp2_vpp2", "dp2"],
 )
 def test_layouts_give_the_same_losses(assets, baseline, tmp_path_factory, layout):
     tmp = tmp_path_factory.mktemp("layout")

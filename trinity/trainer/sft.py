@@ -52,13 +52,25 @@ def total_steps(ctx: WorkerContext, data: Any) -> int:
     return t.total_steps if t.total_steps is not None else t.total_epochs * data.steps_per_epoch
 
 
-def _loss_func(loss_mask: torch.Tensor, scale: float, output_tensor: torch.Tensor):
-    """Masked token-sum loss, pre-scaled for megatron's / num_microbatches and DDP's DP average."""
-    token_sum = (output_tensor.float() * loss_mask).sum()
+def _loss_func(labels: torch.Tensor, loss_mask: torch.Tensor, scale: float, vocab_size: int, logits: torch.Tensor):
+    """Masked token-sum cross-entropy, pre-scaled for megatron's / num_microbatches and DDP's DP average.
+
+    Computed from the vocab-parallel logits with the padded vocabulary columns (the model's vocab is
+    padded to a multiple of 128 * TP) left out of the softmax, as in the HF model: megatron's own
+    loss would include them and give a different loss under each TP size.
+    """
+    from megatron.core import parallel_state as ps
+
+    from trinity.algorithms.logprob import vocab_parallel_log_probs
+
+    logp = vocab_parallel_log_probs(
+        logits, labels, group=ps.get_tensor_model_parallel_group(), vocab_size=vocab_size
+    )
+    token_sum = -(logp * loss_mask).sum()
     return token_sum * scale, {"loss_sum": token_sum.detach()}
 
 
-def _forward_step(device: torch.device, scale: float, data_iterator, model):
+def _forward_step(device: torch.device, scale: float, vocab_size: int, data_iterator, model):
     from trinity.data.packing import block_causal_mask
 
     batch = next(data_iterator)
@@ -67,12 +79,19 @@ def _forward_step(device: torch.device, scale: float, data_iterator, model):
     position_ids = batch["position_ids"].to(device, non_blocking=True)
     loss_mask = batch["loss_mask"].to(device, non_blocking=True)
     attention_mask = block_causal_mask(batch["doc_ids"].to(device, non_blocking=True))
-    output = model(tokens, position_ids, attention_mask, labels=labels)
-    return output, partial(_loss_func, loss_mask, scale)
+    # Without labels the last stage returns the [b, s, vocab / tp] logits (hidden states elsewhere).
+    output = model(tokens, position_ids, attention_mask)
+    return output, partial(_loss_func, labels, loss_mask, scale, vocab_size)
 
 
 def train_step(
-    state: TrainState, micro_batches: list[dict[str, Any]], *, loss_tokens: int, seq_len: int, device: torch.device
+    state: TrainState,
+    micro_batches: list[dict[str, Any]],
+    *,
+    loss_tokens: int,
+    seq_len: int,
+    device: torch.device,
+    vocab_size: int,
 ) -> tuple[float, float]:
     """One optimizer step over this rank's micro batches; returns (global loss, grad norm) on every rank."""
     from megatron.core import parallel_state as ps
@@ -87,7 +106,7 @@ def train_step(
     # One iterator per VPP chunk: the interleaved schedule runs every micro batch through each chunk.
     iterators = [iter(micro_batches) for _ in state.model]
     outputs = get_forward_backward_func()(
-        forward_step_func=partial(_forward_step, device, scale),
+        forward_step_func=partial(_forward_step, device, scale, vocab_size),
         data_iterator=iterators if len(iterators) > 1 else iterators[0],
         model=state.model if len(state.model) > 1 else state.model[0],
         num_microbatches=num_micro,
@@ -134,7 +153,10 @@ def run_sft(ctx: WorkerContext) -> None:
             _sync(ctx.device)
             t0 = time.perf_counter()
             micro = data.next_global_batch()
-            loss, grad_norm = train_step(state, micro, loss_tokens=data.last_step_loss_tokens, seq_len=data.seq_len, device=ctx.device)
+            loss, grad_norm = train_step(
+                state, micro, loss_tokens=data.last_step_loss_tokens, seq_len=data.seq_len, device=ctx.device,
+                vocab_size=ctx.facts.vocab_size,
+            )
             _sync(ctx.device)
             dt = time.perf_counter() - t0
             lr = state.lr()  # set by the schedule for this step before the optimizer ran
