@@ -116,7 +116,7 @@ def mcore_step(cfg_dir: Path, case: Case, device: torch.device, dtype: torch.dty
         opt.zero_grad(set_to_none=True)
         packed = document_packed_params(batch["doc_ids"]) if case.packed else None  # once per batch
         hidden = decoder_hidden(model, batch["tokens"], batch["position_ids"], None, packed_seq_params=packed)
-        loss = -token_logprobs(model, hidden, batch["labels"]).mean()
+        loss = -token_logprobs(model, hidden, batch["labels"], chunk_tokens=args.chunk_tokens).mean()
         loss.backward()
         opt.step()
 
@@ -207,6 +207,7 @@ def main() -> None:
     p.add_argument("--recompute", default="none", help="comma list of none, selective, full")
     p.add_argument("--compile", default="none", help="comma list of none, layers, model")
     p.add_argument("--packed", default="no", help="comma list of no, yes")
+    p.add_argument("--chunk-tokens", type=int, default=None, help="ours: log-probs over chunks of this many tokens")
     p.add_argument("--profile", type=Path, default=None, help="profile one step per case; a folder gets traces")
     p.add_argument("--json", type=Path, default=None, help="also write the rows here")
     args = p.parse_args()

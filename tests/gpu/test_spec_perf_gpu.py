@@ -83,3 +83,18 @@ def test_compiled_model_matches_eager_with_packed_rows(cuda_tp1, tmp_path, scope
     got = dict(compiled.named_parameters())
     for name, p in eager.named_parameters():
         assert _rel(got[name].grad, p.grad) < 5e-2, name
+
+
+def test_compiled_logprobs_match_megatron_cross_entropy(cuda_tp1):
+    from megatron.core import tensor_parallel
+
+    from trinity.models.logprobs import _vocab_logprobs
+
+    logits = torch.randn(64, 2, 50000, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    labels = torch.randint(0, 50000, (64, 2), device="cuda")
+    got = _vocab_logprobs(logits, labels)
+    want = -tensor_parallel.vocab_parallel_cross_entropy(logits, labels)
+    assert got.dtype == torch.float32 and _rel(got, want) < 1e-4
+    g_got, = torch.autograd.grad(got.sum(), logits)
+    g_want, = torch.autograd.grad(want.sum(), logits)
+    assert _rel(g_got, g_want) < 1e-2

@@ -20,8 +20,8 @@ def tp1():
     destroy()
 
 
-@pytest.mark.parametrize("tied", [True, False])
-def test_chunked_logprobs_equal_megatron_loss_and_grads(tp1, tmp_path, tied):
+@pytest.mark.parametrize("tied,chunk", [(True, 6), (False, None)])  # 3 rows per chunk / one piece
+def test_chunked_logprobs_equal_megatron_loss_and_grads(tp1, tmp_path, tied, chunk):
     from trinity.models.build import build_model
     from trinity.models.logprobs import decoder_hidden, token_logprobs
 
@@ -35,7 +35,7 @@ def test_chunked_logprobs_equal_megatron_loss_and_grads(tp1, tmp_path, tied):
     ref.sum().backward()
     ref_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
-    logp = token_logprobs(model, decoder_hidden(model, ids, pos, None), labels, chunk_tokens=6)  # 3 rows/chunk
+    logp = token_logprobs(model, decoder_hidden(model, ids, pos, None), labels, chunk_tokens=chunk)
     (-logp).sum().backward()
     assert logp.shape == (2, 16) and logp.dtype == torch.float32
     torch.testing.assert_close(-logp, ref, atol=1e-5, rtol=0)

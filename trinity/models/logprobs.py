@@ -2,10 +2,14 @@
 
 megatron's own loss path (`GPTModel(labels=...)`) runs the output layer over the whole sequence and
 its vocab-parallel cross-entropy upcasts those logits to fp32 and keeps their exp for backward: at a
-Qwen2.5-7B shape (vocab 152k) and 4096 tokens that is 1.2 GB of bf16 logits plus ~5 GB of fp32. Here
-the output layer and cross-entropy run over sequence chunks under activation checkpointing, so at most
-one chunk's logits exist at a time (forward and backward); the output weight's gradient accumulates
-chunk by chunk.
+Qwen2.5-7B shape (vocab 152k) and 4096 tokens that is 1.2 GB of bf16 logits plus ~5 GB of fp32, and on
+an H200 its eager elementwise passes took 15% of a 0.5B training step (benchmarks/NOTES.md).
+- TP=1 on CUDA: log-softmax + gather as one compiled function over the bf16 logits (fp32 math inside
+  the kernel; only the bf16 logits and one fp32 logsumexp per token are kept for backward).
+- TP>1: megatron's vocab-parallel cross-entropy (it all-reduces max and sum over the TP group).
+- `chunk_tokens`: the output layer and the log-prob run over sequence chunks under activation
+  checkpointing, so at most one chunk's logits exist at a time (the output matmul runs twice: a
+  memory-for-time trade, off by default).
 """
 
 from __future__ import annotations
@@ -16,9 +20,27 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
+from megatron.core import parallel_state as ps
 from megatron.core import tensor_parallel
 
-DEFAULT_CHUNK_TOKENS = 8192  # tokens (sequence x batch) per chunk
+_compiled_logprobs: Any = None
+
+
+def _logprobs_local(logits: Tensor, labels: Tensor) -> Tensor:
+    """log softmax(logits)[labels] in fp32 for a full (TP=1) vocabulary."""
+    picked = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1).float()
+    return picked - torch.logsumexp(logits.float(), dim=-1)
+
+
+def _vocab_logprobs(logits: Tensor, labels: Tensor) -> Tensor:
+    global _compiled_logprobs
+    if ps.get_tensor_model_parallel_world_size() > 1:
+        return -tensor_parallel.vocab_parallel_cross_entropy(logits, labels)
+    if not logits.is_cuda:
+        return _logprobs_local(logits, labels)
+    if _compiled_logprobs is None:
+        _compiled_logprobs = torch.compile(_logprobs_local, dynamic=None)
+    return _compiled_logprobs(logits, labels)
 
 
 def decoder_hidden(model: Any, input_ids: Tensor, position_ids: Tensor, attention_mask: Tensor | None = None,
@@ -38,10 +60,10 @@ def decoder_hidden(model: Any, input_ids: Tensor, position_ids: Tensor, attentio
 def _chunk_logprobs(model: Any, hidden: Tensor, labels: Tensor) -> Tensor:
     weight = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else None
     logits, _ = model.output_layer(hidden, weight=weight)
-    return -tensor_parallel.vocab_parallel_cross_entropy(logits, labels)
+    return _vocab_logprobs(logits, labels)
 
 
-def token_logprobs(model: Any, hidden: Tensor, labels: Tensor, chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> Tensor:
+def token_logprobs(model: Any, hidden: Tensor, labels: Tensor, chunk_tokens: int | None = None) -> Tensor:
     """log p(labels) [b, s] in fp32 from `hidden` [s, b, h] (decoder_hidden) and `labels` [b, s]."""
     labels_sb = labels.transpose(0, 1).contiguous()
     if model.output_layer.sequence_parallel:
@@ -49,8 +71,8 @@ def token_logprobs(model: Any, hidden: Tensor, labels: Tensor, chunk_tokens: int
         # the labels gathered to match; one chunk keeps megatron's own behaviour.
         return _chunk_logprobs(model, hidden, labels_sb).transpose(0, 1)
     s, b = labels_sb.shape
-    rows = max(1, chunk_tokens // b)
-    if rows >= s:
+    rows = max(1, (chunk_tokens or 1) // b)
+    if chunk_tokens is None or rows >= s:
         return _chunk_logprobs(model, hidden, labels_sb).transpose(0, 1)
     pieces = [
         checkpoint(_chunk_logprobs, model, hidden[i:i + rows], labels_sb[i:i + rows], use_reentrant=False)
@@ -59,4 +81,4 @@ def token_logprobs(model: Any, hidden: Tensor, labels: Tensor, chunk_tokens: int
     return torch.cat(pieces, dim=0).transpose(0, 1)
 
 
-__all__ = ["DEFAULT_CHUNK_TOKENS", "decoder_hidden", "token_logprobs"]
+__all__ = ["decoder_hidden", "token_logprobs"]
