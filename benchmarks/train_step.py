@@ -94,8 +94,6 @@ def optimizer(params: Any, device: torch.device) -> torch.optim.Optimizer:
 
 
 def mcore_step(cfg_dir: Path, case: Case, device: torch.device, dtype: torch.dtype, args: Any) -> Callable[[], None]:
-    from types import SimpleNamespace
-
     from trinity.config.megatron import MegatronConfig
     from trinity.models.attention import document_packed_params
     from trinity.models.build import build_model
@@ -105,8 +103,7 @@ def mcore_step(cfg_dir: Path, case: Case, device: torch.device, dtype: torch.dty
     block = MegatronConfig()
     if case.recompute != "none":
         block.override_transformer_config.recompute_granularity = case.recompute
-    # torch_compile is not a MegatronConfig field yet: build_model reads it with getattr.
-    megatron = SimpleNamespace(**{k: getattr(block, k) for k in type(block).model_fields}, torch_compile=case.compile)
+    megatron = block.model_copy(update={"torch_compile": case.compile})
     (model,) = build_model(ModelFacts.from_hf_dir(cfg_dir), megatron, device=device.type, dtype=dtype)
     model.train()
     opt = optimizer(model.parameters(), device)

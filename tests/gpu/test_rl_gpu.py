@@ -5,6 +5,7 @@ Run on a GPU machine: `python -m pytest tests/gpu/test_rl_gpu.py -q -s` (prints 
 
 from __future__ import annotations
 
+import gc
 import time
 
 import pytest
@@ -85,6 +86,7 @@ def _run(facts, path, offload: bool, steps: int = 2):
         logs.append(log)
     off.need(params=True, grads=True, optim=True)
     del state, off
+    gc.collect()  # megatron's DDP hooks hold reference cycles: free this state before the next run
     torch.cuda.empty_cache()
     return losses, logs, released
 

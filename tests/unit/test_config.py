@@ -118,6 +118,7 @@ CASES = [
     ({"data.train_files": ["/nonexistent/a.jsonl"]}, "data.train_files.0: /nonexistent/a.jsonl does not exist", ""),
     ({"data.train_files": []}, "data.train_files: no training files", ""),
     ({"cluster.device": "tpu"}, "cluster.device:", "'cuda' or 'cpu'"),
+    ({f"{ACTOR}.torch_compile": "everything"}, f"{ACTOR}.torch_compile:", "'layers'"),
 ]
 
 

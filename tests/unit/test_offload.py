@@ -93,7 +93,7 @@ def test_offload_frees_storages_and_keeps_host_copies(facts_path):
     state_tensors = [t for t in opt_tensors if t.numel() > 1]
     assert state_tensors and all(t.untyped_storage().nbytes() == 0 for t in state_tensors)
     assert off.device_bytes() == {"params": 0, "grads": 0, "optim": 0}
-    host = [m.host for m in off._params + (off._optim or [])]
+    host = [m.host for m in off._params + list(off._optim.values())]
     assert all(h is not None and h.device.type == "cpu" and h.numel() > 0 for h in host)
 
     off.need(params=True)  # rollout: params back, grads and optimizer stay off
@@ -103,6 +103,33 @@ def test_offload_frees_storages_and_keeps_host_copies(facts_path):
     off.need(params=True, grads=True, optim=True)
     assert all(torch.equal(a, b) for a, b in zip(optimizer_tensors(state.optimizer), moments))
     assert all(torch.count_nonzero(b.grad_data) == 0 for b in state.model[0].buffers)
+
+
+def _one_step(state) -> None:
+    from megatron.core.distributed import finalize_model_grads
+
+    _ = [c.zero_grad_buffer() for c in state.model]
+    logits = state.model[0](torch.tensor([[1, 2, 3]]), torch.arange(3).unsqueeze(0), None)
+    logits.float().square().mean().backward()
+    finalize_model_grads(state.model)
+    assert state.optimizer.step()[0]
+
+
+def test_optimizer_state_created_after_first_offload_is_offloaded(facts_path):
+    # An RL job offloads before its first update, when Adam's moments do not exist yet; the
+    # moments made by that update must be offloaded by the next phase too.
+    facts, path = facts_path
+    state = _state(facts, path, distributed=True)
+    off = RoleOffloader(state.model, state.optimizer, param_offload=True, grad_offload=True, optimizer_offload=True)
+    off.need(params=True)  # rollout of step 0: grads and optimizer go before any state exists
+    off.need(params=True, grads=True, optim=True)
+    _one_step(state)
+    moments = [v for inner in getattr(state.optimizer, "chained_optimizers", [state.optimizer])
+               for st in inner.optimizer.state.values() for v in st.values() if torch.is_tensor(v) and v.numel() > 1]
+    assert moments and off.device_bytes()["optim"] > 0
+    off.need(params=True)
+    assert all(t.untyped_storage().nbytes() == 0 for t in moments)
+    assert off.device_bytes()["optim"] == 0
 
 
 def test_frozen_ref_params_offload(facts_path):

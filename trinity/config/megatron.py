@@ -119,6 +119,9 @@ class MegatronConfig(StrictModel):
     """Run the local experts as one grouped GEMM instead of a loop of linear layers."""
     moe_layer_recompute: bool = False
     """Recompute MoE layers in the backward pass to save activation memory."""
+    torch_compile: Literal["none", "layers", "model"] = "none"
+    """`torch.compile` scope: "layers" compiles each transformer layer (one graph for all layers, short
+    compile), "model" the whole GPTModel; compile time is paid in the first steps and cached by torch."""
     seed: int = 42
     """Seed for parameter init and dropout (each rank derives its own stream from it)."""
     override_transformer_config: OverrideTransformerConfig = Field(default_factory=OverrideTransformerConfig)

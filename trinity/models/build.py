@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 _ACTIVATIONS = {"silu": F.silu}
 # torch.compile scope (megatron block field `torch_compile`): "layers" compiles each TransformerLayer
 # (one graph reused by every layer: short compile, works with recompute and pipeline chunks), "model"
-# the whole GPTModel (fuses across layer boundaries too). True means "layers".
+# the whole GPTModel (fuses across layer boundaries too).
 COMPILE_SCOPES = ("none", "layers", "model")
 _VOCAB_MULTIPLE = 128
 
@@ -185,7 +185,7 @@ class ValueHead(torch.nn.Linear):
 
 
 def compile_scope(megatron: Any) -> str:
-    """The `torch_compile` scope the role asks for (read with a default until the job config has it)."""
+    """The `torch_compile` scope the role asks for (True / False from older configs mean layers / none)."""
     scope = getattr(megatron, "torch_compile", "none")
     if scope is None or isinstance(scope, bool):
         scope = "layers" if scope else "none"

@@ -124,18 +124,20 @@ class RoleOffloader:
     on_optim: bool = True
     _params: list[_Moved] = field(default_factory=list)
     _param_keys: set[tuple[str, int]] = field(default_factory=set)
-    _optim: list[_Moved] | None = None
+    _optim: dict[tuple[str, int], _Moved] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self._params = _distinct((p for chunk in self.model for p in chunk.parameters()), set())
         self._param_keys = {_storage_key(m.tensor) for m in self._params}
 
     def _optim_storages(self, offloading: bool) -> list[_Moved]:
-        # Adam's state appears at the first step: collect when offloading (everything is resident
-        # then) until it exists; a reload moves back exactly what was offloaded.
-        if offloading and not self._optim:
-            self._optim = _distinct(optimizer_tensors(self.optimizer), self._param_keys)
-        return self._optim or []
+        # Adam's moments appear at the first step, after the first offload may already have run:
+        # rescan at every offload (everything is resident then) and keep the storages already known
+        # with their host buffers; a reload moves back exactly what was offloaded.
+        if offloading:
+            for m in _distinct(optimizer_tensors(self.optimizer), self._param_keys):
+                self._optim.setdefault(_storage_key(m.tensor), m)
+        return list(self._optim.values())
 
     def _drop_main_grads(self) -> None:
         for inner in _inner_optimizers(self.optimizer):
@@ -181,7 +183,7 @@ class RoleOffloader:
     def device_bytes(self) -> dict[str, int]:
         """Bytes each part holds in its device storages now (0 when offloaded)."""
         grads = sum(b.grad_data.untyped_storage().nbytes() for b in _ddp_buffers(self.model) if b.grad_data is not None)
-        optim = sum(m.tensor.untyped_storage().nbytes() for m in (self._optim or []))
+        optim = sum(m.tensor.untyped_storage().nbytes() for m in _distinct(optimizer_tensors(self.optimizer), self._param_keys))
         return {
             "params": sum(m.tensor.untyped_storage().nbytes() for m in self._params),
             "grads": grads,
