@@ -6,7 +6,10 @@ Heavy modules (torch, megatron, transformers) are imported inside the functions 
 from __future__ import annotations
 
 import json
+import os
 import shlex
+import shutil
+import socket
 from pathlib import Path
 
 import yaml
@@ -52,7 +55,8 @@ def run(config: Path, overrides: list[str], *, dry_run: bool = False, debug: boo
 
 
 def write_resolved(cfg: JobConfig, path: Path) -> None:
-    tmp = path.with_suffix(".tmp")
+    # Every node runs `trinity run`; on a shared output_dir each writes its own temporary file.
+    tmp = path.with_name(f".{path.name}.{socket.gethostname()}-{os.getpid()}.tmp")
     tmp.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
     tmp.replace(path)
 
@@ -74,7 +78,17 @@ def prepare_weights(loaded: LoadedConfig, out: Path) -> None:
 
         dtype = cfg.model.dtype if cfg.model.dtype != "auto" else ("fp32" if cfg.cluster.device == "cpu" else "bf16")
         print(f"converting {src} to a megatron-core checkpoint in {cache} (cached for later runs)", flush=True)
-        hf_to_mcore(str(src), str(cache), dtype=dtype, force=True)
+        # Each node converts into its own folder and renames it into place: on a shared output_dir the
+        # first node to finish wins and the others drop their copy (a rename never replaces a non-empty
+        # folder), so no node reads a checkpoint another is still writing or replacing.
+        build = cache.with_name(f".{cache.name}.build-{socket.gethostname()}-{os.getpid()}")
+        hf_to_mcore(str(src), str(build), dtype=dtype, force=True)
+        try:
+            os.rename(build, cache)
+        except OSError:
+            if not (cache / "trinity_meta.json").is_file():
+                raise
+            shutil.rmtree(build, ignore_errors=True)
     else:
         print(f"using the cached megatron-core checkpoint {cache}", flush=True)
     for m in roles:
