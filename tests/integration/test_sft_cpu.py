@@ -120,6 +120,15 @@ def test_sft_single_process_learns_and_exports(assets, baseline_run):
     changed = [n for n, p in hf.named_parameters() if not torch.equal(p, names[n])]
     assert len(changed) == len(names), "every trained tensor differs from the initial model"
 
+    # `trinity convert mcore-to-hf --verify` on a training checkpoint checks against the checkpoint
+    # itself (the original HF model it was trained from differs by design) and equals the run's export.
+    from trinity.convert.api import mcore_to_hf
+
+    report = mcore_to_hf(str(ckpts / "step_10"), str(out.parent / "step10_hf"), verify=True)
+    assert report.verified == "every tensor bit for bit against the dist checkpoint"
+    again = dict(AutoModelForCausalLM.from_pretrained(str(out.parent / "step10_hf")).named_parameters())
+    assert all(torch.equal(p, again[n]) for n, p in hf.named_parameters())
+
 
 @pytest.mark.slow
 def test_stop_resume_and_kill_during_save(assets, baseline, tmp_path):

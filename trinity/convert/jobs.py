@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import shutil
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
@@ -165,7 +166,12 @@ def run_mcore_to_hf(
         seconds = time.perf_counter() - start
         report = ConvertReport("mcore-to-hf", output, written, seconds, count)
         if verify:
-            diff, what = _verify_export(models, facts, output, meta, ckpt_dtype, out_dtype)
+            try:
+                diff, what = _verify_export(models, facts, output, meta, ckpt_dtype, out_dtype)
+            except UserError as e:
+                # An export that failed its check is not left behind for someone to load.
+                shutil.rmtree(output, ignore_errors=True)
+                raise UserError(f"{e} ({output} was removed)") from e
             report.max_abs_diff, report.mean_abs_diff, report.verified = diff.max_abs, diff.mean_abs, what
     return report
 
@@ -184,8 +190,8 @@ def _verify_export(
                     raise UserError(f"{output}: tensor {name!r} differs from the dist checkpoint")
         finally:
             written.close()
-        source = (meta.get("source") or {}).get("path")
-        if source and Path(source).is_dir() and _same_dtype_source(source, out_dtype):
+        source = _untouched_source(meta)
+        if source and _same_dtype_source(source, out_dtype):
             compare_folders(output, source, what=output)
             return Diff(0.0, 0.0), f"every tensor bit for bit against {source}"
         return Diff(0.0, 0.0), "every tensor bit for bit against the dist checkpoint"
@@ -197,6 +203,17 @@ def _verify_export(
     ours = mcore_logits(model, tokens, facts.vocab_size)
     theirs = hf_logits(output, tokens)
     return compare_logits(ours, theirs, what=output), "logits vs transformers (dtype changed)"
+
+
+def _untouched_source(meta: dict[str, Any]) -> str | None:
+    """The HF folder a converted (never trained) checkpoint came from, if it is still there unchanged."""
+    source = meta.get("source") or {}
+    path = source.get("path")
+    if meta.get("kind") == "training" or not path or not Path(path).is_dir():
+        return None
+    from trinity.convert.dist_ckpt import source_fingerprint
+
+    return path if source_fingerprint(path) == source.get("fingerprint") else None
 
 
 def _same_dtype_source(source: str, dtype: torch.dtype) -> bool:
