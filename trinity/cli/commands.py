@@ -48,7 +48,7 @@ def run(config: Path, overrides: list[str], *, dry_run: bool = False, debug: boo
     prepare_weights(loaded, out)
     write_resolved(cfg, resolved)
     print("command: " + shlex.join(cmd), flush=True)
-    code = supervise(cmd)
+    code = supervise(cmd, debug=debug)
     if code != 0:
         print(f"job failed with exit code {code}; every rank's log is under {out / 'logs'}")
     return code

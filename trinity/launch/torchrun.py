@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
+from typing import IO
 
 from trinity.config.schema import JobConfig
 from trinity.errors import UserError
@@ -64,12 +67,43 @@ def port_is_free(port: int, host: str = "") -> bool:
     return True
 
 
-def supervise(cmd: list[str], *, env: dict[str, str] | None = None, grace_s: float = 30.0) -> int:
+_ROOT_CAUSE = re.compile(r"\s*(rank|host|exitcode)\s*:\s*(\S+)")
+
+
+def _relay_stderr(stream: IO[str], out: IO[str], debug: bool) -> None:
+    """Copy torchrun's stderr, except its own ChildFailedError traceback after a worker failed.
+
+    Worker lines arrive prefixed (`[default0]:`, from --tee) and always pass; the failed rank has
+    already printed its one-line error, so torchrun's 30-line report becomes one line (all of it with
+    --debug)."""
+    swallowed = False
+    cause: dict[str, str] = {}
+    for line in iter(stream.readline, ""):
+        if not debug and line.startswith("Traceback (most recent call last):"):
+            swallowed = True
+        if swallowed:
+            m = _ROOT_CAUSE.match(line)
+            if m:
+                cause.setdefault(m.group(1), m.group(2))
+            continue
+        out.write(line)
+        out.flush()
+    if swallowed:
+        out.write(
+            f"torchrun: rank {cause.get('rank', '?')} on {cause.get('host', '?')} failed first "
+            f"(exit code {cause.get('exitcode', '?')}); run with --debug for torchrun's traceback\n"
+        )
+        out.flush()
+
+
+def supervise(cmd: list[str], *, env: dict[str, str] | None = None, grace_s: float = 30.0, debug: bool = False) -> int:
     """Run torchrun as a child in its own process group; forward Ctrl-C/SIGTERM so no orphans remain.
 
     Returns the job's exit code (128 + signal number when it was stopped by a signal).
     """
-    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True, stderr=subprocess.PIPE, text=True, bufsize=1)
+    relay = threading.Thread(target=_relay_stderr, args=(proc.stderr, sys.stderr, debug), daemon=True)
+    relay.start()
     stopping = {"sig": None}
 
     def forward(signum, _frame):
@@ -91,6 +125,7 @@ def supervise(cmd: list[str], *, env: dict[str, str] | None = None, grace_s: flo
         for s, h in old.items():
             signal.signal(s, h)
         _reap_group(proc.pid)
+        relay.join(timeout=5)
     if stopping["sig"] is not None:
         return 128 + stopping["sig"]
     return code if code >= 0 else 128 - code
