@@ -57,10 +57,12 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    ap.add_argument("--batches", type=int, nargs="+", default=[1, 32, 256])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 32, 64, 256])
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--no-hf", action="store_true", help="skip HF generate")
+    ap.add_argument("--eager", action="store_true", help="decode steps without CUDA graphs")
+    ap.add_argument("--profile", action="store_true", help="profile one trinity call at the last batch size")
     args = ap.parse_args()
 
     from transformers import AutoModelForCausalLM
@@ -86,16 +88,19 @@ def main() -> None:
             weight_bytes = sum(p.numel() * p.element_size() for p in gpt.parameters())
             kv_per_token = 2 * facts.num_layers * facts.num_query_groups * facts.head_dim * torch.finfo(dtype).bits // 8
             params = SamplingParams(temperature=0.0, max_new_tokens=args.new_tokens)
-            print(f"shape {args.shape} on {args.device}: {weight_bytes / 2**30:.3f} GiB weights, "
+            print(f"shape {args.shape} on {args.device} ({'eager' if args.eager else 'CUDA graphs'} decode steps): {weight_bytes / 2**30:.3f} GiB weights, "
                   f"copy bandwidth {bw / 1e9:.1f} GB/s, prompt {args.prompt_len}, {args.new_tokens} new tokens")
-            print(f"{'batch':>6} | {'trinity tok/s':>13} | {'ms/step':>8} | {'HF tok/s':>10} | {'ms/step':>8} | {'floor ms/step':>13} | {'floor tok/s':>11}")
+            print(f"{'batch':>6} | {'trinity tok/s':>13} | {'ms/step':>8} | {'first call s':>12} | {'HF tok/s':>10} | {'ms/step':>8} | {'floor ms/step':>13} | {'floor tok/s':>11} | {'% of floor':>10}")
             for batch in args.batches:
                 g = torch.Generator().manual_seed(batch)
                 prompts = torch.randint(1, facts.vocab_size, (batch, args.prompt_len), generator=g)
-                generate(gpt, prompts[:, :8].tolist(), SamplingParams(temperature=0.0, max_new_tokens=2), vocab_size=facts.vocab_size, pad_id=0)
-                _sync(device)
+                # The first call at a shape pays torch.compile's work (megatron's fused ops): timed apart.
                 t0 = time.perf_counter()
-                ro = generate(gpt, prompts.tolist(), params, vocab_size=facts.vocab_size, pad_id=0)
+                generate(gpt, prompts.tolist(), params, vocab_size=facts.vocab_size, pad_id=0, cuda_graphs=not args.eager)
+                _sync(device)
+                first_s = time.perf_counter() - t0
+                t0 = time.perf_counter()
+                ro = generate(gpt, prompts.tolist(), params, vocab_size=facts.vocab_size, pad_id=0, cuda_graphs=not args.eager)
                 _sync(device)
                 dt = time.perf_counter() - t0
                 n = int(ro.response_mask.sum())
@@ -103,7 +108,8 @@ def main() -> None:
                 if hf is not None:
                     ids = prompts.to(device)
                     with torch.no_grad():
-                        hf.generate(ids[:, :8], max_new_tokens=2, do_sample=False, eos_token_id=None, pad_token_id=0)
+                        hf.generate(ids, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False,
+                                    eos_token_id=None, pad_token_id=0)
                         _sync(device)
                         t1 = time.perf_counter()
                         hf.generate(ids, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False,
@@ -113,8 +119,19 @@ def main() -> None:
                     hf_tps, hf_ms = batch * args.new_tokens / hf_dt, hf_dt / args.new_tokens * 1e3
                 mean_ctx = args.prompt_len + args.new_tokens / 2
                 floor_s = (weight_bytes + batch * mean_ctx * kv_per_token) / (bw / 2)  # bw counts read + write
-                print(f"{batch:>6} | {n / dt:>13.1f} | {dt / args.new_tokens * 1e3:>8.2f} | {hf_tps:>10.1f} | {hf_ms:>8.2f} | "
-                      f"{floor_s * 1e3:>13.3f} | {batch / floor_s:>11.0f}")
+                step_s = dt / args.new_tokens
+                print(f"{batch:>6} | {n / dt:>13.1f} | {step_s * 1e3:>8.2f} | {first_s:>12.2f} | {hf_tps:>10.1f} | {hf_ms:>8.2f} | "
+                      f"{floor_s * 1e3:>13.3f} | {batch / floor_s:>11.0f} | {100 * floor_s / step_s:>9.1f}%")
+            if args.profile:
+                from torch.profiler import ProfilerActivity, profile
+
+                acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+                with profile(activities=acts) as prof:
+                    generate(gpt, prompts.tolist(), params, vocab_size=facts.vocab_size, pad_id=0, cuda_graphs=not args.eager)
+                    _sync(device)
+                for key in ("self_cpu_time_total", "self_cuda_time_total" if device.type == "cuda" else None):
+                    if key:
+                        print(prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=60))
         finally:
             destroy()
 

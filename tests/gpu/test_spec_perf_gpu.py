@@ -29,8 +29,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _model(tmp_path, compile_scope: str = "none"):
-    from types import SimpleNamespace
-
+    
     from trinity.config.megatron import MegatronConfig
     from trinity.models.build import build_model
     from trinity.models.facts import ModelFacts
@@ -38,8 +37,7 @@ def _model(tmp_path, compile_scope: str = "none"):
 
     facts = ModelFacts.from_hf_dir(make_tiny_hf_model("qwen2", tmp_path, hidden_size=256, num_attention_heads=4,
                                                       num_key_value_heads=2, intermediate_size=512))
-    block = MegatronConfig()
-    megatron = SimpleNamespace(**{k: getattr(block, k) for k in type(block).model_fields}, torch_compile=compile_scope)
+    megatron = MegatronConfig(torch_compile=compile_scope)
     torch.manual_seed(0)
     (model,) = build_model(facts, megatron, device="cuda", dtype=torch.bfloat16)
     return model

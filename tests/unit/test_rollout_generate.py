@@ -98,3 +98,4 @@ def test_sampling_filters():
 def test_left_pad():
     tokens, mask = left_pad([[1, 2, 3], [4]], pad_id=9, device=torch.device("cpu"))
     assert tokens.tolist() == [[1, 2, 3], [9, 9, 4]] and mask.tolist() == [[1, 1, 1], [0, 0, 1]]
+

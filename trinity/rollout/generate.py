@@ -1,15 +1,16 @@
 """Generation with the actor's own megatron-core GPTModel (hybrid engine: no second copy, no weight sync).
 
 Layout: prompts are LEFT-padded to the batch's longest prompt, so every row's next token sits at the same
-KV-cache slot and one `StaticInferenceContext` serves the whole batch. megatron's GPT applies RoPE by
+KV-cache slot and one static KV cache serves the whole batch. megatron's GPT applies RoPE by
 cache slot (it ignores position_ids for RoPE), and RoPE only depends on the distance between two tokens,
 so a row shifted right by its padding sees exactly the attention scores it would see unpadded. Padding
 keys are masked out; a padding query attends to itself only (a query with every key masked gives NaN in
 SDPA, and that NaN would reach real tokens through the next layer's values).
 
-Steps: one prefill call over the prompts, then one call per new token with `inference_context=ctx`,
-advancing `ctx.sequence_len_offset`. Logits are gathered over TP (`runtime_gather_output=True`) and the
-padded vocabulary columns are dropped before sampling. All ranks of a TP group must feed the same token:
+Steps: one prefill call over the prompts, then one call per new token, both through
+`trinity.rollout.decode.StaticDecoder` (a KV cache of the final length, a CUDA graph per decode step
+where possible). Logits are gathered over TP (`runtime_gather_output=True`) and the padded vocabulary
+columns are dropped before sampling. All ranks of a TP group must feed the same token:
 TP rank 0's sample is broadcast to the group.
 
 `Rollout.logprobs` are log p(token) under the model's own distribution at temperature 1 over the full
@@ -159,13 +160,15 @@ def generate(
     pad_id: int,
     generator: torch.Generator | None = None,
     use_cache: bool = True,
+    cuda_graphs: bool = True,
 ) -> Rollout:
     """Sample responses for `prompts` (token id lists) with a megatron GPTModel (or its DDP wrapper).
 
     use_cache=False re-runs the whole sequence every step (the reference the KV-cache path is tested
-    against). Returns a `Rollout` whose response width is the longest response generated.
+    against); cuda_graphs=False runs the cached decode steps eagerly (see `trinity.rollout.decode`).
+    Returns a `Rollout` whose response width is the longest response generated.
     """
-    from megatron.core.inference.contexts import StaticInferenceContext
+    from trinity.rollout.decode import StaticDecoder
 
     gpt = _unwrap(model)
     device = next(gpt.parameters()).device
@@ -175,24 +178,21 @@ def generate(
     batch, plen = tokens.shape
     eos = torch.tensor(sorted(set(params.eos_token_ids)) or [-1], device=device)
     key_mask = prompt_mask
-    ctx = StaticInferenceContext(batch, plen + params.max_new_tokens) if use_cache else None
+    decoder = StaticDecoder(gpt, batch, plen + params.max_new_tokens, cuda_graphs=cuda_graphs) if use_cache else None
     out_tokens, out_logp = [], []
     done = torch.zeros(batch, dtype=torch.bool, device=device)
     lengths = torch.zeros(batch, dtype=torch.long, device=device)
     seq = tokens
     try:
         for step in range(params.max_new_tokens):
-            if ctx is None or step == 0:
-                inp = seq
-                mask = attention_mask(key_mask)
+            if decoder is None:
+                pos = torch.arange(seq.shape[1], device=device).expand(batch, -1)
+                logits = gpt(seq, pos, attention_mask(key_mask), runtime_gather_output=True)[:, -1]
+            elif step == 0:
+                logits = decoder.prefill(seq, key_mask)
             else:
-                inp = seq[:, -1:]
-                mask = attention_mask(key_mask, sq=1)
-            pos = torch.arange(seq.shape[1] - inp.shape[1], seq.shape[1], device=device).expand(batch, -1)
-            logits = gpt(inp, pos, mask, inference_context=ctx, runtime_gather_output=True)
-            if ctx is not None:
-                ctx.sequence_len_offset += inp.shape[1]
-            last = logits[:, -1, :vocab_size].float()
+                logits = decoder.step(seq[:, -1], seq.shape[1] - 1)
+            last = logits[:, :vocab_size].float()
             nxt = _tp_broadcast(sample(last, params, generator).contiguous())
             logp = torch.log_softmax(last, -1).gather(-1, nxt.unsqueeze(-1)).squeeze(-1)
             nxt = torch.where(done, torch.full_like(nxt, pad_id), nxt)

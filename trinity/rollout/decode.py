@@ -1,0 +1,128 @@
+"""KV-cached decoding over a static cache, replayed as one CUDA graph per step where it can be.
+
+megatron-core's `StaticInferenceContext` grows the keys it attends to by one slot per step and slices
+the cache with Python integers, so every decode step has new shapes: it cannot be captured, and at
+batch 64 a 0.5B model spent ~40 ms of CPU per step launching ~850 kernels for ~3 ms of GPU work
+(benchmarks/NOTES.md). Here the cache has its final length from the start and the current slot is a
+tensor: each step writes its key/value at `slot` (`index_copy_`) and attends over the whole cache with
+a mask (`key <= slot` and the key is a real token), so every step has the same shapes and the same
+tensors, and one CUDA graph captured at the first decode step replays all the others.
+
+The layers are driven through megatron's own submodules (norms, `get_query_key_value_tensors` with its
+QK-norms, megatron's RoPE, `linear_proj`, the MLP or MoE layer, the output layer), so the weights, the
+TP sharding and the numerics are those of training; only the cache and the attention call differ.
+Masking follows `generate`'s left-padding rules: a padding key is masked, except for the padding query
+at the same slot (a row with every key masked would give NaN).
+
+CUDA graphs are used on CUDA at TP=1 with dense MLPs; elsewhere (CPU, TP>1 whose all-reduces would be
+captured too, MoE routing that syncs with the host) the same static-shape step runs eagerly. A graph
+is captured per `generate` call: offload between RL phases re-allocates parameter storages, and a
+graph replays the addresses it was captured with.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+
+class StaticDecoder:
+    """Prefill and single-token steps of a PP=1 megatron GPTModel over a [batch, max_len] KV cache."""
+
+    def __init__(self, gpt: Any, batch: int, max_len: int, *, cuda_graphs: bool = True) -> None:
+        from megatron.core import parallel_state as ps
+
+        self.gpt = gpt
+        self.config = gpt.config
+        self.layers = list(gpt.decoder.layers)
+        first = self.layers[0].self_attention
+        self.heads = first.num_attention_heads_per_partition
+        groups, self.head_dim = first.num_query_groups_per_partition, first.hidden_size_per_attention_head
+        param = next(gpt.parameters())
+        self.device, dtype = param.device, param.dtype
+        shape = (batch, groups, max_len, self.head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in self.layers]
+        self.values = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in self.layers]
+        self.valid = torch.zeros(batch, max_len, dtype=torch.bool, device=self.device)
+        self.positions = torch.arange(max_len, device=self.device)
+        # [max_len, 1, 1, rot_dim]: megatron's rotary table (rope scaling included), indexed by slot
+        self.freqs = gpt.rotary_pos_emb(max_len)
+        self.scale = self.config.softmax_scale or self.head_dim**-0.5
+        dense = all(not hasattr(layer.mlp, "router") for layer in self.layers)
+        self.use_graph = (
+            cuda_graphs and self.device.type == "cuda" and ps.get_tensor_model_parallel_world_size() == 1 and dense
+        )
+        self._graph: torch.cuda.CUDAGraph | None = None
+        self._token = torch.zeros(batch, 1, dtype=torch.long, device=self.device)
+        self._slot = torch.zeros(1, dtype=torch.long, device=self.device)
+        self._logits: torch.Tensor | None = None
+
+    def _attention(self, i: int, layer: Any, hidden: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+
+        attn = layer.self_attention
+        q, k, v = attn.get_query_key_value_tensors(hidden, None)  # [s, b, heads|groups, d]
+        freqs = self.freqs.index_select(0, slots)
+        q = apply_rotary_pos_emb(q, freqs, config=self.config)
+        k = apply_rotary_pos_emb(k, freqs, config=self.config)
+        self.keys[i].index_copy_(2, slots, k.permute(1, 2, 0, 3))
+        self.values[i].index_copy_(2, slots, v.permute(1, 2, 0, 3))
+        out = F.scaled_dot_product_attention(
+            q.permute(1, 2, 0, 3), self.keys[i], self.values[i], attn_mask=mask, scale=self.scale, enable_gqa=True
+        )  # [b, heads, s, d]
+        s, b = hidden.shape[:2]
+        out, bias = attn.linear_proj(out.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.head_dim))
+        return out if bias is None else out + bias
+
+    def _forward(self, tokens: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """Logits [b, vocab (gathered over TP, padded)] of the last position; tokens [b, s] sit at `slots` [s]."""
+        # attend to keys at or before the query's slot that are real tokens (or the query itself)
+        k_pos = self.positions.view(1, 1, 1, -1)
+        q_pos = slots.view(1, 1, -1, 1)
+        mask = (k_pos <= q_pos) & (self.valid.view(self.valid.shape[0], 1, 1, -1) | (k_pos == q_pos))
+        x = self.gpt.embedding(input_ids=tokens, position_ids=slots.unsqueeze(0).expand_as(tokens))
+        for i, layer in enumerate(self.layers):
+            x = x + self._attention(i, layer, layer.input_layernorm(x), slots, mask)
+            out, bias = layer.mlp(layer.pre_mlp_layernorm(x))
+            x = x + (out if bias is None else out + bias)
+        x = self.gpt.decoder.final_layernorm(x[-1:])
+        weight = self.gpt.shared_embedding_or_output_weight() if self.gpt.share_embeddings_and_output_weights else None
+        logits, _ = self.gpt.output_layer(x, weight=weight, runtime_gather_output=True)
+        return logits[0]
+
+    @torch.no_grad()
+    def prefill(self, tokens: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
+        """Run the left-padded prompts [b, P] (key_mask 1 on real tokens) into slots 0..P-1."""
+        self.valid[:, : tokens.shape[1]] = key_mask.bool()
+        return self._forward(tokens, self.positions[: tokens.shape[1]])
+
+    @torch.no_grad()
+    def step(self, token: torch.Tensor, slot: int) -> torch.Tensor:
+        """Feed one new token per row [b] at `slot`; returns the next logits [b, vocab]."""
+        self._token.copy_(token.view(-1, 1))
+        self._slot.fill_(slot)
+        if not self.use_graph:
+            return self._step()
+        if self._graph is None:
+            self._capture()
+        self._graph.replay()
+        return self._logits
+
+    def _step(self) -> torch.Tensor:
+        self.valid.index_fill_(1, self._slot, True)
+        return self._forward(self._token, self._slot)
+
+    def _capture(self) -> None:
+        # Warm-up on a side stream (lazy inits, cuBLAS workspaces) before capture, as torch advises.
+        # It writes this step's key/value at this step's slot, as the replay below does again.
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self._step()
+        torch.cuda.current_stream().wait_stream(side)
+        self._graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self._graph):
+            self._logits = self._step()
