@@ -62,6 +62,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--no-hf", action="store_true", help="skip HF generate")
     ap.add_argument("--eager", action="store_true", help="decode steps without CUDA graphs")
+    ap.add_argument("--compile", action="store_true", help="torch.compile the decode step")
     ap.add_argument("--profile", action="store_true", help="profile one trinity call at the last batch size")
     args = ap.parse_args()
 
@@ -88,7 +89,7 @@ def main() -> None:
             weight_bytes = sum(p.numel() * p.element_size() for p in gpt.parameters())
             kv_per_token = 2 * facts.num_layers * facts.num_query_groups * facts.head_dim * torch.finfo(dtype).bits // 8
             params = SamplingParams(temperature=0.0, max_new_tokens=args.new_tokens)
-            print(f"shape {args.shape} on {args.device} ({'eager' if args.eager else 'CUDA graphs'} decode steps): {weight_bytes / 2**30:.3f} GiB weights, "
+            print(f"shape {args.shape} on {args.device} ({'eager' if args.eager else 'CUDA graphs'}{', compiled' if args.compile else ''} decode steps): {weight_bytes / 2**30:.3f} GiB weights, "
                   f"copy bandwidth {bw / 1e9:.1f} GB/s, prompt {args.prompt_len}, {args.new_tokens} new tokens")
             print(f"{'batch':>6} | {'trinity tok/s':>13} | {'ms/step':>8} | {'first call s':>12} | {'HF tok/s':>10} | {'ms/step':>8} | {'floor ms/step':>13} | {'floor tok/s':>11} | {'% of floor':>10}")
             for batch in args.batches:
@@ -96,11 +97,11 @@ def main() -> None:
                 prompts = torch.randint(1, facts.vocab_size, (batch, args.prompt_len), generator=g)
                 # The first call at a shape pays torch.compile's work (megatron's fused ops): timed apart.
                 t0 = time.perf_counter()
-                generate(gpt, prompts.tolist(), params, vocab_size=facts.vocab_size, pad_id=0, cuda_graphs=not args.eager)
+                generate(gpt, prompts.tolist(), params, vocab_size=facts.vocab_size, pad_id=0, cuda_graphs=not args.eager, compile=args.compile)
                 _sync(device)
                 first_s = time.perf_counter() - t0
                 t0 = time.perf_counter()
-                ro = generate(gpt, prompts.tolist(), params, vocab_size=facts.vocab_size, pad_id=0, cuda_graphs=not args.eager)
+                ro = generate(gpt, prompts.tolist(), params, vocab_size=facts.vocab_size, pad_id=0, cuda_graphs=not args.eager, compile=args.compile)
                 _sync(device)
                 dt = time.perf_counter() - t0
                 n = int(ro.response_mask.sum())
@@ -127,7 +128,7 @@ def main() -> None:
 
                 acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
                 with profile(activities=acts) as prof:
-                    generate(gpt, prompts.tolist(), params, vocab_size=facts.vocab_size, pad_id=0, cuda_graphs=not args.eager)
+                    generate(gpt, prompts.tolist(), params, vocab_size=facts.vocab_size, pad_id=0, cuda_graphs=not args.eager, compile=args.compile)
                     _sync(device)
                 for key in ("self_cpu_time_total", "self_cuda_time_total" if device.type == "cuda" else None):
                     if key:

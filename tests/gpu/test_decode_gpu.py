@@ -38,6 +38,9 @@ def test_cuda_graph_decode_matches_eager_and_full_forward(tmp_path):
         assert torch.equal(graphed.tokens, eager.tokens) and torch.equal(graphed.tokens, full.tokens)
         assert (graphed.logprobs - eager.logprobs).abs().max().item() == 0.0
         assert (graphed.logprobs - full.logprobs).abs().max().item() <= 1e-4
+        compiled = generate(gpt, prompts, params, compile=True, **kw)
+        assert torch.equal(compiled.tokens, full.tokens)
+        assert (compiled.logprobs - full.logprobs).abs().max().item() <= 1e-4
         # a second call captures its own graph (new batch size, new cache) and still agrees
         again = generate(gpt, prompts[:2], params, **kw)
         assert torch.equal(again.responses, full.responses[:2])

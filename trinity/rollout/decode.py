@@ -31,7 +31,7 @@ import torch.nn.functional as F
 class StaticDecoder:
     """Prefill and single-token steps of a PP=1 megatron GPTModel over a [batch, max_len] KV cache."""
 
-    def __init__(self, gpt: Any, batch: int, max_len: int, *, cuda_graphs: bool = True) -> None:
+    def __init__(self, gpt: Any, batch: int, max_len: int, *, cuda_graphs: bool = True, compile: bool = False) -> None:
         from megatron.core import parallel_state as ps
 
         self.gpt = gpt
@@ -58,6 +58,9 @@ class StaticDecoder:
         self._token = torch.zeros(batch, 1, dtype=torch.long, device=self.device)
         self._slot = torch.zeros(1, dtype=torch.long, device=self.device)
         self._logits: torch.Tensor | None = None
+        # torch.compile fuses each step's ~40 small kernels per layer (norms, RoPE, residuals, masking);
+        # shapes only change with (batch, max_len), so a process compiles once or twice.
+        self._run_step = torch.compile(self._step) if compile else self._step
 
     def _attention(self, i: int, layer: Any, hidden: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
@@ -104,7 +107,7 @@ class StaticDecoder:
         self._token.copy_(token.view(-1, 1))
         self._slot.fill_(slot)
         if not self.use_graph:
-            return self._step()
+            return self._run_step()
         if self._graph is None:
             self._capture()
         self._graph.replay()
@@ -121,8 +124,8 @@ class StaticDecoder:
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(2):
-                self._step()
+                self._run_step()
         torch.cuda.current_stream().wait_stream(side)
         self._graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self._graph):
-            self._logits = self._step()
+            self._logits = self._run_step()

@@ -161,11 +161,13 @@ def generate(
     generator: torch.Generator | None = None,
     use_cache: bool = True,
     cuda_graphs: bool = True,
+    compile: bool = False,
 ) -> Rollout:
     """Sample responses for `prompts` (token id lists) with a megatron GPTModel (or its DDP wrapper).
 
     use_cache=False re-runs the whole sequence every step (the reference the KV-cache path is tested
-    against); cuda_graphs=False runs the cached decode steps eagerly (see `trinity.rollout.decode`).
+    against); cuda_graphs=False runs the cached decode steps eagerly, compile=True compiles them with
+    torch.compile (see `trinity.rollout.decode`).
     Returns a `Rollout` whose response width is the longest response generated.
     """
     from trinity.rollout.decode import StaticDecoder
@@ -178,7 +180,7 @@ def generate(
     batch, plen = tokens.shape
     eos = torch.tensor(sorted(set(params.eos_token_ids)) or [-1], device=device)
     key_mask = prompt_mask
-    decoder = StaticDecoder(gpt, batch, plen + params.max_new_tokens, cuda_graphs=cuda_graphs) if use_cache else None
+    decoder = StaticDecoder(gpt, batch, plen + params.max_new_tokens, cuda_graphs=cuda_graphs, compile=compile) if use_cache else None
     out_tokens, out_logp = [], []
     done = torch.zeros(batch, dtype=torch.bool, device=device)
     lengths = torch.zeros(batch, dtype=torch.long, device=device)
