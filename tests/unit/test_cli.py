@@ -80,13 +80,25 @@ def test_validate_json_plan(write_job, small_job, capsys):
     assert role["memory"]["active"] > role["memory"]["weights"] > 0
 
 
-def test_internal_error_short_without_debug():
+def test_internal_error_short_without_debug(capsys):
     from trinity.cli.report import run_guarded
 
     def boom():
         raise RuntimeError("kaput")
 
     assert run_guarded(boom, debug=False) == 1
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == "internal error: RuntimeError: kaput (re-run with --debug for the traceback)\n"
+    assert len(captured.err.splitlines()) == 1 and "Traceback" not in captured.err
+
+    def boom_multiline():
+        raise ValueError("first line\nsecond line")
+
+    assert run_guarded(boom_multiline, debug=False) == 1
+    err = capsys.readouterr().err
+    assert err.splitlines() == ["internal error: ValueError: first line second line (re-run with --debug for the traceback)"]
+
     with pytest.raises(RuntimeError):
         run_guarded(boom, debug=True)
 

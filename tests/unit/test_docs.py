@@ -106,3 +106,12 @@ def test_relative_links_point_to_existing_files():
                 broken.append(f"{md.relative_to(REPO)}: {target}")
     assert checked > 10
     assert not broken, "broken relative links:\n" + "\n".join(broken)
+
+
+def test_every_doc_is_linked_from_readme():
+    readme = REPO / "README.md"
+    linked = {(readme.parent / t.split("#", 1)[0]).resolve() for t in relative_links(readme)}
+    docs = sorted((REPO / "docs").glob("*.md"))
+    assert len(docs) >= 12
+    unlinked = [str(d.relative_to(REPO)) for d in docs if d.resolve() not in linked]
+    assert not unlinked, "README.md does not link these docs (add them to its Documentation list):\n" + "\n".join(unlinked)

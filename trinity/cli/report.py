@@ -32,9 +32,9 @@ def run_guarded(fn: Callable[[], int | None], debug: bool) -> int:
     except Exception as exc:  # a bug: never hide it, but keep the default output short
         if debug:
             raise
+        message = " ".join(str(exc).split())  # one line even when the exception's text has several
         print(
-            f"internal error: {type(exc).__name__}: {exc}\n"
-            "This is a bug in trinity; re-run with --debug for the traceback and report it.",
+            f"internal error: {type(exc).__name__}: {message} (re-run with --debug for the traceback)",
             file=sys.stderr,
         )
         return 1
