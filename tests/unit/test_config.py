@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 
 import pytest
 
-from tests.conftest import FIXTURES, HF_CONFIGS
+from tests.conftest import FIXTURES, HF_CONFIGS, REPO
 from trinity.config.loader import load_config
 from trinity.errors import ConfigError, UserError
 
@@ -113,6 +114,13 @@ CASES = [
     ({"trainer.global_batch_size": 12}, "trainer.global_batch_size: 12 is not divisible", "micro_batch_size x DP = 1 x 8"),
     ({"actor_rollout_ref.ref.megatron.param_offload": True}, "actor_rollout_ref.ref.megatron.param_offload: the ref role does not exist", "sft"),
     ({"critic": {}}, "critic: only ppo uses a critic", "remove"),
+    ({"algorithm.name": "grpo", "critic": {}}, "critic: only ppo uses a critic, but algorithm.name is grpo",
+     "remove the critic block"),
+    ({"model.path": str(HF_CONFIGS / "qwen3_30b_a3b"), f"{ACTOR}.tensor_model_parallel_size": 8},
+     f"{ACTOR}.tensor_model_parallel_size: 4 key/value heads are not divisible by TP=8", "use a TP that divides 4"),
+    ({f"{ACTOR}.override_transformer_config.recompute_num_layers": 2},
+     f"{ACTOR}.override_transformer_config.recompute_num_layers: only applies with recompute_granularity: full",
+     "remove it or set granularity full"),
     ({"algorithm.name": "ppo"}, "critic: ppo needs a critic", ""),
     ({"model.path": "/nonexistent/model"}, "model.path: /nonexistent/model: model folder does not exist", ""),
     ({"data.train_files": ["/nonexistent/a.jsonl"]}, "data.train_files.0: /nonexistent/a.jsonl does not exist", ""),
@@ -132,6 +140,76 @@ def test_each_rule_names_its_key(write_job, small_job, overrides, key, fragment)
     hits = [p for p in probs if p.startswith(key)]
     assert hits, f"no problem starting with {key!r} in {probs}"
     assert fragment in hits[0]
+
+
+MIGRATING = REPO / "docs" / "migrating.md"
+
+
+def _migrating_same_names() -> set[str]:
+    """Megatron-block keys that docs/migrating.md says keep their verl / Trinity-RFT name ("same")."""
+    text = MIGRATING.read_text(encoding="utf-8")
+    table = text.split("## The megatron block", 1)[1].split("\n## ", 1)[0]
+    names: set[str] = set()
+    for row in table.splitlines():
+        cells = [c.strip() for c in row.strip().strip("|").split("|")]
+        if len(cells) < 2 or cells[1] != "same":
+            continue
+        for name in re.findall(r"`([^`]+)`", cells[0]):
+            first, *more = (n.strip() for n in name.split("/"))
+            if "<" in name:
+                continue  # override_transformer_config.<any TransformerConfig field>
+            names.add(first)
+            head = first.rpartition(".")[0]
+            names.update(f"{head}.{n}" if head else n for n in more)
+    return names
+
+
+def _flat_keys(block: dict) -> set[str]:
+    keys = {k for k in block if k != "override_transformer_config"}
+    return keys | {f"override_transformer_config.{k}" for k in block.get("override_transformer_config", {})}
+
+
+def test_verl_megatron_blocks_validate_unchanged(write_job):
+    """docs/migrating.md: verl's / Trinity-RFT's megatron blocks paste in unchanged where names match."""
+    common = {
+        "tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 1,
+        "virtual_pipeline_model_parallel_size": None, "context_parallel_size": 1,
+        "expert_model_parallel_size": 1, "expert_tensor_parallel_size": None, "sequence_parallel": False,
+        "use_distributed_optimizer": True, "use_mbridge": False,
+        "use_dist_checkpointing": False, "dist_checkpointing_path": None, "seed": 42,
+    }
+    actor = {**common, "param_offload": True, "grad_offload": True, "optimizer_offload": True,
+             "override_transformer_config": {"recompute_granularity": "full", "recompute_method": "uniform",
+                                             "recompute_num_layers": 1}}
+    ref = {**common, "param_offload": True}
+    critic = {**common, "param_offload": True, "grad_offload": True, "optimizer_offload": True,
+              "override_transformer_config": {"recompute_granularity": "selective", "recompute_modules": ["core_attn"]}}
+    documented = _migrating_same_names()
+    assert "tensor_model_parallel_size" in documented and "override_transformer_config.recompute_modules" in documented
+    assert _flat_keys(actor) | _flat_keys(ref) | _flat_keys(critic) == documented
+    job = {
+        "algorithm": {"name": "ppo", "gamma": 1.0, "lam": 0.95},
+        "model": {"path": str(HF_CONFIGS / "qwen2_5_0_5b")},
+        "data": {"train_files": [str(FIXTURES / "data" / "prompts.jsonl")], "train_batch_size": 8, "max_prompt_length": 64},
+        "cluster": {"device": "cuda", "nproc_per_node": 8},
+        "trainer": {"micro_batch_size": 1},
+        "actor_rollout_ref": {
+            "actor": {"ppo_mini_batch_size": 8, "use_kl_loss": True, "megatron": actor},
+            "ref": {"megatron": ref},
+            "rollout": {"n": 1, "response_length": 64},
+        },
+        "critic": {"cliprange_value": 0.5, "megatron": critic},
+    }
+    cfg = load_config(write_job(job)).config
+    assert list(cfg.roles()) == ["actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic"]
+    for path, block in (("actor_rollout_ref.actor", actor), ("actor_rollout_ref.ref", ref), ("critic", critic)):
+        m = cfg.roles()[path]
+        dumped = m.model_dump(mode="json")
+        for key, value in block.items():
+            if key == "override_transformer_config":
+                assert {k: dumped[key][k] for k in value} == value, path
+            else:
+                assert dumped[key] == value, (path, key)
 
 
 def test_unsupported_architecture_lists_supported(write_job, small_job, tmp_path):
