@@ -127,6 +127,13 @@ CASES = [
     ({"data.train_files": []}, "data.train_files: no training files", ""),
     ({"cluster.device": "tpu"}, "cluster.device:", "'cuda' or 'cpu'"),
     ({f"{ACTOR}.torch_compile": "everything"}, f"{ACTOR}.torch_compile:", "'layers'"),
+    ({f"{ACTOR}.context_parallel_size": 2}, f"{ACTOR}.context_parallel_size: the SFT and RL loops do not split",
+     "set it to 1"),
+    ({"algorithm.name": "grpo", "data.train_files": [str(FIXTURES / "data" / "prompts.jsonl")],
+      "cluster.device": "cpu", f"{ACTOR}.context_parallel_size": 2},
+     f"{ACTOR}.context_parallel_size: the SFT and RL loops do not split", "set it to 1"),
+    ({"model.path": str(HF_CONFIGS / "qwen3_30b_a3b"), f"{ACTOR}.use_mbridge": True},
+     f"{ACTOR}.use_mbridge: mbridge cannot load the MoE Qwen3MoeForCausalLM", "set it to false"),
 ]
 
 

@@ -130,6 +130,11 @@ def _check_megatron(
                 f"{p}.context_parallel_size: context parallelism needs TransformerEngine, which is not "
                 "installed; set it to 1 or use the Docker image (scripts/docker_for_megatron)"
             )
+        # Neither training loop gives each CP rank its share of the sequence (megatron's
+        # get_batch_on_this_cp_rank); trinity.trainer.sft keeps a runtime guard.
+        problems.append(
+            f"{p}.context_parallel_size: the SFT and RL loops do not split sequences across CP ranks yet; set it to 1"
+        )
     if m.use_mbridge and m.use_dist_checkpointing:
         problems.append(f"{p}.use_mbridge: cannot be combined with use_dist_checkpointing; choose one weight source")
     if m.use_dist_checkpointing:
@@ -166,6 +171,11 @@ def _check_against_model(p: str, m: MegatronConfig, f: ModelFacts, problems: lis
     if f.num_layers % stages:
         what = f"PP x VPP = {lay.pp} x {lay.vpp}" if lay.vpp else f"PP={lay.pp}"
         problems.append(f"{p}.pipeline_model_parallel_size: {f.num_layers} layers are not divisible by {what}")
+    if m.use_mbridge and f.is_moe:
+        problems.append(
+            f"{p}.use_mbridge: mbridge cannot load the MoE {f.architecture} (it maps experts only onto "
+            "TransformerEngine grouped experts); set it to false to convert with the builtin converter"
+        )
     if lay.ep > 1 and not f.is_moe:
         problems.append(f"{p}.expert_model_parallel_size: EP={lay.ep} needs an MoE model, but {f.architecture} is dense; set it to 1")
     if f.is_moe and f.num_experts % lay.ep:
