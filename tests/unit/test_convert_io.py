@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -10,7 +14,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from trinity.convert.hf_io import INDEX, HFCheckpoint, write_safetensors, write_shards
-from trinity.convert.outdir import atomic_dir, check_output
+from trinity.convert import outdir
+from trinity.convert.outdir import atomic_dir, check_output, stale_siblings
 from trinity.errors import UserError
 
 
@@ -48,6 +53,15 @@ def test_truncated_shard_names_file(tmp_path):
     shard.write_bytes(data[:-7])
     with pytest.raises(UserError, match=r"model-00001-of-00002\.safetensors: corrupt or truncated"):
         HFCheckpoint(tmp_path)
+
+
+def test_shard_truncated_after_validation_names_file_and_tensor(tmp_path):
+    _sharded(tmp_path)
+    ck = HFCheckpoint(tmp_path)  # headers are fine now; the file is cut while the conversion runs
+    shard = tmp_path / "model-00001-of-00002.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-7])
+    with pytest.raises(UserError, match=re.escape(f"{shard}: shard ended early while reading tensor 'a.weight'")):
+        ck.get("a.weight")
 
 
 def test_garbage_shard_names_file(tmp_path):
@@ -116,4 +130,39 @@ def test_output_refused_unless_force_and_failure_leaves_nothing(tmp_path):
     with atomic_dir(out, force=True) as tmp:
         (tmp / "new").write_text("y")
     assert sorted(p.name for p in out.iterdir()) == ["new"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_stale_temp_siblings_of_dead_processes_are_removed(tmp_path):
+    host, dead = outdir._host(), _dead_pid()
+    out = tmp_path / "out"
+    stale = [tmp_path / f".out.tmp-{host}-{dead}-0123abcd", tmp_path / f".out.old-{host}-{dead}-89abcdef"]
+    kept = [
+        tmp_path / f".out.tmp-{host}-{os.getppid()}-0123abcd",  # a live process (pytest's parent)
+        tmp_path / f".out.tmp-{host}_elsewhere-{dead}-0123abcd",  # another host (shared filesystem)
+        tmp_path / f".out2.tmp-{host}-{dead}-0123abcd",  # another output's
+        tmp_path / ".out.tmp-1a2b3c4d",  # not our pattern (older naming): left alone
+        tmp_path / "keep",
+    ]
+    for p in stale + kept:
+        p.mkdir()
+        (p / "shard").write_text("partial")
+    assert stale_siblings(out) == sorted(stale)
+    check_output(out, force=False)  # the start of every conversion
+    assert not any(p.exists() for p in stale)
+    assert all((p / "shard").is_file() for p in kept)
+
+
+def test_atomic_dir_names_its_temp_after_host_and_pid(tmp_path):
+    out = tmp_path / "out"
+    with atomic_dir(out, force=False) as tmp:
+        assert re.fullmatch(rf"\.out\.tmp-{re.escape(outdir._host())}-{os.getpid()}-[0-9a-f]{{8}}", tmp.name)
+        assert stale_siblings(out) == []  # ours, alive: never removed while in use
+        (tmp / "x").write_text("y")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]

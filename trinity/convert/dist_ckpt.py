@@ -28,7 +28,7 @@ import torch
 
 from trinity.convert.builtin import unwrap
 from trinity.convert.hf_io import copy_side_files
-from trinity.convert.outdir import check_output, publish
+from trinity.convert.outdir import check_output, publish, temp_sibling
 from trinity.errors import UserError
 
 META = "trinity_meta.json"
@@ -110,7 +110,7 @@ def save_model_checkpoint(
     if _rank() == 0:
         check_output(out, force)
         out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.parent / f".{out.name}.tmp-{int(time.time() * 1e6):x}"
+        tmp = temp_sibling(out)
         tmp.mkdir()
     tmp = Path(_broadcast(str(tmp)))
     try:

@@ -150,6 +150,7 @@ class _SafetensorsFile:
     count against this process (safe_open maps the whole file). The header was validated by safe_open."""
 
     def __init__(self, path: Path):
+        self.path = path
         self.fd = os.open(path, os.O_RDONLY)
         (n,) = struct.unpack("<Q", os.pread(self.fd, 8, 0))
         self.header = json.loads(os.pread(self.fd, n, 8))
@@ -164,7 +165,9 @@ class _SafetensorsFile:
         while got < len(buf):
             n = os.preadv(self.fd, [view[got:]], self.data_start + begin + got)
             if n <= 0:
-                raise UserError(f"tensor {name!r}: shard ended early")
+                raise UserError(
+                    f"{self.path}: shard ended early while reading tensor {name!r} (truncated file; download it again)"
+                )
             got += n
         dtype = _FROM_ST[info["dtype"]]
         if not buf:

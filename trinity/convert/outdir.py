@@ -1,9 +1,18 @@
-"""Atomic output folders: write into a temporary sibling, rename at the end, leave nothing on failure."""
+"""Atomic output folders: write into a temporary sibling, rename at the end, leave nothing on failure.
+
+Temporary siblings are named `.<name>.tmp-<host>-<pid>-<random>` (and `.<name>.old-<host>-<pid>-<random>`
+for a folder being replaced), so that a conversion killed before it could clean up (kill -9, OOM, a
+lost node) is recognised later: `check_output` removes the siblings of the same output that this host
+made from processes that no longer exist. Other hosts' siblings (shared filesystems) and live
+processes' are never touched.
+"""
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
+import socket
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
@@ -12,13 +21,61 @@ from typing import Iterator
 from trinity.errors import UserError
 
 
+def _host() -> str:
+    # '-' separates the fields of the name, so the host part keeps only characters it cannot contain.
+    return re.sub(r"[^A-Za-z0-9_.]", "_", socket.gethostname()) or "host"
+
+
+def temp_sibling(out: Path, kind: str = "tmp") -> Path:
+    """A fresh name for a temporary sibling of `out` that records this host and process."""
+    return out.parent / f".{out.name}.{kind}-{_host()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
+
+
+def stale_siblings(out: str | Path) -> list[Path]:
+    """Temporary siblings of `out` left by dead processes of this host (our naming pattern only)."""
+    out = Path(out).resolve()
+    if not out.parent.is_dir():
+        return []
+    pattern = re.compile(rf"^\.{re.escape(out.name)}\.(?:tmp|old)-(?P<host>[A-Za-z0-9_.]+)-(?P<pid>\d+)-[0-9a-f]{{8}}$")
+    stale = []
+    for p in out.parent.iterdir():
+        m = pattern.match(p.name)
+        if m and m["host"] == _host() and int(m["pid"]) != os.getpid() and not _pid_alive(int(m["pid"])):
+            stale.append(p)
+    return sorted(stale)
+
+
+def remove_stale_siblings(out: str | Path) -> list[Path]:
+    """Remove what `stale_siblings` finds; returns the removed paths."""
+    removed = []
+    for p in stale_siblings(out):
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
+        removed.append(p)
+    return removed
+
+
 def check_output(output: str | Path, force: bool) -> Path:
-    """Refuse an existing non-empty output unless `force`; returns the resolved path."""
+    """Refuse an existing non-empty output unless `force`; returns the resolved path. Removes the
+    temporary siblings that interrupted conversions into the same output left behind."""
     out = Path(output).resolve()
     if out.exists() and not out.is_dir():
         raise UserError(f"{out}: output exists and is not a folder")
     if out.is_dir() and any(out.iterdir()) and not force:
         raise UserError(f"{out}: output folder exists and is not empty (pass --force to replace it)")
+    remove_stale_siblings(out)
     return out
 
 
@@ -27,7 +84,7 @@ def atomic_dir(output: str | Path, *, force: bool) -> Iterator[Path]:
     """Yield a temporary sibling of `output`; on success it replaces `output`, on error it is removed."""
     out = check_output(output, force)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp = temp_sibling(out)
     tmp.mkdir()
     try:
         yield tmp
@@ -41,7 +98,7 @@ def publish(tmp: Path, out: Path) -> None:
     """Move `tmp` to `out`, replacing an old `out` (only reached when force allowed it)."""
     old = None
     if out.exists():
-        old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
+        old = temp_sibling(out, "old")
         os.rename(out, old)
     os.rename(tmp, out)
     if old is not None:
