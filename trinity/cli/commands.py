@@ -10,6 +10,7 @@ import os
 import shlex
 import shutil
 import socket
+import sys
 from pathlib import Path
 
 import yaml
@@ -32,7 +33,7 @@ def schema() -> str:
 
 
 def run(config: Path, overrides: list[str], *, dry_run: bool = False, debug: bool = False) -> int:
-    from trinity.launch.torchrun import preflight, supervise, torchrun_command
+    from trinity.launch.torchrun import preflight, supervise, torchrun_command, worker_env
 
     loaded = load_config(config, overrides)
     cfg = loaded.config
@@ -48,7 +49,7 @@ def run(config: Path, overrides: list[str], *, dry_run: bool = False, debug: boo
     prepare_weights(loaded, out)
     write_resolved(cfg, resolved)
     print("command: " + shlex.join(cmd), flush=True)
-    code = supervise(cmd, debug=debug)
+    code = supervise(cmd, env=worker_env(os.environ, sys.stdout), debug=debug)
     if code != 0:
         print(f"job failed with exit code {code}; every rank's log is under {out / 'logs'}")
     return code

@@ -9,13 +9,15 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
-from typing import IO
+from typing import IO, Any, Mapping
 
 from trinity.config.schema import JobConfig
 from trinity.errors import UserError
 
 WORKER_MODULE = "trinity.trainer.worker"
+_POLL_S = 0.2  # how often supervise() checks the grace period after forwarding a signal
 
 
 def torchrun_command(cfg: JobConfig, config_path: str | Path, *, python: str = sys.executable) -> list[str]:
@@ -38,6 +40,26 @@ def torchrun_command(cfg: JobConfig, config_path: str | Path, *, python: str = s
         "-m", WORKER_MODULE, str(config_path),
     ]
     return cmd
+
+
+def worker_env(environ: Mapping[str, str], stream: IO[str]) -> dict[str, str]:
+    """The environment of torchrun and its workers: `environ`, plus whether `trinity run`'s stdout
+    (`stream`) is a terminal (TRINITY_TTY, read by trinity.trainer.metrics: the workers' own stdout is
+    a log file) and, on a terminal, its width (COLUMNS, for rich). PYTHONUNBUFFERED makes torchrun
+    pass on rank 0's output as it comes, the progress bar's partial lines included."""
+    env = dict(environ)
+    isatty = getattr(stream, "isatty", None)
+    tty = bool(isatty and isatty())
+    env["TRINITY_TTY"] = "1" if tty else "0"
+    env["PYTHONUNBUFFERED"] = "1"
+    if tty and "COLUMNS" not in environ:
+        try:
+            columns = os.get_terminal_size(stream.fileno()).columns
+        except (OSError, ValueError, AttributeError):
+            columns = 0
+        if columns > 0:  # a pseudo-terminal nobody sized reports 0
+            env["COLUMNS"] = str(columns)
+    return env
 
 
 def preflight(cfg: JobConfig) -> None:
@@ -104,10 +126,12 @@ def supervise(cmd: list[str], *, env: dict[str, str] | None = None, grace_s: flo
     proc = subprocess.Popen(cmd, env=env, start_new_session=True, stderr=subprocess.PIPE, text=True, bufsize=1)
     relay = threading.Thread(target=_relay_stderr, args=(proc.stderr, sys.stderr, debug), daemon=True)
     relay.start()
-    stopping = {"sig": None}
+    stopping: dict[str, Any] = {"sig": None, "deadline": None}
 
     def forward(signum, _frame):
         stopping["sig"] = signum
+        if stopping["deadline"] is None:
+            stopping["deadline"] = time.monotonic() + grace_s
         try:
             os.killpg(proc.pid, signal.SIGTERM)  # torchrun passes it to every worker
         except ProcessLookupError:
@@ -116,11 +140,14 @@ def supervise(cmd: list[str], *, env: dict[str, str] | None = None, grace_s: flo
     old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         while True:
+            # Wait in short slices: a blocking wait() is resumed after the signal handler returns
+            # (PEP 475), so a torchrun that ignores SIGTERM would never see the grace period end.
             try:
-                code = proc.wait(timeout=grace_s if stopping["sig"] else None)
+                code = proc.wait(timeout=_POLL_S)
                 break
             except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
+                if stopping["deadline"] is not None and time.monotonic() >= stopping["deadline"]:
+                    _reap_group(proc.pid)
     finally:
         for s, h in old.items():
             signal.signal(s, h)

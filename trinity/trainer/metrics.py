@@ -1,16 +1,34 @@
 """Per-step metrics on rank 0: metrics.jsonl (every step), a console line every log_interval steps,
-a rich progress bar on a TTY, and TensorBoard when it is installed and asked for."""
+a rich progress bar when the user watches a terminal, and TensorBoard when it is installed and asked for."""
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import resource
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping, TextIO
 
 import torch
+
+# Set by `trinity run` for its workers ("1"/"0"): whether `trinity run`'s own stdout is a terminal.
+# Under torchrun a worker's stdout is a log file that torchrun tails (prefixed) onto that terminal, so
+# the worker cannot find out itself.
+TTY_ENV = "TRINITY_TTY"
+
+
+def console_is_terminal(environ: Mapping[str, str] | None = None, stream: TextIO | None = None) -> bool:
+    """Whether rank 0 should draw the progress bar: what `trinity run` said (TRINITY_TTY) when it
+    launched this process, else whether `stream` (stdout) is a terminal."""
+    environ = os.environ if environ is None else environ
+    stream = sys.stdout if stream is None else stream
+    said = environ.get(TTY_ENV)
+    if said is not None and said.strip() != "":
+        return said.strip() == "1"
+    isatty = getattr(stream, "isatty", None)
+    return bool(isatty and isatty())
 
 
 def peak_memory_gib(device: torch.device) -> float:
@@ -26,6 +44,29 @@ def _fmt(value: Any) -> str:
             return f"{value:.3e}"
         return f"{value:.4f}"
     return str(value)
+
+
+class _TailSafe:
+    """A stream for rich's live display that torchrun tails line by line onto a terminal.
+
+    rich redraws the bar after a carriage return, but torchrun reads the log with universal newlines
+    (`tail_logfile`), where a lone `\r` ends a line: every redraw would become a new line. Cursor to
+    column 1 (`ESC [ G`) does the same on the terminal without ending the line; torchrun passes the
+    unfinished line on as it comes, so the bar is redrawn in place."""
+
+    def __init__(self, stream: TextIO):
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        self._stream.write(text.replace("\r\n", "\n").replace("\r", "\x1b[G"))
+        self._stream.flush()
+        return len(text)
+
+    def isatty(self) -> bool:
+        return True
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
 
 
 class MetricsLogger:
@@ -60,12 +101,18 @@ class MetricsLogger:
                 self._tb = SummaryWriter(str(output_dir / "tensorboard"), purge_step=start_step + 1)
             except ImportError:
                 print("trainer.tensorboard: tensorboard is not installed; metrics go to metrics.jsonl only")
-        if sys.stdout.isatty():
+        if console_is_terminal():
+            from rich.console import Console
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+            real = sys.stdout.isatty()
+            # Under torchrun stdout is a log file that torchrun tails onto `trinity run`'s terminal:
+            # draw as on a terminal (COLUMNS from `trinity run` sets the width), without carriage
+            # returns (see _TailSafe), and only when a step ends, so the log gets one bar per step.
+            console = Console() if real else Console(file=_TailSafe(sys.stdout), force_terminal=True)
             self._progress = Progress(
                 TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                TextColumn("{task.fields[info]}"), transient=True,
+                TextColumn("{task.fields[info]}"), transient=True, auto_refresh=real, console=console,
             )
             self._task = self._progress.add_task("train", total=total_steps, completed=start_step, info="")
             self._progress.start()
@@ -88,7 +135,7 @@ class MetricsLogger:
             f"{metrics['step_time_s']:.3f} s/step | mem {metrics['mem_peak_gib']:.2f} GiB"
         )
         if self._progress is not None:
-            self._progress.update(self._task, completed=step, info=f"loss {_fmt(metrics['loss'])}")
+            self._progress.update(self._task, completed=step, info=f"loss {_fmt(metrics['loss'])}", refresh=True)
         if step % self.log_interval == 0 or step == self.total_steps:
             self.print(line)
 
