@@ -18,6 +18,7 @@ from trinity.distributed.layout import ParallelLayout
 from trinity.testing.tiny_models import make_tiny_hf_model
 
 SEED = 21
+MICRO_BATCHES = [torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(i)) for i in range(4)]
 
 
 def _run(model_dir: Path, tp: int, sequence_parallel: bool) -> dict[str, torch.Tensor]:
@@ -49,23 +50,29 @@ def _pipeline_chunks(model_dir: Path) -> list[dict]:
     from trinity.models.facts import ModelFacts
     from trinity.models.spec import layer_offset
 
+    from trinity.convert.builtin import load_hf_weights
+
     facts = ModelFacts.from_hf_dir(model_dir)
     block = MegatronConfig(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)
     chunks = build_model(facts, block, device="cpu", dtype=torch.float32)
+    load_hf_weights(chunks, model_dir, facts)
     summary = [
         {"pre": c.pre_process, "post": c.post_process, "layers": len(c.decoder.layers),
          "offset": layer_offset(c.config, vp_stage=i), "names": sorted(n for n, _ in c.named_parameters())}
         for i, c in enumerate(chunks)
     ]
-    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
     pos = torch.arange(16).expand(2, 16)
 
     def forward_step(data_iterator, model):
+        ids = next(data_iterator)
         out = model(ids, pos, causal_mask(16), labels=ids)
         return out, lambda o: (o.float().mean(), {"loss": o.float().mean().detach()})
 
+    # Distinct micro batches: a schedule that hands a chunk another micro batch's activations (or
+    # swaps an activation with a gradient in the PP=2 exchange) shows up as a wrong loss.
     losses = get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=[None, None], model=chunks, num_microbatches=4,
+        forward_step_func=forward_step, data_iterator=[iter(MICRO_BATCHES), iter(MICRO_BATCHES)], model=chunks,
+        num_microbatches=4,
         seq_length=16, micro_batch_size=2, forward_only=False,
     )
     grads = [p.grad for c in chunks for p in c.parameters()]
@@ -129,5 +136,11 @@ def test_tp2_forward_backward_matches_tp1(tmp_path):
     assert not any(n.startswith(("embedding", "output_layer")) for n in pp[0][1]["names"] + pp[1][0]["names"])
     # The schedule ran 4 micro-batches; the last stage reports their losses, every grad is set.
     assert pp[0][2]["losses"] == [] and len(pp[1][2]["losses"]) == 4
-    assert all(3.0 < loss < 7.0 for loss in pp[1][2]["losses"])  # ~ln(128) for random weights
+    # ...equal to HF's mean token cross-entropy on each micro batch (forward and backward interleaved).
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "four_layers"), dtype=torch.float32)
+    with torch.no_grad():
+        want = [torch.nn.functional.cross_entropy(hf(ids).logits.flatten(0, 1), ids.flatten()).item() for ids in MICRO_BATCHES]
+    assert pp[1][2]["losses"] == pytest.approx(want, abs=1e-5)
     assert pp[0][2]["all_grads"] and pp[1][2]["all_grads"]

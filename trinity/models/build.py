@@ -117,6 +117,13 @@ def transformer_config(facts: ModelFacts, megatron: Any, *, device: str, dtype: 
         # first. megatron refuses it with the allgather MoE dispatcher (pad to one length there).
         variable_seq_lengths=megatron.pipeline_model_parallel_size > 1
         and megatron.moe_token_dispatcher_type != "allgather",
+        # The interleaved schedule sends activations forward and gradients backward in one exchange.
+        # At PP=2 both go to the same peer, and batch_isend_irecv matches a pair's messages in posting
+        # order, so the activation can land in the gradient's buffer (wrong losses from the third
+        # micro batch on, measured on gloo). megatron's unbatched p2p puts one direction on another
+        # process group; Megatron-LM also turns it on for interleaving (overlap_p2p_comm).
+        overlap_p2p_comm=bool(megatron.virtual_pipeline_model_parallel_size),
+        batch_p2p_comm=not megatron.virtual_pipeline_model_parallel_size,
         moe_token_dispatcher_type=megatron.moe_token_dispatcher_type,
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=megatron.pipeline_model_parallel_size,
