@@ -140,6 +140,26 @@ class _CpuFactoryTorch:
         return factory
 
 
+# --- checkpoint I/O -------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def checkpoint_io() -> Iterator[None]:
+    """The block that saves or loads a training checkpoint (model + optimizer through dist_checkpointing).
+
+    optimizer/distrib_optimizer.py: the distributed optimizer's `fully_reshardable` state (the format
+    trinity's checkpoints use) is gathered by `get_parameter_state_dp_zero(use_gloo_comm=False)`,
+    which moves each shard to the GPU with `send_tensor.cuda()` before the all-gather, on save and
+    on load (`sharded_param_state_fully_reshardable`). Runs once per save/load, so the function mode
+    is affordable here. A no-op when CPU mode is off.
+    """
+    if not is_enabled():
+        yield
+        return
+    with CudaToCpuMode():
+        yield
+
+
 # --- RNG ------------------------------------------------------------------------------------------
 
 

@@ -14,7 +14,6 @@ beyond `keep_last` are deleted only after a newer one is complete.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import random
@@ -27,6 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from trinity.distributed import cpu_compat
 from trinity.errors import UserError
 
 COMPLETE = "complete"
@@ -41,12 +41,8 @@ def _pause_s(step: int) -> float:
     return float(seconds) if at.strip() == str(step) and seconds else 0.0
 
 
-def _cpu_mode() -> Any:
-    """On CPU, the distributed optimizer's state gather/scatter has `.cuda()` literals
-    (get_parameter_state_dp_zero); run checkpoint I/O under cpu_compat's cuda->cpu mode."""
-    from trinity.distributed import cpu_compat
-
-    return cpu_compat.CudaToCpuMode() if cpu_compat.is_enabled() else contextlib.nullcontext()
+# The CPU accommodation of checkpoint I/O (a no-op off CPU); the name rl_checkpoint imports.
+_cpu_mode = cpu_compat.checkpoint_io
 
 
 def _rank() -> int:
@@ -211,7 +207,7 @@ class CheckpointManager:
             "scheduler": state.scheduler.state_dict(),
             "world_size": _world(),
         }
-        with _cpu_mode():
+        with cpu_compat.checkpoint_io():
             save_model_checkpoint(
                 state.model, tmp, hf_dir=self.hf_dir, extra_common=extra, optimizer=ReshardableOptimizer(state.optimizer), force=True,
                 meta={"kind": "training", "step": step},
@@ -237,7 +233,7 @@ class CheckpointManager:
         """Restore model, optimizer, schedule, data position and RNG from `path`; returns its step."""
         from trinity.convert.dist_ckpt import load_model_checkpoint
 
-        with _cpu_mode():
+        with cpu_compat.checkpoint_io():
             extra = load_model_checkpoint(state.model, path, optimizer=ReshardableOptimizer(state.optimizer))
         try:
             step = int(extra["step"])
