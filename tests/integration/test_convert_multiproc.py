@@ -1,7 +1,9 @@
 """Two gloo ranks: TP=2 and PP=2 layouts load HF weights, give the HF logits, export bit-exactly, and
-a dist checkpoint saved at TP=2 loads at PP=2. Also `hf_to_mcore(tp=2)` through torchrun.
+a dist checkpoint saved at TP=2 loads at PP=2; EP=2 does the same for an MoE model. Also
+`hf_to_mcore(tp=2)` through torchrun (rank 0's output reaches the caller, the other ranks' is kept
+for the error message).
 
-This file is also the torchrun script (`python -m torch.distributed.run ... <this file> HF OUT`).
+This file is also the torchrun script (`python -m torch.distributed.run ... <this file> HF OUT [ep2]`).
 """
 
 from __future__ import annotations
@@ -87,6 +89,43 @@ def _job(hf_dir: str, out: str) -> None:
         (Path(out) / "result.json").write_text(json.dumps(result))
 
 
+def _job_ep2(hf_dir: str, out: str) -> None:
+    """EP=2 (so DP=2): each rank holds half the experts and computes the logits with tokens crossing ranks."""
+    import torch
+    import torch.distributed as dist
+    from safetensors.torch import load_file
+
+    from trinity.convert.api import megatron_config
+    from trinity.convert.builtin import export_hf_weights, load_hf_weights
+    from trinity.convert.jobs import _build
+    from trinity.convert.verify import random_tokens
+    from trinity.distributed.parallel import destroy, init_parallel
+    from trinity.models.facts import ModelFacts
+
+    facts = ModelFacts.from_hf_dir(hf_dir)
+    tokens = random_tokens(facts.vocab_size)
+    source = load_file(str(Path(hf_dir) / "model.safetensors"))
+    megatron = megatron_config(ep=2)
+    # The alltoall dispatcher hands torch.distributed split sizes as tensors, which gloo refuses (a
+    # CPU-only gap of megatron-core 0.16.1); allgather dispatches the same tokens to the same experts.
+    megatron.moe_token_dispatcher_type = "allgather"
+    init_parallel(device="cpu", layout=megatron.layout(), seed=0)
+    models = _build(facts, megatron, "cpu", torch.float32)
+    load_hf_weights(models, hf_dir, facts)
+    local_experts = sorted({n.split("local_experts.")[1].split(".")[0] for n, _ in models[0].named_parameters()
+                            if "local_experts." in n})
+    logits = _logits(models, tokens, facts.vocab_size)
+    exported = dict(export_hf_weights(models, facts))
+    result = {
+        "local_experts": len(local_experts),
+        "export_exact": set(exported) == set(source) and all(torch.equal(exported[k], v) for k, v in source.items()),
+    }
+    torch.save(logits, Path(out) / f"ep2_rank{dist.get_rank()}.pt")
+    destroy()
+    if int(os.environ["RANK"]) == 0:
+        (Path(out) / "result.json").write_text(json.dumps(result))
+
+
 @pytest.mark.multiproc
 @pytest.mark.slow
 @pytest.mark.timeout(240)
@@ -115,18 +154,61 @@ def test_tp2_and_pp2_layouts_match_hf(tmp_path):
 @pytest.mark.multiproc
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_cli_api_tp2_writes_per_rank_shards(tmp_path):
+def test_ep2_moe_layout_matches_hf(tmp_path):
+    import torch
+
+    from trinity.convert.verify import hf_logits, random_tokens
+    from trinity.testing.tiny_models import make_tiny_hf_model
+
+    src = make_tiny_hf_model("qwen3_moe", tmp_path / "hf")
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           __file__, str(src), str(tmp_path), "ep2"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=200)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["local_experts"] == 2  # 4 experts over EP=2
+    assert result["export_exact"]
+    theirs = hf_logits(src, random_tokens(128))
+    for rank in (0, 1):
+        ours = torch.load(tmp_path / f"ep2_rank{rank}.pt")
+        assert (ours - theirs).abs().max() <= 1e-5, rank
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_cli_api_tp2_writes_per_rank_shards(tmp_path, capfd):
     from trinity.convert.api import hf_to_mcore, mcore_to_hf
     from trinity.convert.verify import compare_folders
     from trinity.testing.tiny_models import make_tiny_hf_model
 
     src = make_tiny_hf_model("qwen3_moe", tmp_path / "hf")
+    capfd.readouterr()
     report = hf_to_mcore(str(src), str(tmp_path / "mc"), tp=2, dtype="fp32", verify=True)
     assert report.max_abs_diff <= 1e-4
+    # Rank 0 writes straight to our stdout (the user's terminal); rank 1 goes to a log file.
+    out = capfd.readouterr().out
+    assert "rank 0 of 2: converting" in out and "TP=2" in out
+    assert "rank 1" not in out
     assert len(list((tmp_path / "mc").glob("__*_*.distcp"))) >= 2  # each rank wrote its own files
     mcore_to_hf(str(tmp_path / "mc"), str(tmp_path / "back"))
     compare_folders(tmp_path / "back", src, what="tp2 round trip")
 
 
+@pytest.mark.multiproc
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_failed_torchrun_job_quotes_the_other_ranks_logs(tmp_path):
+    from trinity.convert.api import _torchrun
+
+    # Arguments the worker cannot take: every rank dies with a TypeError (an internal error).
+    with pytest.raises(RuntimeError, match=r"(?s)conversion job failed.*--- rank 1 stderr ---.*TypeError.*bogus"):
+        _torchrun(2, {"bogus": 1})
+
+
 if __name__ == "__main__":  # torchrun entry; the dist-checkpoint writer re-imports __main__
-    _job(sys.argv[1], sys.argv[2])
+    if sys.argv[3:] == ["ep2"]:
+        _job_ep2(sys.argv[1], sys.argv[2])
+    else:
+        _job(sys.argv[1], sys.argv[2])

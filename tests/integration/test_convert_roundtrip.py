@@ -3,21 +3,29 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from trinity.convert import mbridge_adapter
+from trinity.convert import jobs, mbridge_adapter
 from trinity.convert.api import hf_to_mcore, megatron_config, mcore_to_hf
 from trinity.convert.builtin import export_hf_weights, load_hf_weights
 from trinity.convert.dist_ckpt import read_meta
+from trinity.convert.hf_io import HF_SIDE_FILES
 from trinity.convert.jobs import _build, parallel_session
 from trinity.convert.verify import compare_folders, hf_logits, mcore_logits, random_tokens
 from trinity.errors import UserError
 from trinity.models.facts import ModelFacts
+from trinity.testing.tiny_assets import make_tiny_tokenizer
 from trinity.testing.tiny_models import make_tiny_hf_model
+
+REPO = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -56,6 +64,12 @@ def test_load_logits_and_export_bit_exact(tmp_path, family, tied):
 
 def test_api_round_trip_with_verify(tmp_path):
     src = make_tiny_hf_model("qwen2", tmp_path / "hf")
+    # Side files: a tokenizer and a generation config of our own must reach <mcore>/hf/ and the export.
+    make_tiny_tokenizer(src)
+    generation = {"bos_token_id": 0, "eos_token_id": 0, "do_sample": True, "temperature": 0.7, "top_p": 0.8}
+    (src / "generation_config.json").write_text(json.dumps(generation))
+    side = sorted(n for n in HF_SIDE_FILES if (src / n).is_file() and n != "config.json")
+    assert {"tokenizer.json", "tokenizer_config.json", "generation_config.json"} <= set(side)
     report = hf_to_mcore(str(src), str(tmp_path / "mc"), dtype="fp32", verify=True)
     assert report.max_abs_diff is not None and report.max_abs_diff <= 1e-4
     meta = read_meta(tmp_path / "mc")
@@ -66,6 +80,14 @@ def test_api_round_trip_with_verify(tmp_path):
     assert "bit for bit" in (back.verified or "")
     compare_folders(tmp_path / "back", src, what="round trip")
     assert (tmp_path / "back" / "model.safetensors.index.json").is_file()
+    for name in side:
+        for where in (tmp_path / "mc" / "hf", tmp_path / "back"):
+            assert (where / name).read_bytes() == (src / name).read_bytes(), f"{where / name}"
+    from transformers import AutoTokenizer, GenerationConfig
+
+    text = "12+7=19 <|im_end|>"
+    assert AutoTokenizer.from_pretrained(str(tmp_path / "back"))(text)["input_ids"] == AutoTokenizer.from_pretrained(str(src))(text)["input_ids"]
+    assert GenerationConfig.from_pretrained(str(tmp_path / "back")).temperature == 0.7
     # transformers reads the export back
     tokens = random_tokens(128)
     assert torch.equal(hf_logits(tmp_path / "back", tokens), hf_logits(src, tokens))
@@ -168,3 +190,135 @@ def test_mcore_to_hf_needs_a_trinity_checkpoint(tmp_path):
     with pytest.raises(UserError, match=r"ck/trinity_meta.json: not a trinity dist checkpoint"):
         mcore_to_hf(str(tmp_path / "ck"), str(tmp_path / "out"))
     _no_output(tmp_path)
+
+
+# --- a failed --verify leaves no output ------------------------------------------------------------
+
+
+def test_failed_verify_removes_hf_to_mcore_output(tmp_path, monkeypatch):
+    src = make_tiny_hf_model("qwen2", tmp_path / "hf")
+    real = jobs.load_hf_weights
+
+    def broken(models, *args, **kwargs):  # a converter bug: one tensor off after loading
+        real(models, *args, **kwargs)
+        with torch.no_grad():
+            dict(models[0].named_parameters())["decoder.final_layernorm.weight"].add_(0.5)
+
+    monkeypatch.setattr(jobs, "load_hf_weights", broken)
+    with pytest.raises(UserError, match=r"verification failed, max \|Δlogits\|.*out was removed\)"):
+        hf_to_mcore(str(src), str(tmp_path / "out"), dtype="fp32", verify=True)
+    _no_output(tmp_path)
+
+
+def test_failed_verify_removes_mcore_to_hf_output(tmp_path, monkeypatch):
+    src = make_tiny_hf_model("qwen2", tmp_path / "hf")
+    hf_to_mcore(str(src), str(tmp_path / "mc"), dtype="fp32")
+    real = jobs.write_shards
+
+    def broken(tensors, *args, **kwargs):  # a writer bug: one tensor off on disk
+        return real(((n, t + 1 if n == "model.norm.weight" else t) for n, t in tensors), *args, **kwargs)
+
+    monkeypatch.setattr(jobs, "write_shards", broken)
+    with pytest.raises(UserError, match=r"tensor 'model.norm.weight' differs.*out was removed\)"):
+        mcore_to_hf(str(tmp_path / "mc"), str(tmp_path / "out"), verify=True)
+    _no_output(tmp_path)
+    assert (tmp_path / "mc" / "trinity_meta.json").is_file()  # the source checkpoint is untouched
+
+
+# --- flags megatron-core cannot build: a UserError naming the flag, before anything is written ----------
+
+
+@pytest.mark.parametrize(
+    "family,kwargs,message",
+    [
+        ("qwen2", dict(vpp=2), r"--vpp: needs --pp > 1"),
+        ("qwen2", dict(pp=2, vpp=2), r"--vpp: 2 layers are not divisible by PP x VPP = 2 x 2"),
+        ("qwen2", dict(pp=3), r"--pp: 2 layers are not divisible by PP=3"),
+        ("qwen2", dict(ep=2), r"--ep: EP=2 needs an MoE model, but Qwen2ForCausalLM is dense"),
+        ("qwen2", dict(tp=4), r"--tp: 2 key/value heads are not divisible by TP=4"),
+        ("qwen2", dict(tp=3), r"--tp: 4 attention heads are not divisible by TP=3"),
+        ("qwen2", dict(tp=0), r"--tp: must be at least 1"),
+        ("qwen3_moe", dict(ep=3), r"--ep: 4 experts are not divisible by EP=3"),
+        ("qwen3_moe", dict(backend="mbridge"), r"--backend mbridge: needs TransformerEngine grouped experts"),
+    ],
+)
+def test_invalid_layout_flags_are_user_errors(tmp_path, family, kwargs, message):
+    src = make_tiny_hf_model(family, tmp_path / "hf")
+    with pytest.raises(UserError, match=message):
+        hf_to_mcore(str(src), str(tmp_path / "out"), dtype="fp32", device="cpu", **kwargs)
+    _no_output(tmp_path)
+
+
+def test_more_ranks_than_gpus_is_a_user_error(tmp_path, monkeypatch):
+    src = make_tiny_hf_model("qwen2", tmp_path / "hf")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(UserError, match=r"--tp/--pp/--ep: TP x PP x EP = 2 x 1 x 1 = 2 processes need 2 GPUs, this machine has 1"):
+        hf_to_mcore(str(src), str(tmp_path / "out"), tp=2, device="cuda")
+    _no_output(tmp_path)
+
+
+# --- the mbridge backend is as strict as the builtin one ---------------------------------------------
+
+
+def test_mbridge_backend_refuses_unmapped_tensor(tmp_path):
+    src = make_tiny_hf_model("qwen2", tmp_path / "hf")
+    sd = _source(src)
+    sd["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.randn(8)
+    save_file(sd, str(src / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(UserError, match=r"model.safetensors: tensor 'model.layers.0.self_attn.rotary_emb.inv_freq' is not in the weight map"):
+        hf_to_mcore(str(src), str(tmp_path / "out"), dtype="fp32", backend="mbridge")
+    _no_output(tmp_path)
+
+
+# --- a conversion killed with SIGKILL leaves a temporary sibling; the next one removes it ------------
+
+_KILLED = """
+import os, signal, sys
+
+
+def main():
+    from megatron.core import dist_checkpointing
+
+    real = dist_checkpointing.save
+
+    def save(state, path, *args, **kwargs):
+        real(state, path, *args, **kwargs)
+        os.kill(os.getpid(), signal.SIGKILL)  # after the shards are written, before the rename
+
+    dist_checkpointing.save = save
+    from trinity.convert.api import hf_to_mcore
+
+    hf_to_mcore(sys.argv[1], sys.argv[2], dtype="fp32", device="cpu")
+
+
+if __name__ == "__main__":  # the dist-checkpoint writer's helper processes re-import __main__
+    main()
+"""
+
+
+def test_killed_conversion_leftovers_are_removed_by_the_next_one(tmp_path):
+    src = make_tiny_hf_model("qwen2", tmp_path / "hf")
+    script = tmp_path / "killed.py"
+    script.write_text(_KILLED)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    with open(tmp_path / "log.txt", "w") as log:
+        # Its own session: the writer's helper processes outlive a SIGKILLed parent; ended below by group.
+        proc = subprocess.Popen([sys.executable, str(script), str(src), str(tmp_path / "out")], env=env,
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            code = proc.wait(timeout=150)
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    assert code == -signal.SIGKILL, (tmp_path / "log.txt").read_text()[-3000:]
+    (tmp_path / "log.txt").unlink()
+    script.unlink()
+    left = [p for p in tmp_path.iterdir() if p.name.startswith(".out.tmp-")]
+    assert len(left) == 1 and any(left[0].iterdir()) and not (tmp_path / "out").exists()
+    assert left[0].name.split("-")[-2] == str(proc.pid)  # the name records the dead process
+    hf_to_mcore(str(src), str(tmp_path / "out"), dtype="fp32", device="cpu")
+    assert not left[0].exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "out"]
+    assert read_meta(tmp_path / "out")["dtype"] == "float32"

@@ -7,7 +7,9 @@ CPU, nccl on GPU) in which every rank loads only its slice and writes its own sh
 from __future__ import annotations
 
 import json
+import math
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -42,12 +44,20 @@ class ConvertReport:
 
     def __str__(self) -> str:
         line = (
-            f"{self.direction}: wrote {self.bytes_written / 1e9:.3f} GB to {self.output} in {self.seconds:.2f} s "
-            f"({self.gb_per_s:.2f} GB/s)"
+            f"{self.direction}: wrote {_num(self.bytes_written / 1e9)} GB to {self.output} in {self.seconds:.2f} s "
+            f"({_num(self.gb_per_s)} GB/s)"
         )
         if self.verified:
             line += f"; verified {self.verified}: max |Δ| {self.max_abs_diff:.3e}, mean |Δ| {self.mean_abs_diff:.3e}"
         return line
+
+
+def _num(x: float) -> str:
+    """Three significant digits, never scientific notation: 15.2, 0.153, 0.000412 (tiny models too)."""
+    if x == 0:
+        return "0"
+    digits = max(0, 2 - math.floor(math.log10(abs(x))))
+    return f"{x:.{digits}f}"
 
 
 def torch_dtype(name: str) -> Any:
@@ -81,8 +91,52 @@ def megatron_config(*, tp: int = 1, pp: int = 1, vpp: int | None = None, ep: int
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp,
         expert_model_parallel_size=ep,
+        # megatron-core refuses TP>1 with EP>1 without it; it changes activations only, never weights.
+        sequence_parallel=tp > 1 and ep > 1,
         override_transformer_config={"perform_initialization": False},
     )
+
+
+def check_layout(facts: ModelFacts, *, tp: int, pp: int, vpp: int | None, ep: int, backend: str, device: str) -> None:
+    """Refuse flag combinations megatron-core cannot build, with a UserError naming the flag (before any
+    process starts: inside the job they would end as internal errors)."""
+    for flag, value in (("--tp", tp), ("--pp", pp), ("--ep", ep)):
+        if value < 1:
+            raise UserError(f"{flag}: must be at least 1 (got {value})")
+    if vpp is not None and vpp < 1:
+        raise UserError(f"--vpp: must be at least 1 (got {vpp})")
+    if vpp is not None and pp == 1:
+        raise UserError(f"--vpp: needs --pp > 1 (virtual stages split each pipeline rank's layers); drop --vpp or raise --pp")
+    if facts.num_attention_heads % tp:
+        raise UserError(f"--tp: {facts.num_attention_heads} attention heads are not divisible by TP={tp}")
+    if facts.num_query_groups % tp:
+        raise UserError(
+            f"--tp: {facts.num_query_groups} key/value heads are not divisible by TP={tp}; "
+            f"use a TP that divides {facts.num_query_groups}"
+        )
+    stages = pp * (vpp or 1)
+    if facts.num_layers % stages:
+        flag, what = ("--vpp", f"PP x VPP = {pp} x {vpp}") if vpp else ("--pp", f"PP={pp}")
+        raise UserError(f"{flag}: {facts.num_layers} layers are not divisible by {what}")
+    if ep > 1 and not facts.is_moe:
+        raise UserError(f"--ep: EP={ep} needs an MoE model, but {facts.architecture} is dense; drop --ep")
+    if facts.is_moe and facts.num_experts % ep:
+        raise UserError(f"--ep: {facts.num_experts} experts are not divisible by EP={ep}")
+    if backend == "mbridge" and facts.is_moe:
+        raise UserError(
+            f"--backend mbridge: needs TransformerEngine grouped experts for MoE ({facts.architecture}); "
+            "use --backend builtin"
+        )
+    world = tp * pp * ep
+    if device == "cuda" and world > 1:
+        import torch
+
+        gpus = torch.cuda.device_count()
+        if world > gpus:
+            raise UserError(
+                f"--tp/--pp/--ep: TP x PP x EP = {tp} x {pp} x {ep} = {world} processes need {world} GPUs, "
+                f"this machine has {gpus}; lower them (any layout loads the checkpoint) or convert on CPU"
+            )
 
 
 def dir_bytes(path: str | Path) -> int:
@@ -111,10 +165,12 @@ def hf_to_mcore(
     from trinity.convert.registry import weight_map
 
     weight_map(facts.family, facts.source)
+    device = _device(device)
+    check_layout(facts, tp=tp, pp=pp, vpp=vpp, ep=ep, backend=backend, device=device)
     HFCheckpoint(hf_path)  # validates index and shards before any process starts
     check_output(output, force)
     args = dict(hf_path=str(Path(hf_path).resolve()), output=str(Path(output).resolve()), tp=tp, pp=pp,
-                vpp=vpp, ep=ep, backend=backend, dtype=dtype, force=force, device=_device(device))
+                vpp=vpp, ep=ep, backend=backend, dtype=dtype, force=force, device=device)
     start = time.perf_counter()
     world = tp * pp * ep
     if world == 1:
@@ -127,7 +183,12 @@ def hf_to_mcore(
     if verify:
         from trinity.convert.jobs import verify_mcore_against_hf
 
-        diff = verify_mcore_against_hf(output, hf_path, device=args["device"])
+        try:
+            diff = verify_mcore_against_hf(args["output"], hf_path, device=device)
+        except UserError as e:
+            # A checkpoint that failed its check is not left behind for a job to load.
+            shutil.rmtree(args["output"], ignore_errors=True)
+            raise UserError(f"{e} ({args['output']} was removed)") from e
         report.max_abs_diff, report.mean_abs_diff, report.verified = diff.max_abs, diff.mean_abs, "logits vs transformers"
     return report
 
@@ -157,27 +218,48 @@ def mcore_to_hf(
 
 
 def _torchrun(world: int, args: dict[str, Any]) -> ConvertReport:
-    """Run the conversion as `world` ranks; rank 0 leaves its report (or the user error) in a file."""
+    """Run the conversion as `world` ranks; rank 0 leaves its report (or the user error) in a file.
+
+    Rank 0 (and the launcher) write straight to this process's stdout/stderr, so its progress shows in
+    the user's terminal; the other ranks' output goes to log files whose ends the error message quotes.
+    """
     import trinity
 
     with tempfile.TemporaryDirectory(prefix="trinity-convert-") as tmp:
         args_path = Path(tmp) / "args.json"
         report_path = Path(tmp) / "report.json"
-        args_path.write_text(json.dumps({"args": args, "report": str(report_path)}))
+        log_dir = Path(tmp) / "logs"
+        args_path.write_text(json.dumps({"args": args, "report": str(report_path), "world": world}))
         env = dict(os.environ)
         root = str(Path(trinity.__file__).resolve().parent.parent)
         env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
         env.setdefault("OMP_NUM_THREADS", "1")
+        redirects = ",".join(f"{r}:3" for r in range(1, world))  # 3 = stdout and stderr; rank 0 not redirected
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
-               "-m", "trinity.convert.worker", str(args_path)]
-        proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+               f"--log-dir={log_dir}", f"--redirects={redirects}", "-m", "trinity.convert.worker", str(args_path)]
+        sys.stdout.flush()
+        sys.stderr.flush()
+        proc = subprocess.run(cmd, env=env)
         result = json.loads(report_path.read_text()) if report_path.is_file() else {}
         if "error" in result:
             raise UserError(result["error"])
         if proc.returncode != 0 or "report" not in result:
-            tail = "\n".join(proc.stdout.splitlines()[-30:])
-            raise RuntimeError(f"conversion job failed (exit {proc.returncode}):\n{tail}")
+            raise RuntimeError(
+                f"conversion job failed (exit {proc.returncode}; rank 0's output is above)\n{rank_logs(log_dir)}"
+            )
         return ConvertReport(**result["report"])
+
+
+def rank_logs(log_dir: Path, lines: int = 30) -> str:
+    """The last `lines` lines of each redirected rank's stdout/stderr under torchrun's `log_dir`
+    (`<run id>/attempt_<n>/<local rank>/std{out,err}.log`)."""
+    parts = []
+    for f in sorted(log_dir.rglob("std*.log"), key=lambda p: (p.parent.name, p.name)):
+        text = f.read_text(errors="replace").strip()
+        if text:
+            tail = "\n".join(text.splitlines()[-lines:])
+            parts.append(f"--- rank {f.parent.name} {f.stem} ---\n{tail}")
+    return "\n".join(parts) or "(the other ranks wrote nothing)"
 
 
 def report_to_json(report: ConvertReport) -> dict[str, Any]:

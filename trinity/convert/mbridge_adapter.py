@@ -47,14 +47,36 @@ def make_bridge(hf_dir: str | Path, facts: ModelFacts, dtype: torch.dtype) -> An
     return bridge
 
 
-def load_weights(models: list[torch.nn.Module], hf_dir: str | Path, facts: ModelFacts) -> None:
-    """Fill our built chunks from `hf_dir` through mbridge (all ranks call)."""
+def load_weights(models: list[torch.nn.Module], hf_dir: str | Path, facts: ModelFacts, *, strict: bool = True) -> None:
+    """Fill our built chunks from `hf_dir` through mbridge (all ranks call).
+
+    Strict like the builtin loader: mbridge itself fails on a model parameter it cannot map or an HF
+    tensor it cannot find; afterwards every HF tensor must have been mapped to some rank's parameter
+    (checked across ranks), otherwise UserError naming the tensor and its shard.
+    """
     dtype = next(p for m in models for p in m.parameters()).dtype
     bridge = make_bridge(hf_dir, facts, dtype)
     try:
         bridge.load_weights(models, str(hf_dir))
+        consumed = mapped_hf_names(bridge, models)
     except (KeyError, NotImplementedError, ValueError) as exc:
         raise UserError(f"{hf_dir}: mbridge could not map the checkpoint onto the model ({exc})") from None
+    if strict:
+        from trinity.convert.builtin import _check_all_consumed
+        from trinity.convert.hf_io import HFCheckpoint
+        from trinity.convert.registry import weight_map
+
+        _check_all_consumed(HFCheckpoint(hf_dir), consumed, facts, weight_map(facts.family, facts.source))
+
+
+def mapped_hf_names(bridge: Any, models: list[torch.nn.Module]) -> set[str]:
+    """The HF tensors mbridge maps onto this rank's chunks (what its `load_weights` reads or receives)."""
+    names: set[str] = set()
+    for model in models:
+        for local, global_name in bridge._weight_name_mapping_mcore_local_to_global(model).items():
+            if "_extra_state" not in local:
+                names.update(bridge._weight_name_mapping_mcore_to_hf(global_name))
+    return names
 
 
 def export_weights(models: list[torch.nn.Module], hf_dir: str | Path, facts: ModelFacts) -> Iterator[tuple[str, torch.Tensor]]:

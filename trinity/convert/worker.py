@@ -1,7 +1,9 @@
 """torchrun entry of a multi-rank conversion: `python -m trinity.convert.worker ARGS.json`.
 
-Rank 0 writes `{"report": ...}` or `{"error": "<user error>"}` to the report path named in ARGS.json;
-the parent (`trinity.convert.api`) turns it back into a ConvertReport or a UserError.
+Rank 0's output reaches the user's terminal (progress bar included); the other ranks' goes to
+torchrun's log files (see `trinity.convert.api._torchrun`). Rank 0 writes `{"report": ...}` or
+`{"error": "<user error>"}` to the report path named in ARGS.json; the parent
+(`trinity.convert.api`) turns it back into a ConvertReport or a UserError.
 """
 
 from __future__ import annotations
@@ -20,6 +22,13 @@ def main(argv: list[str]) -> int:
     from trinity.convert.jobs import run_hf_to_mcore
     from trinity.errors import UserError
 
+    if rank == 0:
+        a = spec["args"]
+        print(
+            f"rank 0 of {spec.get('world', '?')}: converting {a.get('hf_path')} with TP={a.get('tp')} PP={a.get('pp')} "
+            f"VPP={a.get('vpp')} EP={a.get('ep')} on {a.get('device')}",
+            flush=True,
+        )
     try:
         report = run_hf_to_mcore(**spec["args"])
     except UserError as exc:
