@@ -14,6 +14,11 @@ TP sharding and the numerics are those of training; only the cache and the atten
 Masking follows `generate`'s left-padding rules: a padding key is masked, except for the padding query
 at the same slot (a row with every key masked would give NaN).
 
+Pipeline parallelism: each stage's decoder holds the KV cache of its own layers only. The first stage
+embeds the tokens, the others take the previous stage's hidden states [s, b, h] (`hidden=`); the last
+stage returns logits, the others their hidden states, which `generate` sends on. The step's inputs
+(token, slot, incoming hidden state) are static buffers, so a stage's compute is captured the same way.
+
 CUDA graphs are used on CUDA at TP=1 with dense MLPs; elsewhere (CPU, TP>1 whose all-reduces would be
 captured too, MoE routing that syncs with the host) the same static-shape step runs eagerly. A graph
 is captured per `generate` call: offload between RL phases re-allocates parameter storages, and a
@@ -29,7 +34,8 @@ import torch.nn.functional as F
 
 
 class StaticDecoder:
-    """Prefill and single-token steps of a PP=1 megatron GPTModel over a [batch, max_len] KV cache."""
+    """Prefill and single-token steps of one pipeline stage of a megatron GPTModel (the whole model at
+    PP=1) over a [batch, max_len] KV cache of its own layers."""
 
     def __init__(self, gpt: Any, batch: int, max_len: int, *, cuda_graphs: bool = True, compile: bool = False) -> None:
         from megatron.core import parallel_state as ps
@@ -57,6 +63,9 @@ class StaticDecoder:
         self._graph: torch.cuda.CUDAGraph | None = None
         self._token = torch.zeros(batch, 1, dtype=torch.long, device=self.device)
         self._slot = torch.zeros(1, dtype=torch.long, device=self.device)
+        self.first, self.last = gpt.pre_process, gpt.post_process
+        # the previous stage's hidden state of the decode step (non-first pipeline stages)
+        self._hidden = None if self.first else torch.zeros(1, batch, self.config.hidden_size, dtype=dtype, device=self.device)
         self._logits: torch.Tensor | None = None
         # torch.compile fuses each step's ~40 small kernels per layer (norms, RoPE, residuals, masking);
         # shapes only change with (batch, max_len), so a process compiles once or twice.
@@ -79,33 +88,47 @@ class StaticDecoder:
         out, bias = attn.linear_proj(out.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.head_dim))
         return out if bias is None else out + bias
 
-    def _forward(self, tokens: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """Logits [b, vocab (gathered over TP, padded)] of the last position; tokens [b, s] sit at `slots` [s]."""
+    def _forward(self, tokens: torch.Tensor, slots: torch.Tensor, hidden: torch.Tensor | None) -> torch.Tensor:
+        """Logits [b, vocab (gathered over TP, padded)] of the last position on the last pipeline stage,
+        hidden states [s, b, h] elsewhere; tokens [b, s] sit at `slots` [s]; `hidden` is the previous
+        stage's output (non-first stages)."""
         # attend to keys at or before the query's slot that are real tokens (or the query itself)
         k_pos = self.positions.view(1, 1, 1, -1)
         q_pos = slots.view(1, 1, -1, 1)
         mask = (k_pos <= q_pos) & (self.valid.view(self.valid.shape[0], 1, 1, -1) | (k_pos == q_pos))
-        x = self.gpt.embedding(input_ids=tokens, position_ids=slots.unsqueeze(0).expand_as(tokens))
+        if self.first:
+            x = self.gpt.embedding(input_ids=tokens, position_ids=slots.unsqueeze(0).expand_as(tokens))
+        else:
+            assert hidden is not None, "a non-first pipeline stage needs the previous stage's hidden states"
+            x = hidden
         for i, layer in enumerate(self.layers):
             x = x + self._attention(i, layer, layer.input_layernorm(x), slots, mask)
             out, bias = layer.mlp(layer.pre_mlp_layernorm(x))
             x = x + (out if bias is None else out + bias)
+        if not self.last:
+            return x
         x = self.gpt.decoder.final_layernorm(x[-1:])
         weight = self.gpt.shared_embedding_or_output_weight() if self.gpt.share_embeddings_and_output_weights else None
         logits, _ = self.gpt.output_layer(x, weight=weight, runtime_gather_output=True)
         return logits[0]
 
     @torch.no_grad()
-    def prefill(self, tokens: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
-        """Run the left-padded prompts [b, P] (key_mask 1 on real tokens) into slots 0..P-1."""
+    def prefill(self, tokens: torch.Tensor, key_mask: torch.Tensor, hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """Run the left-padded prompts [b, P] (key_mask 1 on real tokens) into slots 0..P-1; `hidden`
+        [P, b, h]: the previous pipeline stage's output (non-first stages)."""
         self.valid[:, : tokens.shape[1]] = key_mask.bool()
-        return self._forward(tokens, self.positions[: tokens.shape[1]])
+        return self._forward(tokens, self.positions[: tokens.shape[1]], hidden)
 
     @torch.no_grad()
-    def step(self, token: torch.Tensor, slot: int) -> torch.Tensor:
-        """Feed one new token per row [b] at `slot`; returns the next logits [b, vocab]."""
+    def step(self, token: torch.Tensor, slot: int, hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """Feed one new token per row [b] at `slot` (`hidden` [1, b, h] from the previous pipeline stage
+        on non-first stages); returns the next logits [b, vocab] (hidden states [1, b, h] on non-last
+        stages; a graph's output buffer, valid until the next step)."""
         self._token.copy_(token.view(-1, 1))
         self._slot.fill_(slot)
+        if self._hidden is not None:
+            assert hidden is not None, "a non-first pipeline stage needs the previous stage's hidden state"
+            self._hidden.copy_(hidden)
         if not self.use_graph:
             return self._run_step()
         if self._graph is None:
@@ -115,7 +138,7 @@ class StaticDecoder:
 
     def _step(self) -> torch.Tensor:
         self.valid.index_fill_(1, self._slot, True)
-        return self._forward(self._token, self._slot)
+        return self._forward(self._token, self._slot, self._hidden)
 
     def _capture(self) -> None:
         # Warm-up on a side stream (lazy inits, cuBLAS workspaces) before capture, as torch advises.

@@ -19,7 +19,14 @@ That is what PPO's ratio compares against (the trainer recomputes old log-probs 
 anyway, which also absorbs KV-cache vs full-forward rounding in bf16); at temperature 1 without
 truncation both definitions coincide. Rows stop at the first EOS id (the EOS token is part of the
 response and of the response mask); later positions hold `pad_id` and mask 0.
-Pipeline parallelism is not supported here (`check_rollout_layout`).
+
+Pipeline parallelism: every stage runs its own layers (and, with the cache, holds their KV cache only).
+The first stage embeds; each non-last stage sends its hidden states [s, b, h] to the next stage over the
+pipeline group (`torch.distributed.send` / `recv`); the last stage computes the logits and samples (so
+only its generator is drawn from), and broadcasts the tokens to its pipeline group every step (the first
+stage needs them as the next input, every stage needs them to stop at EOS) and the log-probs once at the
+end: every rank returns the same `Rollout`. Virtual pipeline stages are not supported
+(`check_rollout_layout`).
 """
 
 from __future__ import annotations
@@ -78,8 +85,11 @@ class Rollout:
 
 def check_rollout_layout(megatron: Any, where: str = "actor_rollout_ref.actor.megatron") -> None:
     """Layouts the rollout engine cannot serve yet, as UserErrors naming the key."""
-    if megatron.pipeline_model_parallel_size > 1:
-        raise UserError(f"{where}.pipeline_model_parallel_size: rollout with PP>1 is not supported yet; use PP=1")
+    if megatron.pipeline_model_parallel_size > 1 and (megatron.virtual_pipeline_model_parallel_size or 1) > 1:
+        raise UserError(
+            f"{where}.virtual_pipeline_model_parallel_size: rollout runs one model chunk per pipeline stage; "
+            "unset virtual_pipeline_model_parallel_size (plain PP is supported)"
+        )
     if megatron.sequence_parallel and megatron.tensor_model_parallel_size > 1:
         raise UserError(f"{where}.sequence_parallel: rollout decodes one token per step, which sequence parallel cannot split; turn it off")
 
@@ -144,6 +154,41 @@ def _tp_broadcast(tokens: torch.Tensor) -> torch.Tensor:
     return tokens
 
 
+class _Pipeline:
+    """Hand-over between pipeline stages during generation (a no-op at PP=1): hidden states go from each
+    stage to the next, the last stage's samples go back to every stage (see module doc)."""
+
+    def __init__(self, gpt: Any, device: torch.device, dtype: torch.dtype) -> None:
+        from megatron.core import parallel_state as ps
+
+        self.size = ps.get_pipeline_model_parallel_world_size()
+        self.first, self.last = (True, True) if self.size == 1 else (gpt.pre_process, gpt.post_process)
+        self.device, self.dtype, self.hidden_size = device, dtype, gpt.config.hidden_size
+        if self.size > 1:
+            self.group = ps.get_pipeline_model_parallel_group()
+            self.src = ps.get_pipeline_model_parallel_last_rank()
+            self.prev = ps.get_pipeline_model_parallel_prev_rank()
+            self.next = ps.get_pipeline_model_parallel_next_rank()
+
+    def recv(self, seq: int, batch: int) -> torch.Tensor | None:
+        """The previous stage's hidden states [seq, batch, h] (None on the first stage)."""
+        if self.first:
+            return None
+        buf = torch.empty(seq, batch, self.hidden_size, dtype=self.dtype, device=self.device)
+        torch.distributed.recv(buf, src=self.prev, group=self.group)
+        return buf
+
+    def send(self, hidden: torch.Tensor) -> None:
+        if not self.last:
+            torch.distributed.send(hidden.to(self.dtype).contiguous(), dst=self.next, group=self.group)
+
+    def from_last(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` as the last stage holds it, on every stage."""
+        if self.size > 1:
+            torch.distributed.broadcast(t, src=self.src, group=self.group)
+        return t
+
+
 def _unwrap(model: Any) -> Any:
     while hasattr(model, "module"):
         model = model.module
@@ -163,7 +208,8 @@ def generate(
     cuda_graphs: bool = True,
     compile: bool = False,
 ) -> Rollout:
-    """Sample responses for `prompts` (token id lists) with a megatron GPTModel (or its DDP wrapper).
+    """Sample responses for `prompts` (token id lists) with a megatron GPTModel (or its DDP wrapper);
+    at PP>1 every rank of the pipeline calls it with its own stage and gets the same `Rollout`.
 
     use_cache=False re-runs the whole sequence every step (the reference the KV-cache path is tested
     against); cuda_graphs=False runs the cached decode steps eagerly, compile=True compiles them with
@@ -173,7 +219,9 @@ def generate(
     from trinity.rollout.decode import StaticDecoder
 
     gpt = _unwrap(model)
-    device = next(gpt.parameters()).device
+    param = next(gpt.parameters())
+    device = param.device
+    pipe = _Pipeline(gpt, device, param.dtype)
     was_training = gpt.training
     gpt.eval()
     tokens, prompt_mask = left_pad(prompts, pad_id, device)
@@ -187,16 +235,26 @@ def generate(
     seq = tokens
     try:
         for step in range(params.max_new_tokens):
+            hidden = pipe.recv(seq.shape[1] if decoder is None or step == 0 else 1, batch)
             if decoder is None:
                 pos = torch.arange(seq.shape[1], device=device).expand(batch, -1)
-                logits = gpt(seq, pos, attention_mask(key_mask), runtime_gather_output=True)[:, -1]
+                if not pipe.first:
+                    gpt.set_input_tensor(hidden)
+                out = gpt(seq, pos, attention_mask(key_mask), runtime_gather_output=True)
+                out = out[:, -1] if pipe.last else out  # last stage: logits [b, s, V]; others: hidden [s, b, h]
             elif step == 0:
-                logits = decoder.prefill(seq, key_mask)
+                out = decoder.prefill(seq, key_mask, hidden)
             else:
-                logits = decoder.step(seq[:, -1], seq.shape[1] - 1)
-            last = logits[:, :vocab_size].float()
-            nxt = _tp_broadcast(sample(last, params, generator).contiguous())
-            logp = torch.log_softmax(last, -1).gather(-1, nxt.unsqueeze(-1)).squeeze(-1)
+                out = decoder.step(seq[:, -1], seq.shape[1] - 1, hidden)
+            if pipe.last:
+                last = out[:, :vocab_size].float()
+                nxt = _tp_broadcast(sample(last, params, generator).contiguous())
+                logp = torch.log_softmax(last, -1).gather(-1, nxt.unsqueeze(-1)).squeeze(-1)
+            else:
+                pipe.send(out)
+                nxt = torch.empty(batch, dtype=torch.long, device=device)
+                logp = torch.zeros(batch, dtype=torch.float32, device=device)
+            nxt = pipe.from_last(nxt)
             nxt = torch.where(done, torch.full_like(nxt, pad_id), nxt)
             out_tokens.append(nxt)
             out_logp.append(torch.where(done, torch.zeros_like(logp), logp))
@@ -207,13 +265,16 @@ def generate(
             if bool(done.all()):
                 break
     finally:
+        if decoder is None and not pipe.first:
+            gpt.set_input_tensor(None)
         gpt.train(was_training)
     responses = torch.stack(out_tokens, dim=1)
     width = responses.shape[1]
     response_mask = (torch.arange(width, device=device).unsqueeze(0) < lengths.unsqueeze(1)).long()
+    logprobs = pipe.from_last(torch.stack(out_logp, dim=1).contiguous())
     return Rollout(
         tokens=torch.cat([tokens, responses], dim=1),
         prompt_mask=prompt_mask,
         response_mask=response_mask,
-        logprobs=torch.stack(out_logp, dim=1) * response_mask,
+        logprobs=logprobs * response_mask,
     )
