@@ -37,7 +37,11 @@ def eos_token_ids(tokenizer: Any, model_dir: str) -> tuple[int, ...]:
 
 
 class Phases:
-    """Times, token counts and memory per phase; `enter` moves offloaded parts for the phase."""
+    """Times, token counts and memory per phase; `run` moves offloaded parts for the phase.
+
+    mem/<phase>_gib is measured after the moves, before the phase; mem/<phase>_end_gib after it finishes
+    (outside the timed span); on CUDA mem/<phase>_peak_gib is the peak during it.
+    """
 
     def __init__(self, device: torch.device, offloaders: dict[str, RoleOffloader]):
         self.device, self.offloaders = device, offloaders
@@ -56,6 +60,8 @@ class Phases:
             torch.cuda.synchronize(self.device)
             self.metrics[f"mem/{name}_peak_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         dt = time.perf_counter() - t0
+        # What the phase leaves behind (its outputs, activations not yet freed), before the next phase's moves.
+        self.metrics[f"mem/{name}_end_gib"] = memory_gib(self.device)
         self.metrics[f"time/{name}_s"] = dt
         n = tokens(result) if callable(tokens) else tokens
         if n is not None:
