@@ -274,10 +274,13 @@ def test_rl_layout_rules(write_job, small_job):
                     critic={"megatron": {"tensor_model_parallel_size": 2, "use_mbridge": True}})
     job["actor_rollout_ref"]["actor"]["megatron"] = {"pipeline_model_parallel_size": 2}
     probs = problems_of(write_job(job), ["cluster.nproc_per_node=8"])
-    assert any(p.startswith(f"{ACTOR}.pipeline_model_parallel_size: rollout with PP > 1 is not supported") for p in probs)
+    assert not any(p.startswith(f"{ACTOR}.pipeline_model_parallel_size") for p in probs)  # PP rollout is supported
     assert any(p.startswith("actor_rollout_ref.ref.megatron.pipeline_model_parallel_size: 1 differs from the actor's 2") for p in probs)
     assert any(p.startswith("critic.megatron.tensor_model_parallel_size: 2 differs from the actor's 1") for p in probs)
     assert any(p.startswith("critic.megatron.use_mbridge: the critic's value head") for p in probs)
+    job["actor_rollout_ref"]["actor"]["megatron"] = {"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2}
+    probs = problems_of(write_job(job), ["cluster.nproc_per_node=8"])
+    assert any(p.startswith(f"{ACTOR}.virtual_pipeline_model_parallel_size: rollout runs one model chunk") for p in probs)
     job["actor_rollout_ref"]["actor"]["megatron"] = {"tensor_model_parallel_size": 2, "sequence_parallel": True}
     probs = problems_of(write_job(job))
     assert any(p.startswith(f"{ACTOR}.sequence_parallel: rollout with sequence parallel") for p in probs)

@@ -69,15 +69,18 @@ LAYOUT_FIELDS = (
 
 
 def _check_rl_roles(cfg: JobConfig, problems: list[str]) -> None:
-    """What the RL loop cannot do yet: rollout across pipeline stages or with sequence parallel, and
-    roles of different layouts (which would need resharding weights between them)."""
+    """What the RL loop cannot do yet: rollout over virtual pipeline stages or with sequence parallel,
+    and roles of different layouts (which would need resharding weights between them)."""
     if not cfg.is_rl:
         return
     roles = cfg.roles()
     actor = roles.pop("actor_rollout_ref.actor")
     a = "actor_rollout_ref.actor.megatron"
-    if actor.pipeline_model_parallel_size > 1:
-        problems.append(f"{a}.pipeline_model_parallel_size: rollout with PP > 1 is not supported yet; use TP (or DP) instead")
+    if actor.pipeline_model_parallel_size > 1 and (actor.virtual_pipeline_model_parallel_size or 1) > 1:
+        problems.append(
+            f"{a}.virtual_pipeline_model_parallel_size: rollout runs one model chunk per pipeline stage; "
+            "unset it (plain PP is supported)"
+        )
     if actor.sequence_parallel:
         problems.append(f"{a}.sequence_parallel: rollout with sequence parallel is not supported yet; set it to false")
     for path, m in roles.items():

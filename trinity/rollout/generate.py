@@ -88,7 +88,7 @@ def check_rollout_layout(megatron: Any, where: str = "actor_rollout_ref.actor.me
     if megatron.pipeline_model_parallel_size > 1 and (megatron.virtual_pipeline_model_parallel_size or 1) > 1:
         raise UserError(
             f"{where}.virtual_pipeline_model_parallel_size: rollout runs one model chunk per pipeline stage; "
-            "unset virtual_pipeline_model_parallel_size (plain PP is supported)"
+            "unset it (plain PP is supported)"
         )
     if megatron.sequence_parallel and megatron.tensor_model_parallel_size > 1:
         raise UserError(f"{where}.sequence_parallel: rollout decodes one token per step, which sequence parallel cannot split; turn it off")
