@@ -1,4 +1,4 @@
-"""GRPO and GAE advantages against values computed by hand."""
+"""GRPO and GAE advantages against values computed by hand; PPO whitening over a DP group."""
 
 from __future__ import annotations
 
@@ -6,8 +6,12 @@ import math
 
 import pytest
 import torch
+import torch.distributed as dist
 
-from trinity.algorithms.advantages import gae_advantages, grpo_outcome_advantages, masked_whiten
+from trinity.algorithms.advantages import (
+    gae_advantages, grpo_outcome_advantages, masked_mean, masked_moments, masked_var, masked_whiten,
+    mean_var_from_moments,
+)
 
 
 def test_grpo_two_groups_with_std():
@@ -74,3 +78,95 @@ def test_masked_whiten_by_hand():
     torch.testing.assert_close(
         masked_whiten(values, mask, shift_mean=False, eps=0.0), torch.tensor([[1.0, 2.0], [3.0, 0.0]])
     )
+
+
+def _batch(rows: int = 8, cols: int = 5, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    values = torch.randn(rows, cols, generator=g) * 3 + 1
+    lengths = torch.randint(1, cols + 1, (rows,), generator=g)
+    mask = (torch.arange(cols) < lengths[:, None]).float()
+    return values, mask
+
+
+SHARDS = (slice(0, 1), slice(1, 4), slice(4, 8))  # uneven DP shards, uneven token counts
+
+
+def test_summed_moments_of_shards_give_the_whole_batch_mean_and_var():
+    values, mask = _batch()
+    moments = sum(masked_moments(values[s], mask[s]) for s in SHARDS)
+    mean, var = mean_var_from_moments(moments)
+    whole = values.double()
+    torch.testing.assert_close(mean, masked_mean(whole, mask.double()), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(var, masked_var(whole, mask.double()), rtol=1e-12, atol=1e-12)
+    assert moments[2].item() == mask.sum().item()
+
+
+class _FakeGroup:
+    """Stands in for a DP process group: all_reduce adds the moments the other shards would send."""
+
+    def __init__(self, others: list[tuple[torch.Tensor, torch.Tensor]]):
+        self.others, self.size = others, len(others) + 1
+
+    def all_reduce(self, tensor: torch.Tensor, op=None, group=None) -> None:
+        assert group is self and op == dist.ReduceOp.SUM
+        for v, m in self.others:
+            tensor += masked_moments(v, m)
+
+
+@pytest.fixture
+def fake_dist(monkeypatch):
+    def install(group: _FakeGroup) -> None:
+        monkeypatch.setattr(dist, "get_world_size", lambda g=None: g.size)
+        monkeypatch.setattr(dist, "all_reduce", group.all_reduce)
+
+    return install
+
+
+def test_masked_whiten_over_a_group_equals_whitening_the_whole_batch(fake_dist):
+    values, mask = _batch()
+    whole = masked_whiten(values, mask)
+    for i, s in enumerate(SHARDS):
+        group = _FakeGroup([(values[o], mask[o]) for j, o in enumerate(SHARDS) if j != i])
+        fake_dist(group)
+        torch.testing.assert_close(masked_whiten(values[s], mask[s], group=group), whole[s], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(
+            masked_whiten(values[s], mask[s], shift_mean=False, group=group),
+            masked_whiten(values, mask, shift_mean=False)[s], rtol=1e-5, atol=1e-6,
+        )
+    # per rank (the old behaviour) the shards differ from the whole batch
+    assert not torch.allclose(masked_whiten(values[SHARDS[2]], mask[SHARDS[2]]), whole[SHARDS[2]], atol=1e-3)
+
+
+def test_group_of_one_rank_is_the_local_computation(fake_dist):
+    values, mask = _batch(seed=1)
+    group = _FakeGroup([])
+    fake_dist(group)
+    assert torch.equal(masked_whiten(values, mask, group=group), masked_whiten(values, mask))
+    rewards, vals = _batch(seed=2)[0], _batch(seed=3)[0]
+    assert all(torch.equal(a, b) for a, b in zip(
+        gae_advantages(rewards, vals, mask, 0.9, 0.8, group=group), gae_advantages(rewards, vals, mask, 0.9, 0.8)))
+
+
+def _gae_rank(rank: int, init_file: str, out_dir: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        rewards, values = _batch(seed=2)[0], _batch(seed=3)[0]
+        _, mask = _batch()
+        rows = slice(0, 3) if rank == 0 else slice(3, 8)
+        adv, ret = gae_advantages(rewards[rows], values[rows], mask[rows], 0.9, 0.8, group=dist.group.WORLD)
+        torch.save((adv, ret), f"{out_dir}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.multiproc
+def test_gae_whitening_over_two_gloo_ranks_equals_one_rank(tmp_path):
+    import torch.multiprocessing as mp
+
+    mp.spawn(_gae_rank, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2)
+    rewards, values = _batch(seed=2)[0], _batch(seed=3)[0]
+    _, mask = _batch()
+    adv, ret = gae_advantages(rewards, values, mask, 0.9, 0.8)
+    (a0, r0), (a1, r1) = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
+    torch.testing.assert_close(torch.cat([a0, a1]), adv, rtol=1e-5, atol=1e-6)
+    assert torch.equal(torch.cat([r0, r1]), ret)  # returns are per token: no statistics

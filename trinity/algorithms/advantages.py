@@ -5,15 +5,19 @@ response mask is 1 on response tokens that count and 0 on padding (and on tool/o
 multi-turn rollouts). Names and conventions follow verl so that its users recognise them; where verl's
 behaviour is surprising it is kept and said so, because users compare curves against verl runs.
 
-Call these on the whole rollout batch (all data-parallel ranks gathered, or per rank when a group is
-known to be local): group statistics and whitening are batch statistics, not micro-batch ones.
+Call these on the whole rollout batch of a rank, not on micro batches: group statistics and whitening are
+batch statistics. GRPO groups must be local to the rank (trinity samples all `n` answers of a prompt on
+one rank); whitening takes an optional process group (the data-parallel group) and then uses the mean
+and variance of every rank's batch, so the result does not depend on how the batch is split.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
+import torch.distributed as dist
 
 
 def masked_sum(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
@@ -36,15 +40,42 @@ def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) 
     return var
 
 
+def masked_moments(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[sum, sum of squares, count] of the masked entries, float64: what ranks all-reduce to whiten globally."""
+    v = values.double()
+    m = mask.to(torch.float64)
+    return torch.stack([(v * m).sum(), (v * v * m).sum(), m.sum()])
+
+
+def mean_var_from_moments(moments: torch.Tensor, unbiased: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean and variance (Bessel-corrected by default, as masked_var) from summed `masked_moments`."""
+    total, total_sq, count = moments.unbind()
+    n = count.clamp(min=1)
+    mean = total / n
+    var = ((total_sq - total * mean) / n).clamp(min=0)
+    if unbiased:
+        var = var * count / (count - 1).clamp(min=1)
+    return mean, var
+
+
 def masked_whiten(
-    values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8
+    values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8, group: Any = None
 ) -> torch.Tensor:
     """(values - mean) / std over the masked entries; masked-out entries are zeroed.
 
     With shift_mean=False the mean is added back (only the scale changes), as verl allows.
+    group: a torch.distributed process group (the data-parallel group): mean and variance are those of the
+    masked entries of every rank in it (one all-reduce of sum, sum of squares and count, in float64).
+    None, or a group of one rank: this tensor alone, computed two-pass in its own dtype.
     """
-    mean = masked_mean(values, mask)
-    var = masked_var(values, mask)
+    if group is not None and dist.get_world_size(group) > 1:
+        moments = masked_moments(values, mask)
+        dist.all_reduce(moments, op=dist.ReduceOp.SUM, group=group)
+        mean64, var64 = mean_var_from_moments(moments)
+        mean, var = mean64.to(values.dtype), var64.to(values.dtype)
+    else:
+        mean = masked_mean(values, mask)
+        var = masked_var(values, mask)
     whitened = (values - mean) * torch.rsqrt(var + eps)
     if not shift_mean:
         whitened = whitened + mean
@@ -109,13 +140,15 @@ def gae_advantages(
     gamma: float = 1.0,
     lam: float = 1.0,
     whiten: bool = True,
+    group: Any = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """PPO generalised advantage estimation over `[batch, response_len]` tokens.
 
     delta_t = r_t + gamma * V_{t+1} - V_t;  A_t = delta_t + gamma * lam * A_{t+1};  V after the last
     token is 0. Masked-out positions are skipped (their V and A pass through unchanged to the previous
     counted token), so mask holes inside a response (multi-turn observations) do not break the chain.
-    returns = A + V (before whitening); advantages are whitened over the mask when `whiten` is set.
+    returns = A + V (before whitening); advantages are whitened over the mask when `whiten` is set, over
+    every rank of `group` when one is given (see masked_whiten).
     """
     token_rewards = token_rewards.float()
     values = values.float()
@@ -133,5 +166,5 @@ def gae_advantages(
     advantages = torch.stack(reversed_adv[::-1], dim=1)
     returns = advantages + values
     if whiten:
-        advantages = masked_whiten(advantages, mask)
+        advantages = masked_whiten(advantages, mask, group=group)
     return advantages * mask, returns * mask

@@ -2,7 +2,8 @@
 actor update -> critic update, with offload between phases, metrics and checkpoints of every role.
 
 Data parallelism: each DP rank generates `rollout.n` responses for its own prompts, so a GRPO group never
-spans ranks and group statistics are local; PPO whitens advantages over the rank's batch. TP ranks of
+spans ranks and group statistics are local; PPO whitens advantages over the whole batch of the DP group
+(one all-reduce of sum, sum of squares and count), so they do not depend on the DP size. TP ranks of
 one DP replica see the same prompts and sample the same tokens (trinity.rollout.generate).
 """
 
@@ -78,8 +79,8 @@ def _dp_info() -> tuple[int, int, Any]:
 def _dp_stats(values: torch.Tensor) -> tuple[float, float]:
     """Mean and std of per-sequence values over all DP ranks."""
     _, dp, group = _dp_info()
-    v = values.double().cpu()
-    s = torch.tensor([v.sum(), (v * v).sum(), v.numel()], dtype=torch.float64)
+    v = values.double()  # stays on the device: NCCL (the CUDA backend) reduces only device tensors
+    s = torch.stack([v.sum(), (v * v).sum(), torch.tensor(float(v.numel()), dtype=torch.float64, device=v.device)])
     if dp > 1:
         torch.distributed.all_reduce(s, group=group)
     mean = s[0] / s[2]
@@ -248,7 +249,8 @@ def compute_advantages(cfg: Any, ro: Any, scores: torch.Tensor, groups: list[int
         adv, ret = grpo_outcome_advantages(token_rewards.sum(-1), groups, mask, algo.norm_adv_by_std_in_grpo)
     else:
         assert values is not None
-        adv, ret = gae_advantages(token_rewards, values, mask, algo.gamma, algo.lam)
+        _, dp, dp_group = _dp_info()
+        adv, ret = gae_advantages(token_rewards, values, mask, algo.gamma, algo.lam, group=dp_group if dp > 1 else None)
     return Experience(ro, old_logp, adv, ret, ref_logp, values), extra
 
 
