@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
+
 from tests.conftest import FIXTURES, HF_CONFIGS
 from trinity.config.loader import load_config
-from trinity.config.plan import build_plan
+from trinity.config.plan import build_plan, render_plan
 from trinity.distributed.layout import ParallelLayout
 
 
@@ -49,6 +51,23 @@ def test_recompute_and_offload_shrink_the_estimate(write_job):
     assert sel.activations == 28 * 4096 * 3584 * (34 - 19) // 2
     off = _plan(write_job, param_offload=True, grad_offload=True, optimizer_offload=True).roles[0].memory
     assert off.active == base.active and off.idle == 0 and base.idle == base.weights + base.grads + base.optimizer
+
+
+@pytest.mark.parametrize(("flag", "moved"), [
+    ("param_offload", "weights"), ("grad_offload", "grads"), ("optimizer_offload", "optimizer"),
+])
+def test_each_offload_flag_moves_its_component_to_idle(write_job, flag, moved):
+    base = _plan(write_job).roles[0].memory
+    plan = _plan(write_job, **{flag: True})
+    off = plan.roles[0].memory
+    assert off.offloaded == [flag]
+    assert f"(offload: {flag})" in render_plan(plan)  # what `trinity validate` prints
+    assert off.active == base.active  # the role brings everything back while it runs
+    assert off.weights == base.weights and off.grads == base.grads and off.optimizer == base.optimizer
+    parts = {"weights": base.weights, "grads": base.grads, "optimizer": base.optimizer}
+    assert all(v > 0 for v in parts.values())
+    # idle keeps exactly the two components that are not offloaded
+    assert off.idle == base.idle - parts[moved] == sum(v for k, v in parts.items() if k != moved)
 
 
 def test_layout_arithmetic():
