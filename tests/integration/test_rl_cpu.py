@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -137,3 +138,47 @@ def test_ppo_with_critic_warmup_resumes_exactly(assets, tmp_path):
     assert [r["step"] for r in again] == [1, 2, 3]
     # The critic resumes too: its values feed the advantages (actor/pg_loss) and its own loss.
     assert_same_step(r3, again[2], RESUME_KEYS + ("critic/vf_loss", "critic/grad_norm", "critic/vpred_mean"))
+
+
+FAILING_REWARD = '''
+def score(prompts, responses, answers):
+    out = []
+    for answer in answers:
+        if answer == {bad!r}:
+            raise ValueError("cannot score answer " + answer)
+        out.append(0.5)
+    return out
+'''
+
+
+@pytest.mark.slow
+def test_failing_user_reward_is_a_clean_error_naming_the_sample(assets, tmp_path):
+    """A user reward function (a .py file) that raises on one prompt's samples: `trinity run` exits 2 (a
+    UserError) and names the function, the sample and the error, without a traceback."""
+    data = assets["data"].read_text().splitlines()[:4]  # train_batch_size 4: step 1 scores all of them
+    (tmp_path / "prompts.jsonl").write_text("\n".join(data) + "\n")
+    bad = json.loads(data[2])["answer"]
+    reward = tmp_path / "my_reward.py"
+    reward.write_text(FAILING_REWARD.format(bad=bad))
+    cfg = job(assets, tmp_path / "run", "grpo", 2, reward={"function": f"{reward}:score"})
+    cfg["data"]["train_files"] = [str(tmp_path / "prompts.jsonl")]
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+
+    def trinity_run(*flags: str) -> tuple[int, str]:
+        proc = subprocess.run(["trinity", "run", "--config", str(tmp_path / "job.yaml"), *flags], cwd=REPO,
+                              env=dict(os.environ), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=240)
+        print(proc.stdout[-3000:])
+        return proc.returncode, proc.stdout
+
+    code, text = trinity_run()
+    assert code == 2, (code, text[-3000:])
+    found = re.search(rf"reward function {re.escape(str(reward))}:score failed on sample (\d+) \(response '.*'\): "
+                      rf"ValueError: cannot score answer {re.escape(bad)}", text)
+    assert found and 0 <= int(found.group(1)) < 8, text[-3000:]
+    assert "error (rank 0)" in text
+    assert "Traceback" not in text and "ChildFailedError" not in text, text[-3000:]
+    assert "job failed with exit code 2" in text
+    assert not (tmp_path / "run" / "checkpoints" / "step_1").exists()
+    # --debug keeps torchrun's traceback; the exit code and the worker's line stay the same
+    code, text = trinity_run("--debug")
+    assert code == 2 and "Traceback" in text and found.group(0) in text, (code, text[-3000:])

@@ -92,21 +92,23 @@ def port_is_free(port: int, host: str = "") -> bool:
 _ROOT_CAUSE = re.compile(r"\s*(rank|host|exitcode)\s*:\s*(\S+)")
 
 
-def _relay_stderr(stream: IO[str], out: IO[str], debug: bool) -> None:
+def _relay_stderr(stream: IO[str], out: IO[str], debug: bool, cause: dict[str, str] | None = None) -> None:
     """Copy torchrun's stderr, except its own ChildFailedError traceback after a worker failed.
 
     Worker lines arrive prefixed (`[default0]:`, from --tee) and always pass; the failed rank has
     already printed its one-line error, so torchrun's 30-line report becomes one line (all of it with
-    --debug)."""
-    swallowed = False
-    cause: dict[str, str] = {}
+    --debug). `cause` receives the report's first rank, host and exitcode."""
+    swallowed = in_report = False
+    cause = {} if cause is None else cause
     for line in iter(stream.readline, ""):
-        if not debug and line.startswith("Traceback (most recent call last):"):
-            swallowed = True
-        if swallowed:
+        if line.startswith("Traceback (most recent call last):"):
+            in_report = True
+            swallowed = not debug
+        if in_report:
             m = _ROOT_CAUSE.match(line)
             if m:
                 cause.setdefault(m.group(1), m.group(2))
+        if swallowed:
             continue
         out.write(line)
         out.flush()
@@ -121,10 +123,12 @@ def _relay_stderr(stream: IO[str], out: IO[str], debug: bool) -> None:
 def supervise(cmd: list[str], *, env: dict[str, str] | None = None, grace_s: float = 30.0, debug: bool = False) -> int:
     """Run torchrun as a child in its own process group; forward Ctrl-C/SIGTERM so no orphans remain.
 
-    Returns the job's exit code (128 + signal number when it was stopped by a signal).
+    Returns the job's exit code: the exit code of the rank that failed first (2 for a UserError, as a
+    command outside torchrun), 128 + signal number when it was stopped by a signal.
     """
     proc = subprocess.Popen(cmd, env=env, start_new_session=True, stderr=subprocess.PIPE, text=True, bufsize=1)
-    relay = threading.Thread(target=_relay_stderr, args=(proc.stderr, sys.stderr, debug), daemon=True)
+    cause: dict[str, str] = {}
+    relay = threading.Thread(target=_relay_stderr, args=(proc.stderr, sys.stderr, debug, cause), daemon=True)
     relay.start()
     stopping: dict[str, Any] = {"sig": None, "deadline": None}
 
@@ -155,6 +159,8 @@ def supervise(cmd: list[str], *, env: dict[str, str] | None = None, grace_s: flo
         relay.join(timeout=5)
     if stopping["sig"] is not None:
         return 128 + stopping["sig"]
+    if code == 1 and cause.get("exitcode", "").isdigit() and int(cause["exitcode"]) > 0:
+        return int(cause["exitcode"])  # torchrun's own 1 for "a worker failed": pass the worker's code on
     return code if code >= 0 else 128 - code
 
 
