@@ -1,5 +1,6 @@
 """Rollout at PP=2 (2 processes, gloo, fp32) against PP=1 through the real megatron model: each stage runs
-its own layers and KV cache, hidden states go stage to stage, the last stage samples and broadcasts."""
+its own layers and KV cache, hidden states go stage to stage, the last stage samples and broadcasts.
+Forward-only log-probs (old / ref) through the pipeline schedule match the rollout's."""
 
 from __future__ import annotations
 
@@ -47,12 +48,15 @@ def _worker(rank: int, port: int, model_dir: str, out: str) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     from trinity.distributed.parallel import destroy
     from trinity.models.facts import ModelFacts
+    from trinity.trainer.roles import infer_logprobs
 
     facts = ModelFacts.from_hf_dir(model_dir)
     try:
         pp2 = _build(facts, model_dir, 2)
         stage_layers = len(pp2.decoder.layers)
         got = _rollouts(pp2, facts, 2)
+        # old / ref log-probs through the pipeline schedule (micro batches 3, 3, 2), on every stage
+        infer_diff = (infer_logprobs([pp2], got["sampled"], facts.vocab_size, 3) - got["sampled"].logprobs).abs().max().item()
         gathered = [None, None]
         torch.distributed.all_gather_object(gathered, {k: (r.tokens.tolist(), r.logprobs.tolist()) for k, r in got.items()})
         ref = _rollouts(_build(facts, model_dir, 1), facts, 1)  # PP=1 (DP=2): the whole model on each rank
@@ -64,6 +68,7 @@ def _worker(rank: int, port: int, model_dir: str, out: str) -> None:
         res["sampled_tokens_equal"] = torch.equal(ro.tokens, want.tokens) and torch.equal(ro.response_mask, want.response_mask)
         res["sampled_logp_diff"] = (ro.logprobs - want.logprobs).abs().max().item()
         res["sampled_lengths"] = ro.response_mask.sum(-1).tolist()
+        res["infer_vs_rollout"] = infer_diff
         Path(out, f"rank{rank}.json").write_text(json.dumps(res))
     finally:
         destroy()
@@ -93,3 +98,32 @@ def test_pp2_rollout_matches_pp1(tmp_path):
         # the last stage's generator draws exactly as PP=1's does; some rows stop at an EOS id
         assert res["sampled_tokens_equal"] and res["sampled_logp_diff"] <= 1e-5, res
         assert 0 < min(res["sampled_lengths"]) < 10, res  # some rows stopped early
+        assert res["infer_vs_rollout"] <= 1e-5, res
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_grpo_pp2_matches_pp1(tmp_path):
+    """GRPO through `trinity run` with actor and ref at PP=2 (2 CPU processes): rollout, ref / old
+    log-probs through the pipeline schedule and the update give the metrics of the same job at PP=1."""
+    from tests.integration.test_rl_cpu import job, rows, run_job
+    from trinity.testing.tiny_assets import make_tiny_qwen2, make_tiny_tokenizer, write_prompt_dataset
+
+    tok = make_tiny_tokenizer(tmp_path / "tokenizer")
+    model = make_tiny_qwen2(tmp_path / "model", tok, num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2)
+    assets = {"model": model, "data": write_prompt_dataset(tmp_path / "prompts.jsonl", 64, seed=0)}
+    got = {}
+    for pp in (2, 1):
+        out = tmp_path / f"pp{pp}"
+        cfg = job(assets, out, "grpo", 2)
+        cfg["cluster"]["nproc_per_node"] = pp
+        for role in ("actor", "ref"):
+            cfg["actor_rollout_ref"][role]["megatron"]["pipeline_model_parallel_size"] = pp
+        run_job(cfg, tmp_path / f"pp{pp}.yaml")
+        got[pp] = rows(out)
+        assert (out / "checkpoints" / "step_2" / "complete").is_file()
+    assert [r["step"] for r in got[2]] == [1, 2]
+    for a, b in zip(got[2], got[1]):
+        assert a["reward/mean"] == b["reward/mean"] and a["response_length/mean"] == b["response_length/mean"]
+        for key in ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/ppo_kl", "actor/grad_norm", "actor/ref_kl"):
+            assert abs(a[key] - b[key]) <= 1e-5, (key, a[key], b[key])

@@ -76,6 +76,19 @@ def _dp_info() -> tuple[int, int, Any]:
     return ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(), ps.get_data_parallel_group()
 
 
+def _from_last_stage(metrics: dict[str, float]) -> dict[str, float]:
+    """An update's metrics as the last pipeline stage has them (the losses exist only there), on every stage."""
+    from megatron.core import parallel_state as ps
+
+    if ps.get_pipeline_model_parallel_world_size() == 1:
+        return metrics
+    box = [metrics]
+    torch.distributed.broadcast_object_list(
+        box, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group()
+    )
+    return box[0]
+
+
 def _dp_stats(values: torch.Tensor) -> tuple[float, float]:
     """Mean and std of per-sequence values over all DP ranks."""
     _, dp, group = _dp_info()
@@ -201,14 +214,14 @@ def rl_step(job: RLJob, step: int) -> dict[str, Any]:
     if not warmup:
         # A step's updates share one LR (verl steps the schedule once per RL step).
         job.actor.state.scheduler.step(increment=1)
-        out.update(ph.run("update_actor", {"actor": full}, lambda: actor_update(
-            job.actor.state, exp, cfg.actor_rollout_ref.actor, job.vocab_size, seqs_per_update=job.seqs_per_update, micro=micro),
+        out.update(ph.run("update_actor", {"actor": full}, lambda: _from_last_stage(actor_update(
+            job.actor.state, exp, cfg.actor_rollout_ref.actor, job.vocab_size, seqs_per_update=job.seqs_per_update, micro=micro)),
             all_tokens * cfg.actor_rollout_ref.actor.ppo_epochs))
     if job.critic is not None:
         job.critic.state.scheduler.step(increment=1)
-        out.update(ph.run("update_critic", {"critic": full}, lambda: critic_update(
+        out.update(ph.run("update_critic", {"critic": full}, lambda: _from_last_stage(critic_update(
             job.critic.state, exp, cfg.critic, cfg.actor_rollout_ref.actor.loss_agg_mode,
-            seqs_per_update=job.seqs_per_update, micro=micro), all_tokens * cfg.critic.ppo_epochs))
+            seqs_per_update=job.seqs_per_update, micro=micro)), all_tokens * cfg.critic.ppo_epochs))
 
     reward_mean, reward_std = _dp_stats(scores)
     len_mean, _ = _dp_stats(lengths.float())

@@ -19,7 +19,7 @@ value at the same positions as the log-probs, and so do we).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -149,21 +149,66 @@ def response_values(output: torch.Tensor, rollout: Rollout) -> torch.Tensor:
     return output[:, p : p + r, 0].float()
 
 
-@torch.no_grad()
-def infer_logprobs(model: list[Any], rollout: Rollout, vocab_size: int, micro_batch: int) -> torch.Tensor:
-    """Forward-only log-probs of the responses, micro batch by micro batch (ref and old log-probs)."""
+def _pipeline_forward_only(
+    model: list[Any], rollout: Rollout, micro_batch: int, reduce: Callable[[torch.Tensor, Rollout], torch.Tensor]
+) -> torch.Tensor:
+    """`reduce(output, micro rollout)` [b, R] of every micro batch through megatron's pipeline schedule
+    (forward only), on every stage of the pipeline: the last stage computes it and broadcasts it."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    def forward_step(data_iterator: Any, chunk: Any) -> tuple[torch.Tensor, Callable]:
+        part: Rollout = next(data_iterator)
+        output = forward_output(chunk, part.tokens, part.attention_pad_mask())
+        return output, lambda out: (out.new_zeros(()), {"out": reduce(out, part)})
+
+    parts = [rollout.select(slice(s, s + micro_batch)) for s in range(0, rollout.tokens.shape[0], micro_batch)]
+    out: list[torch.Tensor] = []
+    # the schedule's point-to-point buffers have one shape: one call per run of equal-sized micro batches
+    start = 0
+    while start < len(parts):
+        end = start
+        while end < len(parts) and parts[end].tokens.shape[0] == parts[start].tokens.shape[0]:
+            end += 1
+        store = get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter(parts[start:end]), model=model[0],
+            num_microbatches=end - start, seq_length=rollout.tokens.shape[1],
+            micro_batch_size=parts[start].tokens.shape[0], forward_only=True,
+        )
+        out.extend(d["out"] for d in store)
+        start = end
+    if ps.is_pipeline_last_stage(ignore_virtual=True):
+        result = torch.cat(out).float().contiguous()
+    else:
+        result = torch.empty(rollout.response_mask.shape, dtype=torch.float32, device=rollout.tokens.device)
+    torch.distributed.broadcast(result, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group())
+    return result
+
+
+def _forward_only(
+    model: list[Any], rollout: Rollout, micro_batch: int, reduce: Callable[[torch.Tensor, Rollout], torch.Tensor]
+) -> torch.Tensor:
+    from megatron.core import parallel_state as ps
+
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        return _pipeline_forward_only(model, rollout, micro_batch, reduce)
     out = []
     for start in range(0, rollout.tokens.shape[0], micro_batch):
         part = rollout.select(slice(start, start + micro_batch))
-        logits = forward_output(model[0], part.tokens, part.attention_pad_mask())
-        out.append(response_logprobs(logits, part, vocab_size, with_entropy=False)[0])
-    return torch.cat(out) * rollout.response_mask
+        out.append(reduce(forward_output(model[0], part.tokens, part.attention_pad_mask()), part))
+    return torch.cat(out)
+
+
+@torch.no_grad()
+def infer_logprobs(model: list[Any], rollout: Rollout, vocab_size: int, micro_batch: int) -> torch.Tensor:
+    """Forward-only log-probs of the responses, micro batch by micro batch (ref and old log-probs); at
+    PP>1 through megatron's pipeline schedule, returned on every stage."""
+    def reduce(logits: torch.Tensor, part: Rollout) -> torch.Tensor:
+        return response_logprobs(logits, part, vocab_size, with_entropy=False)[0]
+
+    return _forward_only(model, rollout, micro_batch, reduce) * rollout.response_mask
 
 
 @torch.no_grad()
 def infer_values(model: list[Any], rollout: Rollout, micro_batch: int) -> torch.Tensor:
-    out = []
-    for start in range(0, rollout.tokens.shape[0], micro_batch):
-        part = rollout.select(slice(start, start + micro_batch))
-        out.append(response_values(forward_output(model[0], part.tokens, part.attention_pad_mask()), part))
-    return torch.cat(out) * rollout.response_mask
+    return _forward_only(model, rollout, micro_batch, response_values) * rollout.response_mask
