@@ -37,6 +37,17 @@ def make_bridge(hf_dir: str | Path, facts: ModelFacts, dtype: torch.dtype) -> An
     if getattr(hf_config, "rope_theta", None) is None:
         hf_config.rope_theta = facts.rope_theta
     bridge = AutoBridge.from_config(hf_config, dtype=dtype)
+    # Our chunks pad the vocabulary to a multiple of 128*TP (as Megatron-LM does); mbridge only pads
+    # (and trims on export) when it is told the multiple, and otherwise scatters an HF-sized embedding
+    # into the padded parameter and fails.
+    from megatron.core import parallel_state as ps
+
+    from trinity.models.build import _VOCAB_MULTIPLE, padded_vocab_size
+
+    tp = ps.get_tensor_model_parallel_world_size()
+    bridge.make_vocab_size_divisible_by = _VOCAB_MULTIPLE * tp
+    bridge.vocab_size = facts.vocab_size
+    bridge.padded_vocab_size = padded_vocab_size(facts, tp)
     layer = "model.layers.{layer_number}"
     # Instance attributes: the class-level dicts are shared by every bridge of that family.
     bridge._OTHER_MAPPING = {**bridge._OTHER_MAPPING, "input_layernorm.weight": [f"{layer}.input_layernorm.weight"]}
