@@ -3,11 +3,14 @@
 Each ```bash block runs as one `bash -euo pipefail` script (so heredocs work and a failing line fails
 the block). Skipped: `pip install` lines (the test environment is installed already) and the test
 suite itself (`python -m pytest`, which would run this test again); the test asserts the doc has both.
-The SFT run must print a last loss well below its first.
+The SFT run must print a last loss well below its first, and the GRPO run's mean reward over its last
+10 steps must exceed the first 10 steps' by REWARD_GAIN (measured: 0.441 -> 0.497, a gap of 0.056 on
+torch 2.13.0+cpu; docs/rl.md and docs/quickstart.md state the numbers).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -27,6 +30,7 @@ README_LINES = (
 )
 LOSS_LINE = re.compile(r"first loss ([0-9.]+) \(step 1\), last loss ([0-9.]+) \(step (\d+)\)")
 BLOCK_TIMEOUT_S = 600
+REWARD_GAIN = 0.02  # well below the measured 0.056: another torch build samples another trajectory
 
 
 def bash_blocks(text: str) -> list[str]:
@@ -74,4 +78,8 @@ def test_quickstart_doc_commands_run(tmp_path: Path):
             ran_sft = True
     assert ran_sft, "docs/quickstart.md never runs `trinity run --config configs/quickstart.yaml`"
     assert (tmp_path / "runs" / "quickstart" / "hf_step60" / "config.json").is_file()
-    assert (tmp_path / "runs" / "grpo_tiny" / "metrics.jsonl").is_file()
+    metrics = tmp_path / "runs" / "grpo_tiny" / "metrics.jsonl"
+    rewards = [json.loads(line)["reward/mean"] for line in metrics.read_text().splitlines()]
+    assert len(rewards) == 50
+    first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
+    assert last > first + REWARD_GAIN, f"GRPO mean reward: first 10 steps {first:.3f}, last 10 steps {last:.3f}"
