@@ -181,7 +181,10 @@ def rl_step(job: RLJob, step: int) -> dict[str, Any]:
     prompts = job.data.next_batch()
     ids = [p.prompt_ids for p in prompts for _ in range(n)]
     groups = [i for i in range(len(prompts)) for _ in range(n)]
-    gen = torch.Generator().manual_seed(cfg.trainer.seed * 1_000_003 + step * 1009 + dp_rank)
+    # The generator lives on the model's device: a CPU generator makes every decode step copy the
+    # [batch, vocab] probabilities to the host and draw there (measured on an H100, 0.5B shape, 64 x 128
+    # tokens: 42.6 s of rollout, ~330 ms per step, against ~4.5 ms per decode step on the GPU).
+    gen = torch.Generator(device=job.phases.device).manual_seed(cfg.trainer.seed * 1_000_003 + step * 1009 + dp_rank)
     ph = job.phases
     ph.metrics = {}
     actor_m = [c for c in job.actor.model]

@@ -1,0 +1,151 @@
+"""RL step phases through `trinity run`: time, tokens/s and peak GPU memory per phase, offload off/on,
+1 and 2 GPUs, GRPO and PPO, next to the decode floor.
+
+    python benchmarks/rl_step.py --shape 0.5b --gpus 1,2 --algos grpo,ppo --offload no,yes
+
+Each case is a real `trinity run` (config validation, HF -> dist checkpoint cache, torchrun, the RL loop)
+on a random-weight Qwen2 of the chosen shape with the tiny local tokenizer (sampled ids beyond its
+vocabulary decode to nothing, so responses run to `--response-length`: fixed-length decoding, which is
+what a throughput table wants). Numbers are medians over the steps after the first (which pays CUDA graph
+capture and compilation). On 2 GPUs the layout is DP=2 (`--layout tp` for TP=2). The decode floor is
+the bytes of the weights read once per decode step over the copy bandwidth measured in this run; tokens/s are rank 0's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from generate import bandwidth, make_model  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+PHASES = ("rollout", "reward", "ref", "old_logp", "values", "update_actor", "update_critic")
+
+
+def job(model: Path, prompts: Path, out: Path, *, algo: str, gpus: int, layout: str, offload: bool, args) -> dict:
+    par = {"tensor_model_parallel_size": 2} if gpus == 2 and layout == "tp" else {}
+    flags = {"param_offload": offload, "grad_offload": offload, "optimizer_offload": offload}
+    cfg = {
+        "algorithm": {"name": algo, "use_kl_in_reward": algo == "ppo"},
+        "model": {"path": str(model)},
+        "data": {"train_files": [str(prompts)], "max_prompt_length": 64, "train_batch_size": args.prompts * gpus},
+        "cluster": {"device": args.device, "nproc_per_node": gpus},
+        "trainer": {"total_steps": args.steps, "micro_batch_size": args.micro, "output_dir": str(out),
+                    "save_interval": None, "log_interval": 1, "tensorboard": False, "export_hf": False},
+        "actor_rollout_ref": {
+            "actor": {"ppo_mini_batch_size": args.prompts * gpus, "use_kl_loss": algo == "grpo",
+                      "optim": {"lr": 1e-6, "weight_decay": 0.0}, "megatron": {**par, **flags}},
+            "ref": {"megatron": {**par, "param_offload": offload}},
+            "rollout": {"n": args.n, "response_length": args.response_length, "temperature": 1.0},
+        },
+        "reward": {"function": "trinity.rollout.arithmetic_reward:closeness"},
+    }
+    if algo == "ppo":
+        cfg["critic"] = {"optim": {"lr": 1e-6, "weight_decay": 0.0}, "megatron": {**par, **flags}}
+    return cfg
+
+
+def run_case(cfg: dict, path: Path, timeout: int) -> list[dict]:
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    code = f"import sys; from trinity.cli.commands import run; sys.exit(run({str(path)!r}, []))"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=dict(os.environ), text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=timeout)
+    if proc.returncode != 0:
+        print(proc.stdout[-3000:])
+        raise SystemExit(f"case {path.stem} failed with exit code {proc.returncode}")
+    out = Path(cfg["trainer"]["output_dir"])
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def summarize(rows: list[dict]) -> dict[str, float]:
+    steady = rows[1:] or rows
+    keys = {k for r in steady for k in r if k.startswith(("time/", "tokens_per_s/", "mem/")) or k == "step_time_s"}
+    med = {k: statistics.median(r[k] for r in steady if k in r) for k in keys}
+    med.update({k: max(r[k] for r in rows if k in r) for k in keys if k.endswith("_peak_gib")})
+    return med
+
+
+def phase_table(r: dict) -> None:
+    print("| algo | GPUs | offload | phase | time s | tokens/s | peak GiB (rank 0) | at phase start GiB |")
+    print("|---|---|---|---|---|---|---|---|")
+    for ph in PHASES:
+        if f"time/{ph}_s" not in r:
+            continue
+        tps = r.get(f"tokens_per_s/{ph}")
+        print(f"| {r['algo']} | {r['gpus']} | {r['offload']} | {ph} | {r[f'time/{ph}_s']:.3f} | "
+              f"{'-' if tps is None else f'{tps:.0f}'} | {r.get(f'mem/{ph}_peak_gib', float('nan')):.2f} | "
+              f"{r[f'mem/{ph}_gib']:.2f} |", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="0.5b", help="a shape of benchmarks/generate.py")
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: a smoke run (--shape tiny)")
+    ap.add_argument("--gpus", default="1,2", help="processes per case (GPUs on cuda)")
+    ap.add_argument("--algos", default="grpo,ppo")
+    ap.add_argument("--offload", default="no,yes")
+    ap.add_argument("--layout", choices=["dp", "tp"], default="dp", help="2-GPU layout")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--prompts", type=int, default=16, help="prompts per GPU per step")
+    ap.add_argument("--n", type=int, default=4, help="responses per prompt")
+    ap.add_argument("--response-length", type=int, default=128)
+    ap.add_argument("--micro", type=int, default=8)
+    ap.add_argument("--timeout", type=int, default=400, help="seconds per case")
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+
+    from trinity.testing.tiny_assets import make_tiny_tokenizer, write_prompt_dataset
+
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        model = Path(make_model(args.shape, str(root / "model"), torch.bfloat16 if args.device == "cuda" else torch.float32))
+        make_tiny_tokenizer(root / "tok")
+        for f in (root / "tok").iterdir():
+            if f.is_file():
+                (model / f.name).write_bytes(f.read_bytes())
+        prompts = write_prompt_dataset(root / "prompts.jsonl", 512, seed=0)
+        bw = bandwidth(torch.device(args.device))
+        weight_bytes = sum(f.stat().st_size for f in model.glob("*.safetensors"))
+        floor_ms = weight_bytes / bw * 1e3  # one decode step reads every weight once
+        print(f"shape {args.shape}: {weight_bytes / 2**30:.2f} GiB bf16 weights, copy bandwidth {bw / 1e9:.0f} GB/s, "
+              f"decode floor {floor_ms:.3f} ms/step; {args.prompts} prompts x n={args.n} per GPU, "
+              f"{args.response_length} new tokens, {args.layout.upper()} on 2 GPUs", flush=True)
+        results = []
+        for algo in args.algos.split(","):
+            for gpus in (int(g) for g in args.gpus.split(",")):
+                for off in args.offload.split(","):
+                    name = f"{algo}_{gpus}gpu_offload-{off}"
+                    cfg = job(model, prompts, root / name, algo=algo, gpus=gpus, layout=args.layout,
+                              offload=off == "yes", args=args)
+                    med = summarize(run_case(cfg, root / f"{name}.yaml", args.timeout))
+                    # Per rank, as the metrics are: DP ranks each decode their prompts with every weight;
+                    # TP ranks decode all prompts with half the weights each.
+                    tp = 2 if gpus == 2 and args.layout == "tp" else 1
+                    floor_tok_s = args.prompts * args.n * tp / (floor_ms / tp / 1e3)
+                    results.append({"case": name, "algo": algo, "gpus": gpus, "offload": off, **med,
+                                    "floor_tokens_per_s": floor_tok_s})
+                    print(f"{name}: step {med['step_time_s']:.2f} s", flush=True)
+                    phase_table(results[-1])  # per case, so a run cut short still reports what it measured
+        if args.json:
+            args.json.write_text(json.dumps(results, indent=1))
+        print()
+        print("| case | step s | rollout tokens/s | decode-floor tokens/s | % of floor |")
+        print("|---|---|---|---|---|")
+        for r in results:
+            tps = r["tokens_per_s/rollout"]
+            print(f"| {r['case']} | {r['step_time_s']:.2f} | {tps:.0f} | {r['floor_tokens_per_s']:.0f} | "
+                  f"{100 * tps / r['floor_tokens_per_s']:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
