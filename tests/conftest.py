@@ -47,3 +47,22 @@ def small_job():
         "cluster": {"device": "cuda", "nproc_per_node": 8},
         "trainer": {"global_batch_size": 16, "micro_batch_size": 1},
     }
+
+
+def run_two_ranks(worker, *args, timeout: float = 240) -> None:
+    """Run `worker(rank, port, *args)` in two spawned processes (a gloo/NCCL pair on localhost) and
+    fail unless both exit 0; a rank still running after `timeout` seconds is killed."""
+    import torch.multiprocessing as mp
+
+    from trinity.distributed.parallel import free_port
+
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    procs = [ctx.Process(target=worker, args=(rank, port, *args)) for rank in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=timeout)
+        if p.is_alive():
+            p.kill()
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+
+from tests.conftest import run_two_ranks
 
 PROMPTS = [[5, 9, 17, 3, 44, 2], [7, 1], [100, 12, 8, 60], [33, 34]]
 
@@ -61,21 +62,11 @@ def _worker(rank: int, port: int, model_dir: str, out: str) -> None:
 @pytest.mark.multiproc
 @pytest.mark.slow
 def test_tp2_rollout_and_logprobs_match_tp1(tmp_path):
-    from trinity.distributed.parallel import free_port
     from trinity.testing.tiny_models import make_tiny_hf_model
 
     model_dir = make_tiny_hf_model("qwen2", tmp_path / "qwen2")
     out = tmp_path / "result.json"
-    ctx = mp.get_context("spawn")
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, str(model_dir), str(out))) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=240)
-        if p.is_alive():
-            p.kill()
-    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    run_two_ranks(_worker, str(model_dir), str(out))
     res = json.loads(out.read_text())
     assert res["ranks_agree"] and res["greedy_equal"] and res["tokens"] > 0
     assert res["rollout_vs_tp2"] <= 1e-5 and res["tp2_vs_tp1"] <= 1e-5, res

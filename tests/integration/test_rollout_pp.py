@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+
+from tests.conftest import run_two_ranks
 
 PROMPTS = [[5, 9, 17, 3, 44, 2], [7, 1], [100, 12, 8, 60], [33, 34]]
 
@@ -80,20 +81,10 @@ def _worker(rank: int, port: int, model_dir: str, out: str, device: str) -> None
     pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")])])
 def test_pp2_rollout_matches_pp1(tmp_path, device):
     """On CUDA each stage replays its own decode-step graph (TP=1), fed by the received hidden state."""
-    from trinity.distributed.parallel import free_port
     from trinity.testing.tiny_models import make_tiny_hf_model
 
     model_dir = make_tiny_hf_model("qwen2", tmp_path / "qwen2", num_hidden_layers=4, tie_word_embeddings=True)
-    ctx = mp.get_context("spawn")
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, str(model_dir), str(tmp_path), device)) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=240)
-        if p.is_alive():
-            p.kill()
-    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    run_two_ranks(_worker, str(model_dir), str(tmp_path), device)
     for rank in range(2):
         res = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert res["stage_layers"] == 2 and res["ranks_agree"], res
