@@ -18,7 +18,7 @@ from trinity.convert.api import hf_to_mcore, megatron_config, mcore_to_hf
 from trinity.convert.builtin import export_hf_weights, load_hf_weights
 from trinity.convert.dist_ckpt import read_meta
 from trinity.convert.hf_io import HF_SIDE_FILES
-from trinity.convert.jobs import _build, parallel_session
+from trinity.convert.jobs import _build, _holder, parallel_session
 from trinity.convert.verify import compare_folders, hf_logits, mcore_logits, random_tokens
 from trinity.errors import UserError
 from trinity.models.facts import ModelFacts
@@ -119,6 +119,98 @@ def test_mbridge_and_builtin_give_identical_checkpoints(tmp_path):
         exported = dict(mbridge_adapter.export_weights(models, src, facts))
     for name, t in _source(src).items():
         assert torch.equal(exported[name], t), name
+
+
+# --- direct reads (preadv into the parameters) and the read-fuse-copy path agree -----------------------
+
+
+def _counting(monkeypatch):
+    """Count HFCheckpoint.get (whole tensors: the fallback) and read_rows_into (the direct path)."""
+    from trinity.convert.hf_io import HFCheckpoint
+
+    calls = {"get": 0, "read_rows_into": 0}
+    for name in calls:
+        real = getattr(HFCheckpoint, name)
+
+        def counted(self, *args, _real=real, _name=name, **kwargs):
+            calls[_name] += 1
+            return _real(self, *args, **kwargs)
+
+        monkeypatch.setattr(HFCheckpoint, name, counted)
+    return calls
+
+
+def _as_dtype(src: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    sd = {k: v.to(dtype) for k, v in _source(src).items()}
+    save_file(sd, str(src / "model.safetensors"), metadata={"format": "pt"})
+    return sd
+
+
+def test_bf16_checkpoint_is_read_straight_into_bf16_parameters(tmp_path, monkeypatch):
+    src = make_tiny_hf_model("qwen3_moe", tmp_path / "hf")
+    original = _as_dtype(src, torch.bfloat16)
+    facts = ModelFacts.from_hf_dir(src)
+    calls = _counting(monkeypatch)
+    with parallel_session("cpu", megatron_config()):
+        models = _holder(facts, megatron_config(), torch.bfloat16)  # what hf_to_mcore fills
+        assert all(p.dtype == torch.bfloat16 for p in models[0].parameters())
+        for p in models[0].parameters():
+            p.data.fill_(float("nan"))  # a row the direct path missed would stay NaN
+        load_hf_weights(models, src, facts)
+        exported = dict(export_hf_weights(models, facts))
+    assert calls["get"] == 0 and calls["read_rows_into"] >= len(original)
+    for name, t in original.items():
+        assert torch.equal(exported[name], t), name
+
+
+def test_fp32_checkpoint_into_bf16_parameters_casts_through_the_fallback(tmp_path, monkeypatch):
+    src = make_tiny_hf_model("qwen2", tmp_path / "hf")
+    original = _source(src)
+    facts = ModelFacts.from_hf_dir(src)
+    calls = _counting(monkeypatch)
+    with parallel_session("cpu", megatron_config()):
+        models = _holder(facts, megatron_config(), torch.bfloat16)
+        load_hf_weights(models, src, facts)
+        exported = dict(export_hf_weights(models, facts))
+    assert calls["read_rows_into"] == 0 and calls["get"] == len(original)
+    for name, t in original.items():
+        assert torch.equal(exported[name], t.to(torch.bfloat16)), name
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3_moe"])
+def test_direct_reads_give_every_tp_rank_its_tp_split(tmp_path, monkeypatch, family):
+    """Every rule at TP=2, each rank's parameter filled by _load_one against tp_split(to_mcore(...))."""
+    from trinity.convert.builtin import _Entry, _geometry, _load_one, _Ranks
+    from trinity.convert.hf_io import HFCheckpoint
+    from trinity.convert.registry import weight_map
+    from trinity.convert.weightmap import to_mcore, tp_split
+
+    src = make_tiny_hf_model(family, tmp_path / "hf")
+    sd = _as_dtype(src, torch.bfloat16)
+    facts = ModelFacts.from_hf_dir(src)
+    ckpt = HFCheckpoint(src)
+    calls = _counting(monkeypatch)
+    size, direct = 2, 0
+    for rule in weight_map(family).rules:
+        experts = list(range(facts.num_experts or 0)) if rule.grouped else ([1] if "{E}" in rule.mcore else None)
+        names = rule.hf_names(0, experts)
+        if not all(n in sd for n in names):
+            continue
+        n_exp = len(experts) if rule.grouped else 1
+        padded = -(-facts.vocab_size // (64 * size)) * 64 * size  # rows past the vocabulary on the last rank
+        geo = _geometry(facts, padded)
+        full = to_mcore(rule, [sd[n] for n in names], geo)
+        for rank in range(size):
+            expect = tp_split(rule, full, rank, size, n_exp)
+            param = torch.full_like(expect, float("nan"))
+            before = calls["read_rows_into"]
+            _load_one(_Entry(rule, param, 0, experts), ckpt, facts, _Ranks(tp=rank, tp_size=size, etp=rank, etp_size=size))
+            assert torch.equal(param, expect), (rule.mcore, rank)
+            direct += calls["read_rows_into"] > before
+            # Row-parallel and grouped weights are not whole HF rows: they take the fallback.
+            assert (calls["read_rows_into"] > before) == (rule.tp_dim != 1 and not rule.grouped), rule.mcore
+    ckpt.close()
+    assert direct >= 8
 
 
 # --- failure modes: one clear message naming the file/tensor, and no output folder ------------------

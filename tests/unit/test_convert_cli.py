@@ -14,7 +14,8 @@ from trinity.testing.tiny_models import make_tiny_hf_model
 
 pytestmark = pytest.mark.timeout(180)
 
-REPORT = r"wrote (\d+(?:\.\d+)?) GB to (\S+) in (\d+\.\d\d) s \((\d+(?:\.\d+)?) GB/s\)"
+# ... then where the time went, phase by phase: " [build 0.12 s, load 0.40 s, save 1.20 s]"
+REPORT = r"wrote (\d+(?:\.\d+)?) GB to (\S+) in (\d+\.\d\d) s \((\d+(?:\.\d+)?) GB/s\) \[((?:\w+ \d+\.\d\d s(?:, )?)+)\]"
 VERIFIED = r"; verified (.+): max \|Δ\| (\S+), mean \|Δ\| (\S+)$"
 
 
@@ -65,14 +66,17 @@ def test_tiny_qwen2_both_ways_prints_report_lines(tmp_path):
     m = re.match(r"hf-to-mcore: " + REPORT + VERIFIED, line)
     assert m, line
     assert float(m[1]) > 0 and float(m[4]) > 0 and m[2] == str(mc.resolve())
-    assert m[5] == "logits vs transformers" and float(m[6]) <= 1e-4 and float(m[7]) <= float(m[6])
+    phases = dict(p.rsplit(" ", 2)[:2] for p in m[5].split(", "))
+    assert list(phases) == ["build", "load", "save"] and sum(map(float, phases.values())) <= float(m[3])
+    assert m[6] == "logits vs transformers" and float(m[7]) <= 1e-4 and float(m[8]) <= float(m[7])
 
     result = _invoke("mcore-to-hf", "--mcore-path", str(mc), "--output", str(back), "--verify")
     assert result.exit_code == 0, result.output
     line = _last_line(result.stdout)
     m = re.match(r"mcore-to-hf: " + REPORT + VERIFIED, line)
     assert m, line
-    assert "bit for bit" in m[5] and float(m[6]) == 0.0 and float(m[7]) == 0.0
+    assert [p.split(" ")[0] for p in m[5].split(", ")] == ["build", "load", "write"]
+    assert "bit for bit" in m[6] and float(m[7]) == 0.0 and float(m[8]) == 0.0
 
     # Without --verify the line ends at the speed.
     result = _invoke("mcore-to-hf", "--mcore-path", str(mc), "--output", str(again))

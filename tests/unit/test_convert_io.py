@@ -166,3 +166,53 @@ def test_atomic_dir_names_its_temp_after_host_and_pid(tmp_path):
         assert stale_siblings(out) == []  # ours, alive: never removed while in use
         (tmp / "x").write_text("y")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_read_rows_into_fills_the_callers_memory(tmp_path, dtype):
+    w, b = torch.randn(9, 5).to(dtype), torch.randn(7).to(dtype)
+    save_file({"w": w, "b": b}, tmp_path / "model.safetensors")
+    ck = HFCheckpoint(tmp_path)
+    assert ck.dtype("w") == dtype
+    dest = torch.full((6, 5), 7.0, dtype=dtype)
+    ck.read_rows_into("w", 2, 4, dest[1:5])  # a view into a bigger tensor: only its rows change
+    assert torch.equal(dest[1:5], w[2:6]) and (dest[0] == 7).all() and (dest[5] == 7).all()
+    bias = torch.empty(3, dtype=dtype)
+    ck.read_rows_into("b", 4, 3, bias)
+    assert torch.equal(bias, b[4:])
+    with pytest.raises(ValueError, match="contiguous CPU"):
+        ck.read_rows_into("w", 0, 1, torch.empty(5, dtype=torch.float16))
+    with pytest.raises(ValueError, match="do not fit"):
+        ck.read_rows_into("w", 8, 2, torch.empty(10, dtype=dtype))
+    ck.close()
+
+
+def test_read_rows_into_from_many_threads(tmp_path):
+    from concurrent.futures import ThreadPoolExecutor
+
+    w = torch.randn(64, 33)
+    save_file({"w": w}, tmp_path / "model.safetensors")
+    ck = HFCheckpoint(tmp_path)
+    out = torch.empty_like(w)
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda r: ck.read_rows_into("w", r, 1, out[r]), range(64)))
+    assert torch.equal(out, w)
+
+
+def test_read_rows_into_truncated_shard_names_file_and_tensor(tmp_path):
+    _sharded(tmp_path)
+    ck = HFCheckpoint(tmp_path)
+    shard = tmp_path / "model-00001-of-00002.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-7])
+    with pytest.raises(UserError, match=re.escape(f"{shard}: shard ended early while reading tensor 'a.weight'")):
+        ck.read_rows_into("a.weight", 2, 2, torch.empty(2, 3))
+
+
+def test_read_rows_into_bin_shard(tmp_path):
+    t = {"x.weight": torch.randn(5, 2).to(torch.bfloat16)}
+    torch.save(t, tmp_path / "pytorch_model.bin")
+    ck = HFCheckpoint(tmp_path)
+    assert ck.dtype("x.weight") == torch.bfloat16
+    out = torch.empty(3, 2, dtype=torch.bfloat16)
+    ck.read_rows_into("x.weight", 1, 3, out)
+    assert torch.equal(out, t["x.weight"][1:4])

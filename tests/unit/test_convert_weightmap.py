@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from trinity.convert.registry import WEIGHT_MAPS, weight_map
-from trinity.convert.weightmap import Geometry, Kind, Rule, to_hf, to_mcore, tp_merge, tp_split
+from trinity.convert.weightmap import Geometry, Kind, Rule, row_pieces, to_hf, to_mcore, tp_merge, tp_split
 from trinity.errors import UserError
 
 GEO = Geometry(num_heads=8, num_groups=2, head_dim=4, vocab_size=10, padded_vocab_size=16)
@@ -88,6 +88,82 @@ def test_grouped_gemm_weights_match_groupedmlp_views():
         assert torch.equal(tp_split(fc2, w2, 1, 2, E).view(E, -1, h)[e], torch.chunk(downs[e], 2, dim=1)[1].t())
     assert torch.equal(tp_merge(fc1, [tp_split(fc1, w1, r, 2, E) for r in range(2)], E), w1)
     assert torch.equal(tp_merge(fc2, [tp_split(fc2, w2, r, 2, E) for r in range(2)], E), w2)
+
+
+def _from_pieces(pieces, tensors, like):
+    """The local tensor a loader builds from `pieces`: rows copied, the rest left zero."""
+    out = torch.zeros_like(like)
+    covered = torch.zeros(like.shape[0], dtype=torch.int)
+    for p in pieces:
+        out[p.dst_row : p.dst_row + p.rows] = tensors[p.src][p.src_row : p.src_row + p.rows]
+        covered[p.dst_row : p.dst_row + p.rows] += 1
+    assert covered.max() <= 1, "pieces overlap"
+    return out, covered
+
+
+_GQA = Geometry(num_heads=8, num_groups=4, head_dim=3, vocab_size=10, padded_vocab_size=16)
+_MHA = Geometry(num_heads=4, num_groups=4, head_dim=2, vocab_size=13, padded_vocab_size=13)
+
+
+def _cases():
+    h = 5
+    for geo in (_GQA, _MHA):
+        per, g, hd = geo.num_heads // geo.num_groups, geo.num_groups, geo.head_dim
+        for rest in ((h,), ()):  # weights and 1-D biases
+            yield geo, Rule("qkv", ("q", "k", "v"), Kind.QKV, tp_dim=0), [(g * per * hd, *rest), (g * hd, *rest), (g * hd, *rest)]
+        yield geo, Rule("e", ("e",), Kind.VOCAB, tp_dim=0), [(geo.vocab_size, h)]
+        yield geo, Rule("e", ("e",), Kind.VOCAB, tp_dim=0), [(geo.padded_vocab_size, h)]  # already padded
+        yield geo, Rule("fc1", ("g", "u"), Kind.GATE_UP, tp_dim=0), [(12, h), (12, h)]
+        yield geo, Rule("fc1", ("g", "u"), Kind.GATE_UP, tp_dim=0), [(7, h), (7, h)]  # uneven chunks
+        yield geo, Rule("col", ("w",), tp_dim=0), [(12, h)]
+        yield geo, Rule("col", ("w",), tp_dim=0), [(7,)]  # uneven: chunks 2, 2, 2, 1 at TP=4
+        yield geo, Rule("norm", ("w",)), [(h,)]
+        yield geo, Rule("router", ("w",)), [(4, h)]
+        yield geo, Rule("row", ("w",), tp_dim=1), [(6, 8)]  # row parallel: pieces only at TP=1
+
+
+@pytest.mark.parametrize("size", [1, 2, 4])
+def test_row_pieces_give_exactly_tp_split_of_to_mcore(size):
+    torch.manual_seed(0)
+    checked = 0
+    for geo, rule, shapes in _cases():
+        tensors = [torch.randn(s) + 10 for s in shapes]  # never zero: a missed row shows
+        full = to_mcore(rule, tensors, geo)
+        for rank in range(size):
+            pieces = row_pieces(rule, shapes, geo, rank, size)
+            if rule.tp_dim == 1 and size > 1:
+                assert pieces is None
+                continue
+            expect = tp_split(rule, full, rank, size)
+            got, covered = _from_pieces(pieces, tensors, expect)
+            assert torch.equal(got, expect), (rule, shapes, rank, size)
+            # Only vocab padding is left to the caller's zero fill.
+            assert ((covered == 0) == (expect == 0).reshape(expect.shape[0], -1).all(1)).all()
+            checked += 1
+    assert checked > 20
+
+
+def test_row_pieces_qkv_rank_holds_whole_groups_in_few_pieces():
+    shapes = [(8 * 3, 5), (4 * 3, 5), (4 * 3, 5)]  # 8 heads, 4 groups, head_dim 3
+    pieces = row_pieces(Rule("qkv", ("q", "k", "v"), Kind.QKV, tp_dim=0), shapes, _GQA, 1, 2)
+    # rank 1 of 2 holds groups 2 and 3: per group its 2 q heads, its k head, its v head.
+    assert pieces == [(0, 12, 6, 0), (1, 6, 3, 6), (2, 6, 3, 9), (0, 18, 6, 12), (1, 9, 3, 18), (2, 9, 3, 21)]
+    copy = row_pieces(Rule("w", ("w",), tp_dim=0), [(12, 5)], _GQA, 2, 4)
+    assert copy == [(0, 6, 3, 0)]
+
+
+def test_row_pieces_refuses_what_rows_cannot_express():
+    geo = _GQA
+    assert row_pieces(Rule("w1", ("g{E}", "u{E}"), Kind.GROUPED_FC1, tp_dim=1), [(4, 3)] * 4, geo, 0, 1) is None
+    assert row_pieces(Rule("w2", ("d{E}",), Kind.GROUPED_FC2, tp_dim=0), [(3, 4)] * 2, geo, 0, 1) is None
+    assert row_pieces(Rule("o", ("o",), tp_dim=1), [(6, 8)], geo, 0, 2) is None
+    assert row_pieces(Rule("o", ("o",), tp_dim=1), [(6, 8)], geo, 0, 1) == [(0, 0, 6, 0)]
+    # torch.chunk gives 3 rows only 2 parts of 2 at TP=3: tp_split raises, row_pieces declines.
+    assert row_pieces(Rule("w", ("w",), tp_dim=0), [(4, 2)], geo, 2, 3) is None
+    # Shapes the transforms would reinterpret rather than copy row by row.
+    assert row_pieces(Rule("f", ("g", "u"), Kind.GATE_UP, tp_dim=0), [(4, 3), (4, 2)], geo, 0, 1) is None
+    assert row_pieces(Rule("q", ("q", "k", "v"), Kind.QKV, tp_dim=0), [(24, 5), (24, 5), (12, 5)], geo, 0, 1) is None
+    assert row_pieces(Rule("s", ("s",)), [()], geo, 0, 1) is None
 
 
 def test_rule_names_and_matching():

@@ -14,7 +14,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +37,7 @@ class ConvertReport:
     max_abs_diff: float | None = None
     mean_abs_diff: float | None = None
     verified: str | None = None  # what was compared, when --verify
+    phases: dict[str, float] = field(default_factory=dict)  # seconds per phase (rank 0), in order
 
     @property
     def gb_per_s(self) -> float:
@@ -47,6 +48,8 @@ class ConvertReport:
             f"{self.direction}: wrote {_num(self.bytes_written / 1e9)} GB to {self.output} in {self.seconds:.2f} s "
             f"({_num(self.gb_per_s)} GB/s)"
         )
+        if self.phases:
+            line += " [" + ", ".join(f"{k} {v:.2f} s" for k, v in self.phases.items()) + "]"
         if self.verified:
             line += f"; verified {self.verified}: max |Δ| {self.max_abs_diff:.3e}, mean |Δ| {self.mean_abs_diff:.3e}"
         return line

@@ -1,9 +1,11 @@
 """The builtin converter: fill built megatron-core chunks from HF safetensors, and export them back.
 
 Both directions are driven by the weight map of `facts.family`. Loading walks this rank's parameters
-(so it only reads the HF tensors this rank needs, one at a time); exporting walks the union of every
-rank's parameters in one agreed order, gathering TP parts inside their group and broadcasting the full
-tensor so that every rank yields the same (name, tensor) sequence.
+(so it only reads the HF tensors this rank needs) and, where the local tensor is whole HF rows of the
+same dtype, preads those rows straight into the parameter (`row_pieces`): no read buffer and no fused
+copy, whose first touch of fresh memory cost as much as the reads themselves. Exporting walks the
+union of every rank's parameters in one agreed order, gathering TP parts inside their group and
+broadcasting the full tensor so that every rank yields the same (name, tensor) sequence.
 """
 
 from __future__ import annotations
@@ -16,8 +18,19 @@ from typing import Any, Callable, Iterator
 import torch
 
 from trinity.convert.hf_io import HFCheckpoint
+from trinity.convert.parallel_io import ordered_map
 from trinity.convert.registry import weight_map
-from trinity.convert.weightmap import Geometry, Rule, WeightMap, to_hf, to_mcore, tp_merge, tp_split
+from trinity.convert.weightmap import (
+    Geometry,
+    Piece,
+    Rule,
+    WeightMap,
+    row_pieces,
+    to_hf,
+    to_mcore,
+    tp_merge,
+    tp_split,
+)
 from trinity.errors import UserError
 from trinity.models.facts import ModelFacts
 
@@ -139,17 +152,27 @@ def load_hf_weights(
     ckpt = HFCheckpoint(hf_dir)
     ranks = _Ranks.current()
     consumed: set[str] = set()
+    todo: list[_Entry] = []
+    for entry in _entries(models, facts, wmap, ranks):
+        names = entry.hf_names()
+        if _is_value_head(entry, facts):
+            consumed.update(names)
+            continue
+        for n in names:
+            if n not in ckpt.weight_map:
+                raise UserError(f"{ckpt.folder}: tensor {n!r} is missing (needed for model parameter {entry.key!r})")
+        todo.append(entry)
+    # Several parameters are filled at once (each into its own parameter); they are consumed in
+    # order, so the first failure reported is the first in the model's order.
+    def nbytes(e: _Entry) -> int:
+        return sum(ckpt.nbytes(n) for n in e.hf_names())
+
     try:
-        with torch.no_grad():
-            for entry in _entries(models, facts, wmap, ranks):
-                if _is_value_head(entry, facts):
-                    consumed.update(entry.hf_names())
-                    continue
-                _load_one(entry, ckpt, facts, ranks)
-                names = entry.hf_names()
-                consumed.update(names)
-                if progress is not None:
-                    progress(names[0], entry.param.numel() * entry.param.element_size())
+        for entry, _ in ordered_map(lambda e: _load_one(e, ckpt, facts, ranks), todo, size=nbytes):
+            names = entry.hf_names()
+            consumed.update(names)
+            if progress is not None:
+                progress(names[0], entry.param.numel() * entry.param.element_size())
     finally:
         ckpt.close()
     _check_all_consumed(ckpt, consumed, facts, wmap)
@@ -158,15 +181,15 @@ def load_hf_weights(
 def _load_one(entry: _Entry, ckpt: HFCheckpoint, facts: ModelFacts, ranks: _Ranks) -> None:
     rule, param = entry.rule, entry.param
     names = entry.hf_names()
-    for n in names:
-        if n not in ckpt.weight_map:
-            raise UserError(f"{ckpt.folder}: tensor {n!r} is missing (needed for model parameter {entry.key!r})")
     rank, size, _ = ranks.of(rule)
     n_exp = len(entry.experts) if rule.grouped and entry.experts else 1
     padded = param.shape[0] * (size if rule.tp_dim == 0 else 1)
+    geo = _geometry(facts, padded)
+    # Shapes first, on meta tensors: the direct path never builds the fused tensor whose transforms
+    # would catch a mismatch, and no byte should be read for a parameter that cannot be filled.
     try:
-        full = to_mcore(rule, [ckpt.get(n) for n in names], _geometry(facts, padded))
-        local = tp_split(rule, full, rank, size, n_exp)
+        meta = [torch.empty(ckpt.shape(n), dtype=ckpt.dtype(n) or param.dtype, device="meta") for n in names]
+        local = tp_split(rule, to_mcore(rule, meta, geo), rank, size, n_exp)
         if tuple(local.shape) != tuple(param.shape):
             raise ValueError(f"gives shape {tuple(local.shape)}")
     except (RuntimeError, ValueError) as exc:
@@ -175,7 +198,28 @@ def _load_one(entry: _Entry, ckpt: HFCheckpoint, facts: ModelFacts, ranks: _Rank
             f"{ckpt.folder}: shape mismatch for model parameter {entry.key!r} {list(param.shape)} "
             f"(TP {rank}/{size}): from {shapes} ({exc})"
         ) from None
-    param.data.copy_(local)
+    with torch.no_grad():  # a worker thread: grad mode is per thread
+        pieces = _direct_pieces(rule, names, ckpt, param.data, geo, rank, size)
+        if pieces is None:
+            full = to_mcore(rule, [ckpt.get(n) for n in names], geo)
+            param.data.copy_(tp_split(rule, full, rank, size, n_exp))
+            return
+        data, filled = param.data, 0
+        for p in pieces:  # in destination order; the gaps are vocab padding
+            data[filled : p.dst_row].zero_()
+            ckpt.read_rows_into(names[p.src], p.src_row, p.rows, data[p.dst_row : p.dst_row + p.rows])
+            filled = p.dst_row + p.rows
+        data[filled:].zero_()
+
+
+def _direct_pieces(
+    rule: Rule, names: list[str], ckpt: HFCheckpoint, data: torch.Tensor, geo: Geometry, rank: int, size: int
+) -> list[Piece] | None:
+    """The row pieces to read straight into `data`, or None where it needs the read-fuse-copy path:
+    a GPU parameter, a cast (HF dtype != parameter dtype), or a layout rows cannot express."""
+    if data.device.type != "cpu" or not data.is_contiguous() or any(ckpt.dtype(n) != data.dtype for n in names):
+        return None
+    return row_pieces(rule, [ckpt.shape(n) for n in names], geo, rank, size)
 
 
 def _check_all_consumed(ckpt: HFCheckpoint, consumed: set[str], facts: ModelFacts, wmap: WeightMap) -> None:

@@ -62,9 +62,14 @@ def _build(facts: ModelFacts, megatron: Any, device: str, dtype: torch.dtype) ->
     return build_model(facts, megatron, device=device, dtype=build_dtype)
 
 
-def _cast(models: list[torch.nn.Module], dtype: torch.dtype) -> None:
-    for m in models:
-        m.to(dtype=dtype)
+def _holder(facts: ModelFacts, megatron: Any, dtype: torch.dtype) -> list[torch.nn.Module]:
+    """Model chunks that only carry weights between files: `dtype` parameters in host memory, never
+    randomly initialised and never run. A conversion moves bytes, so the GPU adds only copies: before
+    this, a 7B model went host -> GPU -> host (through a pinned copy of the whole model) on its way
+    from HF shards to the dist checkpoint."""
+    from trinity.models.build import build_model
+
+    return build_model(facts, megatron, device="cpu", dtype=dtype, weights_only=True)
 
 
 def run_hf_to_mcore(
@@ -75,8 +80,10 @@ def run_hf_to_mcore(
     megatron = megatron_config(tp=tp, pp=pp, vpp=vpp, ep=ep)
     facts = ModelFacts.from_hf_dir(hf_path)
     start = time.perf_counter()
+    phase = _Phases()
     with parallel_session(device, megatron):
-        models = _build(facts, megatron, device, torch_dtype(dtype))
+        models = _holder(facts, megatron, torch_dtype(dtype))
+        phase("build")
         local_bytes = sum(p.numel() * p.element_size() for m in models for p in m.parameters())
         if backend == "mbridge":
             from trinity.convert.mbridge_adapter import load_weights
@@ -85,14 +92,29 @@ def run_hf_to_mcore(
         else:
             with progress("loading HF tensors", local_bytes) as cb:
                 load_hf_weights(models, hf_path, facts, progress=cb)
-        _cast(models, torch_dtype(dtype))
+        phase("load")
         layout = {"tp": tp, "pp": pp, "vpp": vpp, "ep": ep}
         save_model_checkpoint(
             models, output, hf_dir=hf_path, force=force,
             meta={"layout": layout, "backend": backend, "family": facts.family},
         )
+        phase("save")
         tensors = sum(1 for m in models for _ in m.parameters())
-    return ConvertReport("hf-to-mcore", output, dir_bytes(output), time.perf_counter() - start, tensors)
+    seconds = time.perf_counter() - start
+    return ConvertReport("hf-to-mcore", output, dir_bytes(output), seconds, tensors, phases=phase.seconds)
+
+
+class _Phases:
+    """Seconds since the previous call, by name: `phase("load")` after loading."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def __call__(self, name: str) -> None:
+        now = time.perf_counter()
+        self.seconds[name] = round(now - self._last, 3)
+        self._last = now
 
 
 def save_hf_folder(
@@ -155,19 +177,23 @@ def run_mcore_to_hf(
     out_dtype = torch_dtype(dtype) if dtype else ckpt_dtype
     megatron = megatron_config()
     start = time.perf_counter()
+    phase = _Phases()
     with parallel_session(device, megatron):
-        models = _build(facts, megatron, device, ckpt_dtype)
+        models = _holder(facts, megatron, ckpt_dtype)
+        phase("build")
         load_model_checkpoint(models, mcore_path)
+        phase("load")
         total = sum(p.numel() for p in models[0].parameters()) * out_dtype.itemsize
         with progress("writing HF tensors", total) as cb:
             written, count = save_hf_folder(
                 export_hf_weights(models, facts), output, hf_src, out_dtype, force=force, on_tensor=cb
             )
+        phase("write")
         seconds = time.perf_counter() - start
-        report = ConvertReport("mcore-to-hf", output, written, seconds, count)
+        report = ConvertReport("mcore-to-hf", output, written, seconds, count, phases=phase.seconds)
         if verify:
             try:
-                diff, what = _verify_export(models, facts, output, meta, ckpt_dtype, out_dtype)
+                diff, what = _verify_export(models, facts, output, meta, ckpt_dtype, out_dtype, device)
             except UserError as e:
                 # An export that failed its check is not left behind for someone to load.
                 shutil.rmtree(output, ignore_errors=True)
@@ -178,7 +204,7 @@ def run_mcore_to_hf(
 
 def _verify_export(
     models: list[torch.nn.Module], facts: ModelFacts, output: str, meta: dict[str, Any],
-    ckpt_dtype: torch.dtype, out_dtype: torch.dtype,
+    ckpt_dtype: torch.dtype, out_dtype: torch.dtype, device: str,
 ) -> tuple[Diff, str]:
     if out_dtype == ckpt_dtype:
         # Bit for bit: against the original HF source when it is still there unchanged, and always
@@ -195,10 +221,11 @@ def _verify_export(
             compare_folders(output, source, what=output)
             return Diff(0.0, 0.0), f"every tensor bit for bit against {source}"
         return Diff(0.0, 0.0), "every tensor bit for bit against the dist checkpoint"
-    model = models[0].float()
+    # The holder cannot run: the logits come from a float32 model holding the exported (rounded) values.
+    model = _build(facts, megatron_config(), device, torch.float32)[0]
     with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(p.to(out_dtype).float())
+        for p, held in zip(model.parameters(), models[0].parameters(), strict=True):
+            p.copy_(held.to(out_dtype).float())
     tokens = random_tokens(facts.vocab_size)
     ours = mcore_logits(model, tokens, facts.vocab_size)
     theirs = hf_logits(output, tokens)

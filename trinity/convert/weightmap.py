@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 import re
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Iterable, NamedTuple, Sequence
 
 import torch
 
@@ -196,6 +196,104 @@ def tp_merge(rule: Rule, parts: list[torch.Tensor], n_experts: int = 1) -> torch
         views = [_grouped_3d(rule, p, n_experts) for p in parts]
         return _grouped_2d(rule, _merge_blocks(views, rule.tp_dim + 1, _HALVES.get(rule.kind, 1)))
     return _merge_blocks(parts, rule.tp_dim, _HALVES.get(rule.kind, 1))
+
+
+class Piece(NamedTuple):
+    """Rows [src_row, src_row + rows) of the rule's HF tensor number `src` are the local megatron
+    tensor's rows [dst_row, dst_row + rows)."""
+
+    src: int
+    src_row: int
+    rows: int
+    dst_row: int
+
+
+def row_pieces(
+    rule: Rule, hf_shapes: Sequence[Sequence[int]], geo: Geometry, rank: int, size: int
+) -> list[Piece] | None:
+    """`tp_split(rule, to_mcore(rule, tensors, geo), rank, size)` as row ranges of the HF tensors.
+
+    A loader copies each piece straight into the parameter (no fused or full tensor is ever built);
+    rows no piece covers are zeros (vocab padding). None where the local tensor is not made of whole
+    HF rows: grouped experts (transposed) and row-parallel splits (dim 1). The shapes are assumed to
+    have passed the transforms; None also for shapes the row model does not fit.
+    """
+    segments = _full_segments(rule, [tuple(s) for s in hf_shapes], geo)
+    if segments is None:
+        return None
+    total = sum(n for _, _, n in segments)
+    if rule.tp_dim is None or size == 1:
+        windows = [(0, total)]
+    elif rule.tp_dim != 0:
+        return None
+    else:
+        # The same cut as _split_blocks: each block chunked over the ranks, this rank's chunks in order.
+        windows = []
+        for start, end in _chunks(0, total, _HALVES.get(rule.kind, 1)):
+            parts = _chunks(start, end - start, size)
+            if rank >= len(parts):  # torch.chunk gave fewer parts: tp_split fails, and so must the caller
+                return None
+            windows.append(parts[rank])
+    return _cut(segments, windows)
+
+
+# (HF tensor index or None for zero rows, first row in it, rows): the full megatron tensor, in order.
+_Segment = tuple[int | None, int, int]
+
+
+def _full_segments(rule: Rule, shapes: list[tuple[int, ...]], geo: Geometry) -> list[_Segment] | None:
+    """to_mcore as row segments; None where it does more than stack HF rows (or would not run)."""
+    if rule.grouped or not shapes or any(len(s) == 0 for s in shapes):
+        return None
+    rest = shapes[0][1:]
+    if any(s[1:] != rest for s in shapes):  # torch.cat / reshape would mix rows of different widths
+        return None
+    kind = rule.kind
+    if kind is Kind.COPY and len(shapes) == 1:
+        return [(0, 0, shapes[0][0])]
+    if kind is Kind.VOCAB and len(shapes) == 1 and shapes[0][0] <= geo.padded_vocab_size:
+        return [(0, 0, shapes[0][0]), (None, 0, geo.padded_vocab_size - shapes[0][0])]
+    if kind is Kind.GATE_UP:
+        return [(i, 0, s[0]) for i, s in enumerate(shapes)]
+    if kind is Kind.QKV and len(shapes) == 3:
+        g, hd = geo.num_groups, geo.head_dim
+        q_rows = (geo.num_heads // g) * hd
+        if (shapes[0][0], shapes[1][0], shapes[2][0]) != (g * q_rows, g * hd, g * hd):
+            return None
+        out: list[_Segment] = []
+        for i in range(g):  # megatron's per-group layout: [q heads of group i; k_i; v_i]
+            out += [(0, i * q_rows, q_rows), (1, i * hd, hd), (2, i * hd, hd)]
+        return out
+    return None
+
+
+def _chunks(start: int, n: int, chunks: int) -> list[tuple[int, int]]:
+    """The [begin, end) rows of torch.chunk(rows start..start+n, chunks), uneven sizes included."""
+    if n == 0:
+        return [(start, start)] * chunks
+    step = -(-n // chunks)
+    return [(start + a, start + min(a + step, n)) for a in range(0, n, step)]
+
+
+def _cut(segments: list[_Segment], windows: list[tuple[int, int]]) -> list[Piece]:
+    """The pieces of the full tensor's row windows, laid end to end from destination row 0."""
+    pieces: list[Piece] = []
+    dst = 0
+    for begin, end in windows:
+        at = 0  # the current segment's first row in the full tensor
+        for src, first, n in segments:
+            lo, hi = max(begin, at), min(end, at + n)
+            if lo < hi and src is not None:
+                piece = Piece(src, first + lo - at, hi - lo, dst + lo - begin)
+                last = pieces[-1] if pieces else None
+                follows = last is not None and last.src == src and last.src_row + last.rows == piece.src_row
+                if follows and last.dst_row + last.rows == piece.dst_row:
+                    pieces[-1] = last._replace(rows=last.rows + piece.rows)  # fewer, larger reads
+                else:
+                    pieces.append(piece)
+            at += n
+        dst += end - begin
+    return pieces
 
 
 @dataclass(frozen=True)

@@ -82,12 +82,15 @@ def _rope_scaling_kwargs(facts: ModelFacts) -> dict[str, Any]:
     raise UserError(f"{facts.source}: rope scaling {rs} is not supported (only Llama 3.1's llama3)")
 
 
-def transformer_config(facts: ModelFacts, megatron: Any, *, device: str, dtype: torch.dtype) -> TransformerConfig:
-    """The megatron-core TransformerConfig for `facts` under the role's parallel/recompute settings."""
+def transformer_config(
+    facts: ModelFacts, megatron: Any, *, device: str, dtype: torch.dtype, weights_only: bool = False
+) -> TransformerConfig:
+    """The megatron-core TransformerConfig for `facts` under the role's parallel/recompute settings.
+    `weights_only`: see `build_model`."""
     if facts.hidden_act not in _ACTIVATIONS:
         raise UserError(f"{facts.source}: hidden_act {facts.hidden_act!r} is not supported (silu only)")
     on_cpu = device == "cpu"
-    if on_cpu and dtype != torch.float32:
+    if on_cpu and dtype != torch.float32 and not weights_only:
         raise UserError(f"model.dtype: {dtype} on cpu; CPU runs in float32")
     override = megatron.override_transformer_config
     tp = megatron.tensor_model_parallel_size
@@ -133,6 +136,9 @@ def transformer_config(facts: ModelFacts, megatron: Any, *, device: str, dtype: 
         expert_tensor_parallel_size=megatron.expert_tensor_parallel_size or tp,
         sequence_parallel=bool(megatron.sequence_parallel) and tp > 1,
         use_cpu_initialization=on_cpu,
+        # Random init of a model whose every parameter is about to be overwritten costs seconds per
+        # GB on a CPU (conversion).
+        perform_initialization=not weights_only,
         masked_softmax_fusion=False,
         bias_activation_fusion=not on_cpu,
         bias_dropout_fusion=not on_cpu,
@@ -211,11 +217,20 @@ def _apply_compile(model: GPTModel, scope: str) -> None:
 
 
 def build_model(
-    facts: ModelFacts, megatron: Any, *, device: str, dtype: torch.dtype, value_head: bool = False
+    facts: ModelFacts,
+    megatron: Any,
+    *,
+    device: str,
+    dtype: torch.dtype,
+    value_head: bool = False,
+    weights_only: bool = False,
 ) -> list[GPTModel]:
     """One GPTModel per virtual pipeline stage of this rank, on `device` (see trinity.models.spec for
-    the parameter names). `value_head=True` gives the critic: output_layer is a [1, hidden] head."""
-    config = transformer_config(facts, megatron, device=device, dtype=dtype)
+    the parameter names). `value_head=True` gives the critic: output_layer is a [1, hidden] head.
+    `weights_only=True` gives a holder of weights that are all overwritten next (conversion): no
+    random initialisation (parameters hold garbage until loaded) and any dtype on the CPU, where
+    megatron-core only computes in float32 (so do not run it)."""
+    config = transformer_config(facts, megatron, device=device, dtype=dtype, weights_only=weights_only)
     tp = ps.get_tensor_model_parallel_world_size()
     if tp != config.tensor_model_parallel_size:
         raise RuntimeError(
