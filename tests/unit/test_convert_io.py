@@ -216,3 +216,18 @@ def test_read_rows_into_bin_shard(tmp_path):
     out = torch.empty(3, 2, dtype=torch.bfloat16)
     ck.read_rows_into("x.weight", 1, 3, out)
     assert torch.equal(out, t["x.weight"][1:4])
+
+
+def test_reads_and_writes_leave_parameter_storage_resizable(tmp_path):
+    """Offload frees a parameter with `storage.resize_(0)`: reading into it or writing from it must not
+    pin its storage (tensor.numpy() would, for good)."""
+    src = torch.arange(24, dtype=torch.float32).reshape(6, 4)
+    write_safetensors(tmp_path / "x.safetensors", [("w", src)])
+    param = torch.nn.Parameter(torch.zeros(6, 4))
+    HFCheckpoint(tmp_path).read_rows_into("w", 0, 6, param.data)
+    assert torch.equal(param.data, src)
+    (tmp_path / "out").mkdir()
+    write_safetensors(tmp_path / "out" / "y.safetensors", [("w", param.data)])  # a CPU parameter, in place
+    assert torch.equal(HFCheckpoint(tmp_path / "out").get("w"), src)
+    param.data.untyped_storage().resize_(0)
+    assert param.data.untyped_storage().nbytes() == 0

@@ -11,6 +11,7 @@ storage in pieces, several at once), so no shard is ever built as one big buffer
 
 from __future__ import annotations
 
+import ctypes
 import json
 import math
 import os
@@ -168,7 +169,7 @@ class HFCheckpoint:
         if isinstance(handle, dict):  # a mapped .bin shard: its storage is not the file's bytes
             out.view(-1).copy_(handle[name][first_row : first_row + n_rows].reshape(-1))
             return
-        view = memoryview(out.view(-1).view(torch.uint8).numpy())
+        view = _byte_view(out)
         handle.read_into(name, first_row * row * out.element_size(), view)
 
     def _handle(self, name: str) -> Any:
@@ -300,7 +301,15 @@ def _write_part(fd: int, part: torch.Tensor, out_dtype: torch.dtype, pos: int) -
     # second copy of the model.
     data = part.detach().to(device="cpu", dtype=out_dtype).contiguous()
     if data.numel():
-        _pwrite_all(fd, memoryview(data.reshape(-1).view(torch.uint8).numpy()), pos)
+        _pwrite_all(fd, _byte_view(data), pos)
+
+
+def _byte_view(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, for preadv / pwrite. Not through `.numpy()`: that marks the
+    storage non-resizable for good, and these are often parameters, which offload frees with
+    `storage.resize_(0)`. The tensor must outlive the view."""
+    n = t.numel() * t.element_size()
+    return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B") if n else memoryview(b"")
 
 
 def _pwrite_all(fd: int, view: memoryview, pos: int) -> None:
