@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import queue
 import shutil
 import time
@@ -87,9 +86,9 @@ def _broadcast(obj: Any) -> Any:
 
 
 def _save_strategy() -> Any:
-    """megatron-core's torch_dist writer with one writer process per file it writes in parallel.
-    Its default of 2 left the disk idle: 4 wrote a 1.7 GB model 1.65x faster on the 2-core CPU box
-    (benchmarks/convert.py measures the floors next to it)."""
+    """megatron-core's torch_dist writer with `io_workers()` writer processes (one file each) instead of
+    its default 2: the H100 machine's disk took 1.76 GB/s from 2 streams and 2.06 GB/s from 4
+    (benchmarks/convert.py's floors), and the 7B save took 9.95-13.2 s with 8 writers."""
     from megatron.core.dist_checkpointing.strategies import filesystem_async
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
@@ -101,15 +100,14 @@ def _save_strategy() -> Any:
         # process took 10 s longer than the next on the H100 machine (2.5 s on a 2-core CPU box).
         # trinity saves synchronously, so the writer runs in this process and a plain queue does.
         filesystem_async._results_queue = queue.Queue()
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    return TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=io_workers(local_world))
+    return TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=io_workers())
 
 
 def _parallel_reader(checkpoint_dir: Any, cache_metadata: bool = False) -> Any:
     """A torch_dist reader whose items are read by a pool of threads.
 
     torch's FileSystemReader reads every item of the plan in one thread (a 15 GB 7B checkpoint loaded
-    at 1.4 GB/s on the H100 machine, whose page cache reads at 16 GB/s with 8 streams). The pool runs
+    at 1.4 GB/s on the H100 machine, whose page cache reads at 16-20 GB/s with 8 streams). The pool runs
     that same reader on shares of the plan balanced by bytes; torch.load and the copies release the
     GIL. The planner is shared: megatron's only keeps per-item state for TransformerEngine FP8
     tensors, which trinity never saves.

@@ -19,11 +19,12 @@ R = TypeVar("R")
 READ_AHEAD_BYTES = 1 << 30
 
 
-def io_workers(local_world: int = 1) -> int:
-    """Threads (or writer processes) per rank for file I/O: I/O-bound, so more than the cores of a
-    small machine help (4 on 2 cores measured faster than 2), capped at 8 per node."""
+def io_workers() -> int:
+    """Threads (or writer processes) per rank for file I/O: I/O-bound, so twice the cores of this
+    rank's share of the node (torchrun's LOCAL_WORLD_SIZE ranks share it), at least 2, at most 8."""
     cpus = os.cpu_count() or 2
-    return max(2, min(8, 2 * cpus // max(1, local_world)))
+    local_world = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    return max(2, min(8, 2 * cpus // local_world))
 
 
 def ordered_map(
