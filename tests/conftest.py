@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 # CI machines have 2 cores and several tests start 2 processes: more than one intra-op thread per
@@ -66,3 +68,22 @@ def run_two_ranks(worker, *args, timeout: float = 240) -> None:
         if p.is_alive():
             p.kill()
     assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+
+
+def trinity_run_argv(config: Path) -> list[str]:
+    """`trinity run --config <config>` as a child process command: its signal handlers, cwd and
+    torchrun children stay out of pytest's process."""
+    return [sys.executable, "-c", f"import sys; from trinity.cli.commands import run; sys.exit(run({str(config)!r}, []))"]
+
+
+def trinity_run(cfg: dict, path: Path, *, timeout: float, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Write `cfg` as YAML to `path` and run it; the output is printed (its end) and kept in
+    `<path stem>.out` beside the config."""
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    proc = subprocess.run(
+        trinity_run_argv(path), cwd=REPO, env={**os.environ, **(env or {})},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout,
+    )
+    (path.parent / f"{path.stem}.out").write_text(proc.stdout)
+    print(proc.stdout[-3000:])
+    return proc

@@ -8,13 +8,11 @@ Run on a 2-GPU machine: `python -m pytest tests/gpu/test_multi_gpu.py -q -s`.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-import yaml
+
+from tests.conftest import trinity_run
 
 torch = pytest.importorskip("torch")
 pytestmark = [
@@ -22,7 +20,6 @@ pytestmark = [
     pytest.mark.multiproc,
     pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs"),
 ]
-REPO = Path(__file__).resolve().parents[2]
 STEPS = 8
 # bf16 training with another reduction order: losses of the first steps agree to well under 1%
 # (measured on H200s: see the closing numbers printed by -s); 2% leaves room without hiding a wrong layout,
@@ -67,11 +64,7 @@ def sft_job(model: Path, data: Path, out: Path, nproc: int, megatron: dict) -> d
 
 
 def run_job(cfg: dict, path: Path) -> list[dict]:
-    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
-    code = f"import sys; from trinity.cli.commands import run; sys.exit(run({str(path)!r}, []))"
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=dict(os.environ),
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
-    print(proc.stdout[-2500:])
+    proc = trinity_run(cfg, path, timeout=300)
     assert proc.returncode == 0, proc.stdout[-4000:]
     out = Path(cfg["trainer"]["output_dir"])
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

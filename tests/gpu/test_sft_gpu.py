@@ -4,20 +4,16 @@ GPU-sized step. Skipped without CUDA."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
-import yaml
+
+from tests.conftest import trinity_run
 
 torch = pytest.importorskip("torch")
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
-REPO = Path(__file__).resolve().parents[2]
 
 
 def test_sft_one_gpu_bf16_learns_resumes_and_exports(tmp_path):
@@ -36,12 +32,7 @@ def test_sft_one_gpu_bf16_learns_resumes_and_exports(tmp_path):
                     "save_interval": 20, "log_interval": 10, "tensorboard": False},
         "actor_rollout_ref": {"actor": {"optim": {"lr": 2e-3, "lr_warmup_steps": 4, "weight_decay": 0.0}}},
     }
-    path = tmp_path / "job.yaml"
-    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
-    code = f"import sys; from trinity.cli.commands import run; sys.exit(run({str(path)!r}, []))"
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=dict(os.environ),
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=540)
-    print(proc.stdout[-4000:])
+    proc = trinity_run(cfg, tmp_path / "job.yaml", timeout=540)
     assert proc.returncode == 0
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, 41))

@@ -11,11 +11,12 @@ import json
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
+
+from tests.conftest import trinity_run
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -54,11 +55,7 @@ def job(assets: dict[str, Path], out: Path, algo: str, steps: int, **extra) -> d
 
 
 def run_job(cfg: dict, path: Path) -> str:
-    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
-    code = f"import sys; from trinity.cli.commands import run; sys.exit(run({str(path)!r}, []))"
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=dict(os.environ),
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=240)
-    print(proc.stdout[-3000:])
+    proc = trinity_run(cfg, path, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:]
     return proc.stdout
 

@@ -11,12 +11,13 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import yaml
+
+from tests.conftest import trinity_run, trinity_run_argv
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -56,16 +57,8 @@ def job(assets: dict[str, Path], out: Path, **sections) -> dict:
 
 
 def run_job(cfg: dict, path: Path, env: dict[str, str] | None = None) -> int:
-    """`trinity run` in a child process (signal handlers and cwd stay out of pytest's process)."""
-    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
-    code = f"import sys; from trinity.cli.commands import run; sys.exit(run({str(path)!r}, []))"
-    proc = subprocess.run(
-        [sys.executable, "-c", code], cwd=REPO, env={**os.environ, **(env or {})},
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=170,
-    )
-    (path.parent / f"{path.stem}.out").write_text(proc.stdout)
-    print(proc.stdout[-3000:])
-    return proc.returncode
+    """`trinity run` in a child process; its exit code."""
+    return trinity_run(cfg, path, timeout=170, env=env).returncode
 
 
 def run_job_on_a_terminal(cfg: dict, path: Path) -> tuple[int, str]:
@@ -78,11 +71,10 @@ def run_job_on_a_terminal(cfg: dict, path: Path) -> tuple[int, str]:
     import termios
 
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
-    code = f"import sys; from trinity.cli.commands import run; sys.exit(run({str(path)!r}, []))"
     master, slave = pty.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
     env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "TRINITY_TTY")}
-    proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env={**env, "TERM": "xterm-256color"},
+    proc = subprocess.Popen(trinity_run_argv(path), cwd=REPO, env={**env, "TERM": "xterm-256color"},
                             stdin=subprocess.DEVNULL, stdout=slave, stderr=slave)
     os.close(slave)
     received = bytearray()
@@ -190,9 +182,8 @@ def test_stop_resume_and_kill_during_save(assets, baseline, tmp_path):
     cfg = job(assets, out, trainer={"total_steps": 10, "save_interval": 3})
     path = tmp_path / "p2.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
-    code = f"import sys; from trinity.cli.commands import run; sys.exit(run({str(path)!r}, []))"
     env = {**os.environ, "TRINITY_TEST_CKPT_PAUSE_S": "9:60"}
-    proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env=env,
+    proc = subprocess.Popen(trinity_run_argv(path), cwd=REPO, env=env,
                             stdout=(tmp_path / "p2.out").open("w"), stderr=subprocess.STDOUT)
     tmp_ckpt = ckpts / "step_9.tmp"
     try:
