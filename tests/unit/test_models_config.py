@@ -97,7 +97,7 @@ def test_unknown_override_field_names_the_key():
         transformer_config(facts, _namespace(extra={"not_a_field": 1}), device="cpu", dtype=torch.float32)
 
 
-def test_bf16_on_cpu_is_refused_and_cuda_gets_jit_fusions_only():
+def test_bf16_on_cpu_is_refused_and_cuda_gets_jit_and_rope_fusions():
     from trinity.models.build import transformer_config
 
     facts = ModelFacts.from_hf_dir(HF_CONFIGS / "qwen2_5_0_5b")
@@ -105,7 +105,15 @@ def test_bf16_on_cpu_is_refused_and_cuda_gets_jit_fusions_only():
         transformer_config(facts, _namespace(), device="cpu", dtype=torch.bfloat16)
     cfg = transformer_config(facts, _namespace(), device="cuda", dtype=torch.bfloat16)
     assert cfg.bf16 and cfg.params_dtype == torch.bfloat16 and not cfg.use_cpu_initialization
-    assert cfg.bias_activation_fusion and not cfg.masked_softmax_fusion and not cfg.apply_rope_fusion
+    assert cfg.bias_activation_fusion and not cfg.masked_softmax_fusion and cfg.apply_rope_fusion
+    from megatron.core.models.common.embeddings import rope_utils
+
+    from trinity.models.rope import fused_rope
+
+    assert rope_utils.fused_apply_rotary_pos_emb is fused_rope  # no TransformerEngine on this machine
+    for scope in ("layers", "model"):  # compiled layers: inductor fuses megatron's unfused RoPE itself
+        compiled = transformer_config(facts, _namespace(torch_compile=scope), device="cuda", dtype=torch.bfloat16)
+        assert not compiled.apply_rope_fusion
 
 
 def test_padded_vocab_size():

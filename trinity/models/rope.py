@@ -1,0 +1,109 @@
+"""Fused rotary position embedding for our layer spec (used where TransformerEngine does not import).
+
+megatron-core applies RoPE unfused unless `apply_rope_fusion` is on, and its fused path calls
+TransformerEngine's kernel through `rope_utils.fused_apply_rotary_pos_emb`, which is None without TE.
+Unfused, each of q and k goes through cos/sin, a chunk + neg + cat, two muls, an add and a final cat,
+in forward and again in backward: about ten passes over q per layer (profiled at ~5 ms of a 110 ms
+0.5B step on an H200, benchmarks/NOTES.md). `fused_rope` has TE's signature and does one read and one
+write of the tensor in each direction: forward and backward are single compiled pointwise kernels
+(fp32 math inside, as TE's), with the gradient written as the transposed rotation, so nothing but the
+rotary table is kept for backward. cos/sin are computed inside those kernels: a separate table op
+(a custom op inductor cannot fuse) cut their GPU time but measured slower steps on an H200 (1.5B:
+0.170 -> 0.186 s with per-layer compile), its per-call host overhead outweighing the kernel time.
+
+`install()` plugs it in where megatron looks for TE's function; `transformer_config` then turns
+`apply_rope_fusion` on for CUDA runs of our spec. CPU runs keep megatron's unfused RoPE (the CPU tests
+compare our spec with megatron's reference numerics).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+_compiled: dict[str, Any] = {}
+
+
+def _rotate(x: Tensor, sign: float) -> Tensor:
+    """sign=+1: megatron's rotate_half, [x1, x2] -> [-x2, x1]; sign=-1: its transpose, [x2, -x1]."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-sign * x2, sign * x1), dim=-1)
+
+
+def _apply(t: Tensor, freqs: Tensor, sign: float) -> Tensor:
+    """t * cos + rotate(t) * sin over the first rot_dim features (forward: sign +1; the gradient of
+    that map, applied to the incoming gradient: sign -1); features past rot_dim pass through."""
+    rot = freqs.shape[-1]
+    x = t[..., :rot].float()
+    cos, sin = torch.cos(freqs), torch.sin(freqs)
+    if sign > 0:
+        out = x * cos + _rotate(x, 1.0) * sin
+    else:  # d/dx [x*c + R(x)*s] applied to g is g*c + R^T(g*s)
+        out = x * cos + _rotate(x * sin, -1.0)
+    out = out.to(t.dtype)
+    if rot < t.shape[-1]:
+        out = torch.cat((out, t[..., rot:]), dim=-1)
+    return out
+
+
+def _forward_kernel(t: Tensor, freqs: Tensor) -> Tensor:
+    return _apply(t, freqs, 1.0)
+
+
+def _backward_kernel(g: Tensor, freqs: Tensor) -> Tensor:
+    return _apply(g, freqs, -1.0)
+
+
+def _kernel(name: str, fn: Any, t: Tensor) -> Any:
+    # Compiled on CUDA into one kernel each (dynamic=None: the second sequence length it sees makes it
+    # shape-generic, so RL's varying lengths do not recompile); inside an outer torch.compile region
+    # dynamo traces the function itself. Eager elsewhere.
+    if not t.is_cuda or torch.compiler.is_compiling():
+        return fn
+    if name not in _compiled:
+        _compiled[name] = torch.compile(fn, dynamic=None)
+    return _compiled[name]
+
+
+class _FusedRoPE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, t: Tensor, freqs: Tensor) -> Tensor:  # type: ignore[override]
+        ctx.save_for_backward(freqs)
+        return _kernel("fwd", _forward_kernel, t)(t, freqs)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+        (freqs,) = ctx.saved_tensors
+        return _kernel("bwd", _backward_kernel, grad)(grad.contiguous(), freqs), None
+
+
+def fused_rope(t: Tensor, freqs: Tensor, interleaved: bool = False) -> Tensor:
+    """RoPE of `t` [s, b, heads, d] with megatron's table `freqs` [s, 1, 1, rot_dim] (fp32,
+    non-interleaved halves), TE's `fused_apply_rotary_pos_emb` signature."""
+    if interleaved:
+        raise ValueError("fused_rope: interleaved rotary embeddings are not supported (turn apply_rope_fusion off)")
+    return _FusedRoPE.apply(t, freqs)
+
+
+def _thd_needs_te(*args: Any, **kwargs: Any) -> Tensor:
+    raise ValueError(
+        "packed_seq_params in thd format needs TransformerEngine; pass "
+        "trinity.models.attention.document_packed_params(doc_ids) instead"
+    )
+
+
+def install() -> bool:
+    """Make `fused_rope` megatron's fused RoPE when TransformerEngine's is absent. Returns whether
+    megatron now has a fused RoPE (TE's or ours)."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    if rope_utils.fused_apply_rotary_pos_emb is None:
+        rope_utils.fused_apply_rotary_pos_emb = fused_rope
+    if rope_utils.fused_apply_rotary_pos_emb_thd is None:  # fused mode routes thd here; say why it fails
+        rope_utils.fused_apply_rotary_pos_emb_thd = _thd_needs_te
+    return rope_utils.fused_apply_rotary_pos_emb is not None
+
+
+__all__ = ["fused_rope", "install"]
