@@ -44,5 +44,10 @@ def test_cuda_graph_decode_matches_eager_and_full_forward(tmp_path):
         # a second call captures its own graph (new batch size, new cache) and still agrees
         again = generate(gpt, prompts[:2], params, **kw)
         assert torch.equal(again.responses, full.responses[:2])
+        # EOS: the "every row stopped" flag is read one step late on CUDA; that step must not show
+        from trinity.testing.rollout_checks import check_stops_at_eos
+
+        check_stops_at_eos(gpt, prompts, facts.vocab_size)
+        check_stops_at_eos(gpt, prompts, facts.vocab_size, cuda_graphs=False)
     finally:
         destroy()

@@ -99,3 +99,11 @@ def test_left_pad():
     tokens, mask = left_pad([[1, 2, 3], [4]], pad_id=9, device=torch.device("cpu"))
     assert tokens.tolist() == [[1, 2, 3], [9, 9, 4]] and mask.tolist() == [[1, 1, 1], [0, 0, 1]]
 
+
+
+def test_rows_stop_at_their_first_eos(model):
+    from trinity.testing.rollout_checks import check_stops_at_eos
+
+    gpt, facts, _ = model
+    assert check_stops_at_eos(gpt, PROMPTS, facts.vocab_size) <= 3
+    assert check_stops_at_eos(gpt, PROMPTS, facts.vocab_size, use_cache=False) <= 3

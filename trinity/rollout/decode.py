@@ -3,16 +3,24 @@
 megatron-core's `StaticInferenceContext` grows the keys it attends to by one slot per step and slices
 the cache with Python integers, so every decode step has new shapes: it cannot be captured, and at
 batch 64 a 0.5B model spent ~40 ms of CPU per step launching ~850 kernels for ~3 ms of GPU work
-(benchmarks/NOTES.md). Here the cache has its final length from the start and the current slot is a
-tensor: each step writes its key/value at `slot` (`index_copy_`) and attends over the whole cache with
-a mask (`key <= slot` and the key is a real token), so every step has the same shapes and the same
-tensors, and one CUDA graph captured at the first decode step replays all the others.
+(benchmarks/NOTES.md). Here the cache has its final length from the start (rounded up to a multiple
+of 64, the extra slots masked) and the current slot is a tensor: each step writes its key/value at
+`slot` (`index_copy_`) and attends over the whole cache with a mask (`key <= slot` and the key is a
+real token), so every step has the same shapes and the same tensors, and one CUDA graph captured at
+the first decode step replays all the others.
 
-The layers are driven through megatron's own submodules (norms, `get_query_key_value_tensors` with its
-QK-norms, megatron's RoPE, `linear_proj`, the MLP or MoE layer, the output layer), so the weights, the
-TP sharding and the numerics are those of training; only the cache and the attention call differ.
-Masking follows `generate`'s left-padding rules: a padding key is masked, except for the padding query
-at the same slot (a row with every key masked would give NaN).
+Two ways through a layer, same weights:
+- the lean path (TP=1, dense MLPs, our spec's torch norms: the common rollout case) reads the
+  parameters of megatron's submodules and runs each layer as ~17 kernels: RoPE on the query and key
+  heads of a group at once, residual adds folded into the output GEMMs (`addmm`), and grouped-query
+  attention as plain attention over the query group's heads stacked along the query axis (a decode
+  step's query heads of one group share its keys: no repeated K/V, no GQA fallback kernel);
+- the module path (TP>1, MoE layers, TransformerEngine's fused-norm layers) calls the submodules
+  themselves (`get_query_key_value_tensors` with its QK-norms, `linear_proj`, the MLP or MoE layer).
+Both compute megatron's attention block: RMSNorm, QKV, QK-norm, RoPE by cache slot (megatron's table
+and formula), softmax attention, output projection, SwiGLU MLP. Masking follows `generate`'s
+left-padding rules: a padding key is masked, except for the padding query at the same slot (a row with
+every key masked would give NaN).
 
 Pipeline parallelism: each stage's decoder holds the KV cache of its own layers only. The first stage
 embeds the tokens, the others take the previous stage's hidden states [s, b, h] (`hidden=`); the last
@@ -32,6 +40,45 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+_CACHE_MULTIPLE = 64  # cache length granularity: aligned rows for the attention kernels' mask reads
+
+
+def _lean_supported(gpt: Any) -> bool:
+    """Whether every layer of this chunk is one the lean path computes exactly: torch RMSNorms (our
+    spec), a dense gated-SiLU MLP, TP=1, non-interleaved RoPE over the whole cache."""
+    from megatron.core import parallel_state as ps
+
+    config = gpt.config
+    if ps.get_tensor_model_parallel_world_size() != 1 or config.rotary_interleaved:
+        return False
+    if not (config.gated_linear_unit and config.activation_func is F.silu and config.normalization == "RMSNorm"):
+        return False
+    norms = [gpt.decoder.final_layernorm] if gpt.post_process else []
+    for layer in gpt.decoder.layers:
+        attn, mlp = layer.self_attention, layer.mlp
+        if hasattr(mlp, "router") or not hasattr(mlp, "linear_fc1"):
+            return False
+        norms += [layer.input_layernorm, layer.pre_mlp_layernorm]
+        if config.qk_layernorm:
+            norms += [attn.q_layernorm, attn.k_layernorm]
+        if getattr(mlp.linear_fc1, "bias", None) is not None or getattr(mlp.linear_fc2, "bias", None) is not None:
+            return False
+    return all(type(n) is torch.nn.RMSNorm for n in norms)
+
+
+def _rms(x: torch.Tensor, norm: torch.nn.RMSNorm) -> torch.Tensor:
+    return F.rms_norm(x, norm.normalized_shape, norm.weight, norm.eps)
+
+
+def _rope(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """megatron's `_apply_rotary_pos_emb_bshd` (same ops, same order, same dtype) with the cos/sin of
+    its table already taken; cos/sin broadcast over every dimension but the last."""
+    rot = cos.shape[-1]
+    x, rest = t[..., :rot], t[..., rot:]
+    x1, x2 = torch.chunk(x, 2, dim=-1)
+    out = x * cos + torch.cat((-x2, x1), dim=-1) * sin
+    return out if rest.shape[-1] == 0 else torch.cat((out, rest), dim=-1)
+
 
 class StaticDecoder:
     """Prefill and single-token steps of one pipeline stage of a megatron GPTModel (the whole model at
@@ -45,17 +92,23 @@ class StaticDecoder:
         self.layers = list(gpt.decoder.layers)
         first = self.layers[0].self_attention
         self.heads = first.num_attention_heads_per_partition
-        groups, self.head_dim = first.num_query_groups_per_partition, first.hidden_size_per_attention_head
+        self.groups, self.head_dim = first.num_query_groups_per_partition, first.hidden_size_per_attention_head
         param = next(gpt.parameters())
-        self.device, dtype = param.device, param.dtype
-        shape = (batch, groups, max_len, self.head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in self.layers]
-        self.values = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in self.layers]
-        self.valid = torch.zeros(batch, max_len, dtype=torch.bool, device=self.device)
-        self.positions = torch.arange(max_len, device=self.device)
-        # [max_len, 1, 1, rot_dim]: megatron's rotary table (rope scaling included), indexed by slot
-        self.freqs = gpt.rotary_pos_emb(max_len)
+        self.device, self.dtype = param.device, param.dtype
+        cache_len = -(-max_len // _CACHE_MULTIPLE) * _CACHE_MULTIPLE
+        shape = (batch, self.groups, cache_len, self.head_dim)
+        self.keys = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
+        self.values = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
+        self.valid = torch.zeros(batch, cache_len, dtype=torch.bool, device=self.device)
+        self.positions = torch.arange(cache_len, device=self.device)
+        # [cache_len, 1, 1, rot_dim]: megatron's rotary table (rope scaling included), indexed by slot
+        self.freqs = gpt.rotary_pos_emb(cache_len)
+        rot = self.freqs.shape[-1]
+        # megatron casts cos/sin of its table to the activations' dtype before rotating
+        self.cos = torch.cos(self.freqs).to(self.dtype).view(cache_len, rot)
+        self.sin = torch.sin(self.freqs).to(self.dtype).view(cache_len, rot)
         self.scale = self.config.softmax_scale or self.head_dim**-0.5
+        self.lean = _lean_supported(gpt)
         dense = all(not hasattr(layer.mlp, "router") for layer in self.layers)
         self.use_graph = (
             cuda_graphs and self.device.type == "cuda" and ps.get_tensor_model_parallel_world_size() == 1 and dense
@@ -65,12 +118,53 @@ class StaticDecoder:
         self._slot = torch.zeros(1, dtype=torch.long, device=self.device)
         self.first, self.last = gpt.pre_process, gpt.post_process
         # the previous stage's hidden state of the decode step (non-first pipeline stages)
-        self._hidden = None if self.first else torch.zeros(1, batch, self.config.hidden_size, dtype=dtype, device=self.device)
+        self._hidden = None if self.first else torch.zeros(1, batch, self.config.hidden_size, dtype=self.dtype, device=self.device)
         self._logits: torch.Tensor | None = None
-        # torch.compile fuses each step's ~40 small kernels per layer (norms, RoPE, residuals, masking);
+        # torch.compile fuses the pointwise work between the GEMMs (norms, RoPE, cache writes, SwiGLU);
         # shapes only change with (batch, max_len), so a process compiles once or twice.
         self._run_step = torch.compile(self._step) if compile else self._step
 
+    # ---- the lean path -------------------------------------------------------------------------
+    def _lean_layer(self, i: int, layer: Any, x: torch.Tensor, s: int, slots: torch.Tensor,
+                    cos: torch.Tensor, sin: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        """One layer on the residual stream x [s*b, h] (row = position-major, as megatron's [s, b, h])."""
+        attn, mlp = layer.self_attention, layer.mlp
+        b, g, per, d = x.shape[0] // s, self.groups, self.heads // self.groups, self.head_dim
+        qkv = F.linear(_rms(x, layer.input_layernorm), attn.linear_qkv.weight, attn.linear_qkv.bias)
+        qkv = qkv.view(s, b, g, per + 2, d)  # megatron's layout: per group, its query heads, key, value
+        if self.config.qk_layernorm:
+            q = _rope(_rms(qkv[:, :, :, :per], attn.q_layernorm), cos, sin)
+            k = _rope(_rms(qkv[:, :, :, per:per + 1], attn.k_layernorm), cos, sin)
+        else:  # a group's query heads and its key head are adjacent: rotate them together
+            qk = _rope(qkv[:, :, :, :per + 1], cos, sin)
+            q, k = qk[:, :, :, :per], qk[:, :, :, per:]
+        self.keys[i].index_copy_(2, slots, k.squeeze(3).permute(1, 2, 0, 3))
+        self.values[i].index_copy_(2, slots, qkv[:, :, :, per + 1].permute(1, 2, 0, 3))
+        # the group's query heads along the query axis: [b, g, per*s, d] against its own keys
+        q = q.permute(1, 2, 3, 0, 4).reshape(b, g, per * s, d)
+        out = F.scaled_dot_product_attention(q, self.keys[i], self.values[i], attn_mask=bias, scale=self.scale)
+        out = out.view(b, g, per, s, d).permute(3, 0, 1, 2, 4).reshape(s * b, g * per * d)
+        x = torch.addmm(x, out, attn.linear_proj.weight.t())
+        if attn.linear_proj.bias is not None:
+            x = x + attn.linear_proj.bias
+        up = F.linear(_rms(x, layer.pre_mlp_layernorm), mlp.linear_fc1.weight)
+        gate, value = torch.chunk(up, 2, dim=-1)
+        return torch.addmm(x, F.silu(gate) * value, mlp.linear_fc2.weight.t())
+
+    def _lean_forward(self, x: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        s, b, h = x.shape
+        per = self.heads // self.groups
+        cos = self.cos.index_select(0, slots).view(s, 1, 1, 1, -1)
+        sin = self.sin.index_select(0, slots).view(s, 1, 1, 1, -1)
+        # additive mask once per call for every layer: [b, 1, per*s, keys], rows in (head, query) order
+        bias = torch.zeros(mask.shape, dtype=self.dtype, device=self.device).masked_fill_(~mask, float("-inf"))
+        bias = bias.unsqueeze(2).expand(b, 1, per, s, mask.shape[-1]).reshape(b, 1, per * s, mask.shape[-1])
+        x = x.reshape(s * b, h)
+        for i, layer in enumerate(self.layers):
+            x = self._lean_layer(i, layer, x, s, slots, cos, sin, bias)
+        return x.view(s, b, h)
+
+    # ---- the module path -----------------------------------------------------------------------
     def _attention(self, i: int, layer: Any, hidden: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
 
@@ -88,6 +182,14 @@ class StaticDecoder:
         out, bias = attn.linear_proj(out.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.head_dim))
         return out if bias is None else out + bias
 
+    def _module_forward(self, x: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        for i, layer in enumerate(self.layers):
+            x = x + self._attention(i, layer, layer.input_layernorm(x), slots, mask)
+            out, bias = layer.mlp(layer.pre_mlp_layernorm(x))
+            x = x + (out if bias is None else out + bias)
+        return x
+
+    # ---- shared ------------------------------------------------------------------------------------
     def _forward(self, tokens: torch.Tensor, slots: torch.Tensor, hidden: torch.Tensor | None) -> torch.Tensor:
         """Logits [b, vocab (gathered over TP, padded)] of the last position on the last pipeline stage,
         hidden states [s, b, h] elsewhere; tokens [b, s] sit at `slots` [s]; `hidden` is the previous
@@ -101,10 +203,7 @@ class StaticDecoder:
         else:
             assert hidden is not None, "a non-first pipeline stage needs the previous stage's hidden states"
             x = hidden
-        for i, layer in enumerate(self.layers):
-            x = x + self._attention(i, layer, layer.input_layernorm(x), slots, mask)
-            out, bias = layer.mlp(layer.pre_mlp_layernorm(x))
-            x = x + (out if bias is None else out + bias)
+        x = self._lean_forward(x, slots, mask) if self.lean else self._module_forward(x, slots, mask)
         if not self.last:
             return x
         x = self.gpt.decoder.final_layernorm(x[-1:])

@@ -189,6 +189,37 @@ class _Pipeline:
         return t
 
 
+class _StopFlag:
+    """Tells the decode loop when every row has stopped. On CPU it reads `done.all()` at once; on
+    CUDA it copies the flag to pinned host memory without waiting and reads the previous step's copy
+    (its step has finished by the time the next one is queued), so the loop runs one step past the
+    last EOS and `width` drops that step."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.lagged = device.type == "cuda"
+        self.width = 0
+        if self.lagged:
+            self._flags = torch.zeros(2, dtype=torch.bool, pin_memory=True)
+            self._events = [torch.cuda.Event(), torch.cuda.Event()]
+            self._pending: int | None = None
+
+    def all_done(self, done: torch.Tensor, step: int) -> bool:
+        if not self.lagged:
+            self.width = step + 1
+            return bool(done.all())
+        slot = step % 2
+        self._flags[slot].copy_(done.all(), non_blocking=True)
+        self._events[slot].record()
+        previous, self._pending = self._pending, slot
+        if previous is None:
+            return False
+        self._events[previous].synchronize()
+        if bool(self._flags[previous]):
+            self.width = step  # rows all stopped at step - 1: this step produced padding only
+            return True
+        return False
+
+
 def _unwrap(model: Any) -> Any:
     while hasattr(model, "module"):
         model = model.module
@@ -229,10 +260,14 @@ def generate(
     eos = torch.tensor(sorted(set(params.eos_token_ids)) or [-1], device=device)
     key_mask = prompt_mask
     decoder = StaticDecoder(gpt, batch, plen + params.max_new_tokens, cuda_graphs=cuda_graphs, compile=compile) if use_cache else None
-    out_tokens, out_logp = [], []
+    out_tokens = torch.full((batch, params.max_new_tokens), pad_id, dtype=torch.long, device=device)
+    out_logp = torch.zeros((batch, params.max_new_tokens), dtype=torch.float32, device=device)
     done = torch.zeros(batch, dtype=torch.bool, device=device)
     lengths = torch.zeros(batch, dtype=torch.long, device=device)
-    seq = tokens
+    # "every row has stopped" is read one step late on CUDA: reading it at once would make the host
+    # wait for each step before queueing the next, leaving the GPU idle in between.
+    stop = _StopFlag(device)
+    seq, width = tokens, 0
     try:
         for step in range(params.max_new_tokens):
             hidden = pipe.recv(seq.shape[1] if decoder is None or step == 0 else 1, batch)
@@ -245,7 +280,7 @@ def generate(
             elif step == 0:
                 out = decoder.prefill(seq, key_mask, hidden)
             else:
-                out = decoder.step(seq[:, -1], seq.shape[1] - 1, hidden)
+                out = decoder.step(seq[:, -1], plen + step - 1, hidden)
             if pipe.last:
                 last = out[:, :vocab_size].float()
                 nxt = _tp_broadcast(sample(last, params, generator).contiguous())
@@ -256,22 +291,24 @@ def generate(
                 logp = torch.zeros(batch, dtype=torch.float32, device=device)
             nxt = pipe.from_last(nxt)
             nxt = torch.where(done, torch.full_like(nxt, pad_id), nxt)
-            out_tokens.append(nxt)
-            out_logp.append(torch.where(done, torch.zeros_like(logp), logp))
+            out_tokens[:, step] = nxt
+            out_logp[:, step] = torch.where(done, torch.zeros_like(logp), logp)
             lengths += (~done).long()
             done = done | torch.isin(nxt, eos)
-            seq = torch.cat([seq, nxt.unsqueeze(1)], dim=1)
-            key_mask = torch.cat([key_mask, torch.ones_like(nxt).unsqueeze(1)], dim=1)
-            if bool(done.all()):
+            seq = nxt.unsqueeze(1) if decoder is not None else torch.cat([seq, nxt.unsqueeze(1)], dim=1)
+            if decoder is None:
+                key_mask = torch.cat([key_mask, torch.ones_like(nxt).unsqueeze(1)], dim=1)
+            width = step + 1
+            if stop.all_done(done, step):
+                width = stop.width
                 break
     finally:
         if decoder is None and not pipe.first:
             gpt.set_input_tensor(None)
         gpt.train(was_training)
-    responses = torch.stack(out_tokens, dim=1)
-    width = responses.shape[1]
+    responses = out_tokens[:, :width]
     response_mask = (torch.arange(width, device=device).unsqueeze(0) < lengths.unsqueeze(1)).long()
-    logprobs = pipe.from_last(torch.stack(out_logp, dim=1).contiguous())
+    logprobs = pipe.from_last(out_logp[:, :width].contiguous())
     return Rollout(
         tokens=torch.cat([tokens, responses], dim=1),
         prompt_mask=prompt_mask,
