@@ -151,15 +151,54 @@ def supported(case: Case) -> bool:
     return True
 
 
+# Kernel-name patterns of each kind of GPU work, first match wins (profile summaries).
+KERNEL_KINDS = (
+    ("attention", ("flash", "fmha", "cudnn", "attention", "flex")),
+    ("optimizer", ("multi_tensor", "adam")),
+    ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "sm90_")),
+    ("compiled (triton)", ("triton",)),
+    ("norm", ("rms_norm", "rmsnorm", "layer_norm", "layernorm")),
+    ("copy / cat", ("copy", "cat", "transpose")),
+    ("reduce", ("reduce",)),
+    ("elementwise", ("elementwise", "vectorized", "unrolled")),
+)
+
+
+def kernel_kind(name: str) -> str:
+    low = name.lower()
+    return next((kind for kind, keys in KERNEL_KINDS if any(k in low for k in keys)), "other")
+
+
+def print_kernel_kinds(prof: Any, wall_s: float) -> None:
+    """GPU time per kind of kernel of one profiled step, against the step's wall time."""
+    totals: dict[str, list[float]] = {}
+    for evt in prof.key_averages():
+        if str(getattr(evt, "device_type", "")).endswith("CUDA"):
+            us = getattr(evt, "self_device_time_total", None) or getattr(evt, "self_cuda_time_total", 0.0)
+            entry = totals.setdefault(kernel_kind(evt.key), [0.0, 0])
+            entry[0] += us / 1e3
+            entry[1] += evt.count
+    busy = sum(ms for ms, _ in totals.values())
+    print(f"GPU busy {busy:.1f} ms of a {wall_s * 1e3:.1f} ms profiled step", flush=True)
+    print("kind | ms | kernels | share of busy")
+    for kind, (ms, n) in sorted(totals.items(), key=lambda kv: -kv[1][0]):
+        print(f"{kind} | {ms:.1f} | {n} | {100 * ms / max(busy, 1e-9):.1f}%")
+
+
 def profile_step(step: Callable[[], None], device: torch.device, out: Path | None, rows: int = 30) -> None:
-    """One profiled step: the top kernels/ops by device time, printed (and a Chrome trace under `out`)."""
+    """One profiled step: GPU time per kind of kernel and the top kernels/ops by device time, printed
+    (and a Chrome trace under `out`)."""
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=acts) as prof:
+        t0 = time.perf_counter()
         step()
         sync(device)
+        wall = time.perf_counter() - t0
     key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    if device.type == "cuda":
+        print_kernel_kinds(prof, wall)
     print(prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=70), flush=True)
     if out is not None:
         prof.export_chrome_trace(str(out))
