@@ -114,6 +114,8 @@ def test_bf16_on_cpu_is_refused_and_cuda_gets_jit_and_rope_fusions():
     for scope in ("layers", "model"):  # compiled layers: inductor fuses megatron's unfused RoPE itself
         compiled = transformer_config(facts, _namespace(torch_compile=scope), device="cuda", dtype=torch.bfloat16)
         assert not compiled.apply_rope_fusion
+    off = transformer_config(facts, _namespace(extra={"apply_rope_fusion": False}), device="cuda", dtype=torch.bfloat16)
+    assert not off.apply_rope_fusion  # docs/performance.md: a role can turn it off
 
 
 def test_padded_vocab_size():
