@@ -169,15 +169,26 @@ def kernel_kind(name: str) -> str:
     return next((kind for kind, keys in KERNEL_KINDS if any(k in low for k in keys)), "other")
 
 
+def kernel_kind_totals(events: Any) -> dict[str, list[float]]:
+    """{kind: [GPU ms, kernels]} over profiler `key_averages()` rows. Only device rows count, and not
+    the user annotations that the profiler also puts on the GPU timeline (`Optimizer.step#AdamW.step`
+    spans the optimizer's kernels: counting it too doubled the optimizer's time)."""
+    totals: dict[str, list[float]] = {}
+    for evt in events:
+        if not str(getattr(evt, "device_type", "")).endswith("CUDA"):
+            continue
+        if getattr(evt, "is_user_annotation", False) or evt.key.startswith(("Optimizer.", "ProfilerStep")):
+            continue
+        us = getattr(evt, "self_device_time_total", None) or getattr(evt, "self_cuda_time_total", 0.0)
+        entry = totals.setdefault(kernel_kind(evt.key), [0.0, 0])
+        entry[0] += us / 1e3
+        entry[1] += evt.count
+    return totals
+
+
 def print_kernel_kinds(prof: Any, wall_s: float) -> None:
     """GPU time per kind of kernel of one profiled step, against the step's wall time."""
-    totals: dict[str, list[float]] = {}
-    for evt in prof.key_averages():
-        if str(getattr(evt, "device_type", "")).endswith("CUDA"):
-            us = getattr(evt, "self_device_time_total", None) or getattr(evt, "self_cuda_time_total", 0.0)
-            entry = totals.setdefault(kernel_kind(evt.key), [0.0, 0])
-            entry[0] += us / 1e3
-            entry[1] += evt.count
+    totals = kernel_kind_totals(prof.key_averages())
     busy = sum(ms for ms, _ in totals.values())
     print(f"GPU busy {busy:.1f} ms of a {wall_s * 1e3:.1f} ms profiled step", flush=True)
     print("kind | ms | kernels | share of busy")

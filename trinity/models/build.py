@@ -14,9 +14,8 @@ Choices made here:
   `norm_topk_prob=False` takes top-k of the full softmax: `moe_router_pre_softmax=True`.
 - Fusions: on CPU every fusion is off; on CUDA the torch-jit ones (bias-SwiGLU, bias-dropout-add) are
   on, and so is RoPE's for eager layers (TE's kernel, or ours from `trinity.models.rope` without TE;
-  with `torch_compile` inductor fuses it). masked_softmax_fusion
-  imports apex, moe_permute_fusion needs TE, gradient_accumulation_fusion and persist_layer_norm need
-  apex.
+  with `torch_compile` inductor fuses it). masked_softmax_fusion imports apex, moe_permute_fusion
+  needs TE, gradient_accumulation_fusion and persist_layer_norm need apex.
 """
 
 from __future__ import annotations

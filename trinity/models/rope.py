@@ -26,10 +26,10 @@ from torch import Tensor
 _compiled: dict[str, Any] = {}
 
 
-def _rotate(x: Tensor, sign: float) -> Tensor:
-    """sign=+1: megatron's rotate_half, [x1, x2] -> [-x2, x1]; sign=-1: its transpose, [x2, -x1]."""
+def rotate_half(x: Tensor, transpose: bool = False) -> Tensor:
+    """megatron's non-interleaved rotate_half, [x1, x2] -> [-x2, x1]; transpose: [x2, -x1]."""
     x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-sign * x2, sign * x1), dim=-1)
+    return torch.cat((x2, -x1) if transpose else (-x2, x1), dim=-1)
 
 
 def _apply(t: Tensor, freqs: Tensor, sign: float) -> Tensor:
@@ -39,9 +39,9 @@ def _apply(t: Tensor, freqs: Tensor, sign: float) -> Tensor:
     x = t[..., :rot].float()
     cos, sin = torch.cos(freqs), torch.sin(freqs)
     if sign > 0:
-        out = x * cos + _rotate(x, 1.0) * sin
+        out = x * cos + rotate_half(x) * sin
     else:  # d/dx [x*c + R(x)*s] applied to g is g*c + R^T(g*s)
-        out = x * cos + _rotate(x * sin, -1.0)
+        out = x * cos + rotate_half(x * sin, transpose=True)
     out = out.to(t.dtype)
     if rot < t.shape[-1]:
         out = torch.cat((out, t[..., rot:]), dim=-1)
@@ -106,4 +106,4 @@ def install() -> bool:
     return rope_utils.fused_apply_rotary_pos_emb is not None
 
 
-__all__ = ["fused_rope", "install"]
+__all__ = ["fused_rope", "install", "rotate_half"]

@@ -40,6 +40,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from trinity.models.rope import rotate_half
+
 _CACHE_MULTIPLE = 64  # cache length granularity: aligned rows for the attention kernels' mask reads
 
 
@@ -75,8 +77,7 @@ def _rope(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     its table already taken; cos/sin broadcast over every dimension but the last."""
     rot = cos.shape[-1]
     x, rest = t[..., :rot], t[..., rot:]
-    x1, x2 = torch.chunk(x, 2, dim=-1)
-    out = x * cos + torch.cat((-x2, x1), dim=-1) * sin
+    out = x * cos + rotate_half(x) * sin
     return out if rest.shape[-1] == 0 else torch.cat((out, rest), dim=-1)
 
 
