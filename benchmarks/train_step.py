@@ -4,14 +4,15 @@ megatron-core model (`trinity.models.build.build_model`, our spec) next to HF tr
 
     python benchmarks/train_step.py --shape qwen2_5_0_5b --seq 4096 --mbs 2
     python benchmarks/train_step.py --shape qwen2_5_7b --recompute none,selective,full --compile none,layers
-    python benchmarks/train_step.py --shape qwen2_5_0_5b --packed no,yes --engines mcore
+    python benchmarks/train_step.py --shape qwen2_5_0_5b --packed no,varlen,flex,dense --engines mcore
     python benchmarks/train_step.py --shape tiny --device cpu --seq 128 --steps 2 --warmup 1   # CPU smoke
 
 Every combination of --engines x --recompute x --compile x --packed is one case (cases an engine cannot
 run are skipped: HF has no selective recompute, no per-layer compile, no packed rows here).
 TFLOP/s = (6 * params * tokens + 12 * layers * hidden * seq * tokens) / step time, params counted from
 the HF shape (tied embeddings once); packed rows use the same count (their attention does less work, so
-tokens/s is the fair comparison). Both engines use bf16 params and torch's fused AdamW (fp32 on CPU);
+tokens/s is the fair comparison); --packed names the kernel of the packed rows (`yes` = what
+`document_packed_params` picks, see trinity.models.attention.PACKED_KERNELS). Both engines use bf16 params and torch's fused AdamW (fp32 on CPU);
 ours takes the loss through `trinity.models.logprobs` (chunked, no full-vocabulary fp32 logits), HF
 through its own loss. Peak memory = torch.cuda.max_memory_allocated, reset per case. Warm-up steps
 (compile included) are timed separately as "first s".
@@ -47,7 +48,7 @@ class Case:
     engine: str
     recompute: str  # none | selective | full
     compile: str  # none | layers | model
-    packed: bool
+    packed: str  # no | a trinity.models.attention.PACKED_KERNELS name
 
 
 def hf_config_dict(shape: str, seq: int) -> dict[str, Any]:
@@ -68,7 +69,8 @@ def step_flops(params: int, layers: int, hidden: int, seq: int, tokens: int) -> 
 
 
 def make_batch(vocab: int, seq: int, mbs: int, packed: bool, device: torch.device, seed: int = 0) -> dict[str, Any]:
-    """Random tokens; packed rows hold documents of random lengths (64..seq/2) back to back."""
+    """Random tokens; packed rows hold documents of random lengths (64..seq/2) back to back. `doc_ids`
+    stay on the CPU, where the trainer's data loader has them."""
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, vocab, (mbs, seq), generator=g)
     doc_ids = torch.zeros(mbs, seq, dtype=torch.long)
@@ -81,7 +83,7 @@ def make_batch(vocab: int, seq: int, mbs: int, packed: bool, device: torch.devic
                 start, doc = start + length, doc + 1
     return {"tokens": tokens.to(device), "labels": torch.roll(tokens, -1, 1).to(device),
             "position_ids": torch.arange(seq).expand(mbs, seq).contiguous().to(device),
-            "doc_ids": doc_ids.to(device)}
+            "doc_ids": doc_ids}
 
 
 def sync(device: torch.device) -> None:
@@ -107,12 +109,14 @@ def mcore_step(cfg_dir: Path, case: Case, device: torch.device, dtype: torch.dty
     (model,) = build_model(ModelFacts.from_hf_dir(cfg_dir), megatron, device=device.type, dtype=dtype)
     model.train()
     opt = optimizer(model.parameters(), device)
-    batch = make_batch(model.vocab_size, args.seq, args.mbs, case.packed, device)
+    batch = make_batch(model.vocab_size, args.seq, args.mbs, case.packed != "no", device)
+    kernel = None if case.packed == "no" else case.packed
 
     def step() -> None:
         opt.zero_grad(set_to_none=True)
-        packed = document_packed_params(batch["doc_ids"]) if case.packed else None  # once per batch
-        hidden = decoder_hidden(model, batch["tokens"], batch["position_ids"], None, packed_seq_params=packed)
+        # once per batch, as the trainer does
+        packed = kernel and document_packed_params(batch["doc_ids"], device=device, kernel=kernel)
+        hidden = decoder_hidden(model, batch["tokens"], batch["position_ids"], None, packed_seq_params=packed or None)
         loss = -token_logprobs(model, hidden, batch["labels"], chunk_tokens=args.chunk_tokens).mean()
         loss.backward()
         opt.step()
@@ -147,7 +151,7 @@ ENGINES: dict[str, Callable[..., Callable[[], None]]] = {"mcore": mcore_step, "h
 
 def supported(case: Case) -> bool:
     if case.engine == "hf":
-        return case.recompute != "selective" and case.compile != "layers" and not case.packed
+        return case.recompute != "selective" and case.compile != "layers" and case.packed == "no"
     return True
 
 
@@ -234,7 +238,7 @@ def run_case(cfg_dir: Path, case: Case, device: torch.device, dtype: torch.dtype
         sync(device)
         times.append(time.perf_counter() - t0)
     if args.profile:
-        tag = f"{case.engine}-{case.recompute}-{case.compile}-{'packed' if case.packed else 'rows'}"
+        tag = f"{case.engine}-{case.recompute}-{case.compile}-{case.packed}"
         print(f"--- profile {tag}", flush=True)
         profile_step(step, device, args.profile / f"trace-{tag}.json" if args.profile.is_dir() else None)
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
@@ -253,7 +257,7 @@ def main() -> None:
     p.add_argument("--engines", default="hf,mcore")
     p.add_argument("--recompute", default="none", help="comma list of none, selective, full")
     p.add_argument("--compile", default="none", help="comma list of none, layers, model")
-    p.add_argument("--packed", default="no", help="comma list of no, yes")
+    p.add_argument("--packed", default="no", help="comma list of no, yes, varlen, flex, dense")
     p.add_argument("--chunk-tokens", type=int, default=None, help="ours: log-probs over chunks of this many tokens")
     p.add_argument("--profile", type=Path, default=None, help="profile one step per case; a folder gets traces")
     p.add_argument("--json", type=Path, default=None, help="also write the rows here")
@@ -267,7 +271,7 @@ def main() -> None:
     cfg = hf_config_dict(args.shape, args.seq)
     params, tokens = param_count(cfg), args.seq * args.mbs
     flops = step_flops(params, cfg["num_hidden_layers"], cfg["hidden_size"], args.seq, tokens)
-    cases = [Case(e, r, c, pk == "yes") for e in args.engines.split(",") for r in args.recompute.split(",")
+    cases = [Case(e, r, c, "auto" if pk == "yes" else pk) for e in args.engines.split(",") for r in args.recompute.split(",")
              for c in args.compile.split(",") for pk in args.packed.split(",")]
     rows: list[dict[str, Any]] = []
     parallel.init_parallel(device=args.device, layout=ParallelLayout(), seed=1234)
@@ -299,7 +303,7 @@ def print_table(rows: list[dict[str, Any]], device: torch.device) -> None:
     print(" | ".join(head))
     for r in rows:
         print(" | ".join([r["engine"], r["shape"], f"{r['seq']} x {r['mbs']}", r["recompute"], r["compile"],
-                          "yes" if r["packed"] else "no", f"{r['first_s']:.1f}", f"{r['step_s']:.4f}",
+                          r["packed"], f"{r['first_s']:.1f}", f"{r['step_s']:.4f}",
                           f"{r['tokens_per_s']:.0f}", f"{r['tflops']:.1f}", f"{r['peak_gib']:.2f}"]))
 
 

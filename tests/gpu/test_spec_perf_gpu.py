@@ -1,5 +1,6 @@
-"""The fast paths of our spec on CUDA: FlexAttention packed rows and torch.compile'd layers compute the
-same function as the eager dense-mask path (bf16, relative error, fresh random inputs)."""
+"""The fast paths of our spec on CUDA: packed rows through flash varlen or FlexAttention and
+torch.compile'd layers compute the same function as the eager dense-mask path (bf16, relative error,
+fresh random inputs)."""
 
 from __future__ import annotations
 
@@ -52,7 +53,7 @@ def test_flex_packed_rows_match_dense_mask_on_cuda(cuda_tp1):
     k = torch.randn(b, groups, s, d, device="cuda", dtype=torch.bfloat16, generator=g, requires_grad=True)
     v = torch.randn(b, groups, s, d, device="cuda", dtype=torch.bfloat16, generator=g, requires_grad=True)
     doc_ids = torch.repeat_interleave(torch.tensor([0, 1, 2, 3], device="cuda"), torch.tensor([300, 200, 400, 124], device="cuda")).expand(b, s)
-    params = document_packed_params(doc_ids)
+    params = document_packed_params(doc_ids, kernel="flex")
     out = _flex_attention(q, k, v, params.block_mask, d**-0.5, True)
     ref = torch.nn.functional.scaled_dot_product_attention(
         q.double(), k.double(), v.double(), attn_mask=~params.dense_mask(), scale=d**-0.5, enable_gqa=True)
@@ -63,8 +64,44 @@ def test_flex_packed_rows_match_dense_mask_on_cuda(cuda_tp1):
         assert _rel(got, want) < 2e-2
 
 
-@pytest.mark.parametrize("scope", ["layers", "model"])
-def test_compiled_model_matches_eager_with_packed_rows(cuda_tp1, tmp_path, scope):
+def test_varlen_packed_rows_match_dense_mask_through_the_core_attention(cuda_tp1):
+    """Megatron's layout ([s, b, heads, d], q/k/v strided views of one projection), two rows with
+    different documents and trailing padding, GQA: output and all three gradients."""
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from trinity.data.packing import block_causal_mask
+    from trinity.models.attention import SDPACoreAttention, document_packed_params
+
+    seed = int(torch.randint(0, 2**31, (1,)))
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    s, b, heads, groups, d = 1024, 2, 8, 2, 128
+    config = TransformerConfig(num_layers=1, hidden_size=heads * d, num_attention_heads=heads,
+                               num_query_groups=groups, kv_channels=d, attention_dropout=0.0)
+    attn = SDPACoreAttention(config, 1, AttnMaskType.causal, "self")
+    qkv = torch.randn(s, b, groups, heads // groups + 2, d, device="cuda", dtype=torch.bfloat16, generator=g,
+                      requires_grad=True)
+    q = qkv[:, :, :, : heads // groups].reshape(s, b, heads, d)
+    k, v = qkv[:, :, :, -2], qkv[:, :, :, -1]
+    doc_ids = torch.full((b, s), -1)
+    doc_ids[0, :1000] = torch.repeat_interleave(torch.arange(4), torch.tensor([300, 200, 400, 100]))
+    doc_ids[1, :] = torch.repeat_interleave(torch.arange(2), torch.tensor([17, 1007]))
+    params = document_packed_params(doc_ids, device="cuda", kernel="varlen")
+    assert params.doc_cu_seqlens.numel() == 16 and params.doc_max_seqlen == 1007
+    out = attn(q, k, v, None, packed_seq_params=params)
+    ref = attn(q.double(), k.double(), v.double(), block_causal_mask(doc_ids.cuda()))
+    real = (doc_ids >= 0).T.cuda()  # padding attends differently (to itself only vs. to the padding)
+    assert out.shape == ref.shape == (s, b, heads * d)
+    assert _rel(out[real], ref[real]) < 1e-2, seed
+    grad_out = torch.randn(out.shape, device="cuda", generator=g) * real[..., None]
+    (grad,) = torch.autograd.grad(out.float(), qkv, grad_out)
+    (ref_grad,) = torch.autograd.grad(ref, qkv, grad_out.double())
+    assert _rel(grad, ref_grad) < 2e-2, seed
+
+
+@pytest.mark.parametrize("kernel", ["varlen", "flex"])
+@pytest.mark.parametrize("scope", ["none", "layers", "model"])
+def test_model_with_packed_rows_matches_eager_dense_mask(cuda_tp1, tmp_path, scope, kernel):
     from trinity.models.attention import document_packed_params, packed_causal_mask
 
     eager = _model(tmp_path / "e")
@@ -72,9 +109,16 @@ def test_compiled_model_matches_eager_with_packed_rows(cuda_tp1, tmp_path, scope
     compiled.load_state_dict(eager.state_dict())
     ids = torch.randint(0, 128, (2, 256), device="cuda")
     pos = torch.arange(256, device="cuda").expand(2, 256)
-    doc_ids = torch.repeat_interleave(torch.tensor([0, 1, 2], device="cuda"), torch.tensor([100, 28, 128], device="cuda")).expand(2, 256)
-    ref = eager(ids, pos, packed_causal_mask(doc_ids))
-    out = compiled(ids, pos, None, packed_seq_params=document_packed_params(doc_ids))
+    doc_ids = torch.repeat_interleave(torch.tensor([0, 1, 2]), torch.tensor([100, 28, 128])).expand(2, 256)
+    ref = eager(ids, pos, packed_causal_mask(doc_ids.cuda()))
+    for _ in range(2):  # the second batch has other documents: a compiled layer must not keep the first's
+        out = compiled(ids, pos, None, packed_seq_params=document_packed_params(doc_ids, device="cuda", kernel=kernel))
+        assert _rel(out, ref) < 2e-2
+        compiled.zero_grad()
+        doc_ids = doc_ids.flip(1).contiguous()
+        ref = eager(ids, pos, packed_causal_mask(doc_ids.cuda()))
+    out = compiled(ids, pos, None, packed_seq_params=document_packed_params(doc_ids, device="cuda", kernel=kernel))
+    assert _rel(out, ref) < 2e-2
     assert _rel(out, ref) < 2e-2
     out.float().logsumexp(-1).mean().backward()
     ref.float().logsumexp(-1).mean().backward()

@@ -177,6 +177,29 @@ def test_document_packed_params_through_the_model_equal_the_dense_mask(tp1, tiny
         torch.testing.assert_close(grads[n], p.grad, atol=1e-6, rtol=0, msg=n)
 
 
+def test_packed_attention_gives_our_spec_boundaries_and_transformer_engine_the_dense_mask(tp1, tiny_dir):
+    """The SFT loop's attention arguments: real tokens get the logits of the trainer's dense
+    block-causal mask (padding, -1, differs only in what the padding itself sees)."""
+    from trinity.data.packing import block_causal_mask
+    from trinity.models import spec as specs
+    from trinity.models.build import packed_attention
+
+    (model,) = _build(ModelFacts.from_hf_dir(tiny_dir("qwen2")))
+    model.eval()
+    ids, pos = _batch(b=2, s=12)
+    doc_ids = torch.tensor([[0] * 5 + [1] * 4 + [-1] * 3, [0] * 12])
+    kwargs = packed_attention(model, doc_ids, torch.device("cpu"))
+    assert kwargs["attention_mask"] is None and kwargs["packed_seq_params"].doc_ids is not None
+    with torch.no_grad():
+        out = model(ids, pos, **kwargs)
+        expected = model(ids, pos, block_causal_mask(doc_ids))
+    real = doc_ids >= 0
+    torch.testing.assert_close(out[real], expected[real], atol=1e-5, rtol=0)
+    model.trinity_backend = specs.BACKEND_TE
+    dense = packed_attention(model, doc_ids, torch.device("cpu"))
+    assert set(dense) == {"attention_mask"} and torch.equal(dense["attention_mask"], block_causal_mask(doc_ids))
+
+
 def test_grouped_gemm_without_its_kernel_is_a_clear_error(tp1, tiny_dir):
     from trinity.errors import UserError
 

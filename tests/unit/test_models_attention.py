@@ -145,10 +145,37 @@ def test_flex_block_mask_itself_matches_the_dense_mask_without_grad(tp1):
 
     q, k, v = (t.permute(1, 2, 0, 3) for t in _qkv(20, 20))
     doc_ids = torch.tensor([[0] * 7 + [1] * 9 + [2] * 4, [3] * 20])
-    params = document_packed_params(doc_ids)
+    params = document_packed_params(doc_ids, kernel="flex")
     with torch.no_grad():
         out = _flex_attention(q, k, v, params.block_mask, 0.25, True)
     expected = torch.nn.functional.scaled_dot_product_attention(
         q, k, v, attn_mask=~params.dense_mask(), scale=0.25, enable_gqa=True
     )
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=0)
+
+
+def test_varlen_boundaries_are_bucketed_and_cpu_layers_fall_back_to_the_dense_mask(tp1):
+    from trinity.models.attention import document_packed_params, packed_causal_mask
+
+    doc_ids = torch.tensor([[0] * 7 + [1] * 9 + [-1] * 4, [0] * 3 + [1] * 17])
+    params = document_packed_params(doc_ids, kernel="varlen")
+    # documents of row 0 (padding is one more), then row 1's, then empty documents up to 16 boundaries
+    assert params.doc_cu_seqlens.tolist() == [0, 7, 16, 20, 23] + [40] * 11
+    assert params.doc_cu_seqlens.dtype == torch.int32 and params.doc_max_seqlen == 17
+    assert params.max_seqlen_q == params.max_seqlen_kv == 20  # megatron sizes RoPE from these
+    ours, ref = _pair(_config())
+    q, k, v = _qkv(20, 20)
+    torch.testing.assert_close(ours(q, k, v, None, packed_seq_params=params),
+                               ref(q, k, v, packed_causal_mask(doc_ids)), atol=1e-5, rtol=0)
+    many = torch.arange(40).repeat_interleave(2).view(2, 40)  # 40 documents -> 64 boundaries
+    assert document_packed_params(many, kernel="varlen").doc_cu_seqlens.numel() == 64
+
+
+def test_document_packed_params_picks_the_dense_mask_on_cpu_and_refuses_unknown_kernels():
+    from trinity.models.attention import document_packed_params
+
+    params = document_packed_params(torch.zeros(1, 8, dtype=torch.long))
+    assert params.doc_cu_seqlens is None and params.block_mask is None
+    assert params.dense_mask().shape == (1, 1, 8, 8)
+    with pytest.raises(ValueError, match="kernel='fast'.*varlen"):
+        document_packed_params(torch.zeros(1, 8, dtype=torch.long), kernel="fast")

@@ -82,7 +82,9 @@ class DataConfig(StrictModel):
     seq_length: int = Field(default=1024, ge=8)
     """SFT: tokens per training row (samples are packed into or padded to this length)."""
     packing: bool = True
-    """SFT: pack several samples per row with per-document attention masks instead of padding."""
+    """SFT: pack several samples per row with per-document attention masks instead of padding. On CUDA our
+    layer spec runs flash attention over the document boundaries (no [b, 1, s, s] mask); TransformerEngine
+    and CPU layers use the dense block mask."""
     shuffle: bool = True
     """Shuffle rows each epoch (deterministically from trainer.seed)."""
     max_prompt_length: int = Field(default=256, ge=1)

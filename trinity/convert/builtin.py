@@ -32,6 +32,7 @@ from trinity.convert.weightmap import (
     tp_split,
 )
 from trinity.errors import UserError
+from trinity.models.build import unwrap
 from trinity.models.facts import ModelFacts
 
 Progress = Callable[[str, int], None]  # (tensor name, bytes) after each tensor
@@ -87,13 +88,6 @@ class _Entry:
 
     def hf_names(self) -> list[str]:
         return self.rule.hf_names(self.layer, self.experts)
-
-
-def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The GPTModel inside DDP / Float16Module wrappers."""
-    while hasattr(model, "module"):
-        model = model.module
-    return model
 
 
 def _geometry(facts: ModelFacts, padded_vocab: int) -> Geometry:

@@ -27,10 +27,10 @@ from typing import Any
 
 import torch
 
-from trinity.convert.builtin import unwrap
 from trinity.convert.hf_io import copy_side_files
 from trinity.convert.outdir import check_output, publish, temp_sibling
 from trinity.errors import UserError
+from trinity.models.build import unwrap
 
 META = "trinity_meta.json"
 HF_SUBDIR = "hf"

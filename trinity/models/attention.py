@@ -10,11 +10,13 @@ Conventions are megatron's: q [sq, b, heads, d], k/v [sk, b, groups, d], output 
 
 Packed rows (several documents per row) have two forms:
 - a dense block-diagonal boolean mask (`packed_causal_mask`): simple, but SDPA then runs its masked
-  (memory-efficient) kernel and reads an [b, 1, s, s] mask in every layer;
-- `document_packed_params(doc_ids)`: a PackedSeqParams carrying a FlexAttention BlockMask built once
-  per batch; every layer reuses it and FlexAttention skips the blocks between documents. megatron
-  passes `packed_seq_params` to each layer by closure (not through its checkpoint's saved tensors), and
-  with qkv_format "sbhd" it leaves q/k/v and RoPE as for unpacked rows.
+  (memory-efficient) kernel and reads an [b, 1, s, s] mask in every layer (2.6x the attention time
+  of the other forms at 0.5B on an H200, benchmarks/NOTES.md);
+- `document_packed_params(doc_ids)`: a PackedSeqParams built once per batch that every layer reuses,
+  carrying the document boundaries for torch's flash varlen kernel (or a FlexAttention BlockMask).
+  megatron passes `packed_seq_params` to each layer by closure (not through its checkpoint's saved
+  tensors), and with qkv_format "sbhd" it leaves q/k/v and RoPE as for unpacked rows (RoPE depends
+  only on the distance between positions, so a document need not start at position 0).
 """
 
 from __future__ import annotations
@@ -57,39 +59,105 @@ def packed_causal_mask(doc_ids: Tensor) -> Tensor:
     return ~same_doc.unsqueeze(1) | causal_mask(s, device=doc_ids.device)
 
 
+PACKED_KERNELS = ("auto", "varlen", "flex", "dense")
+"""How packed rows attend on CUDA: `varlen` (torch's flash kernel over document boundaries, bf16/fp16),
+`flex` (FlexAttention with a block mask), `dense` (SDPA with the [b, 1, s, s] mask); `auto` picks
+varlen when torch has the flash ops, else flex. CPU layers, and varlen ones in fp32, use the dense mask.
+H200 (benchmarks/NOTES.md): varlen packed 7B rows run 3% faster than unpacked ones (documents skip each
+other's blocks), flex at par, dense 2.6x the attention time."""
+
+
 @dataclass
 class DocumentPackedParams(PackedSeqParams):
-    """Packed rows in megatron's sbhd layout with a FlexAttention block mask over document ids."""
+    """Packed rows in megatron's sbhd layout, with the document boundaries in the form the kernel needs.
 
-    block_mask: Any = None  # torch.nn.attention.flex_attention.BlockMask, [b, 1, s, s]
-    doc_ids: Optional[Tensor] = None
+    `max_seqlen_q/kv` stay the row length: megatron sizes the rotary table from them."""
+
+    doc_ids: Optional[Tensor] = None  # [b, s] on the layers' device
+    block_mask: Any = None  # flex: torch.nn.attention.flex_attention.BlockMask, [b, 1, s, s]
+    doc_cu_seqlens: Optional[Tensor] = None  # varlen: int32 starts of each document in the flattened rows
+    doc_max_seqlen: int = 0  # varlen: longest document
     _dense: Optional[Tensor] = None
 
     def dense_mask(self) -> Tensor:
-        """The same mask as a boolean [b, 1, s, s] tensor (True = masked), built once: FlexAttention
-        has no backward on CPU, so CPU layers run SDPA with it."""
+        """The same mask as a boolean [b, 1, s, s] tensor (True = masked), built once."""
         if self._dense is None:
             self._dense = packed_causal_mask(self.doc_ids)
         return self._dense
 
 
-def document_packed_params(doc_ids: Tensor) -> DocumentPackedParams:
-    """Block-diagonal causal attention for packed rows as a FlexAttention BlockMask, built once per
-    batch. `doc_ids` [b, s]: each token's document within its row (padding may carry its own id)."""
-    from torch.nn.attention.flex_attention import create_block_mask
+def _varlen_available() -> bool:
+    """torch's flash-attention ops (the CUDA builds of torch >= 2.3 have them)."""
+    return hasattr(torch.ops.aten, "_flash_attention_forward") and torch.cuda.is_available()
 
+
+class _FlashVarlen(torch.autograd.Function):
+    """Causal flash attention over the documents of flattened rows, straight on torch's flash ops. Through
+    torch.nn.attention.varlen's custom-op wrapper a host-bound 0.5B step with packed rows measured 34%
+    slower than unpacked, through this Function 1.6% (H200, benchmarks/NOTES.md)."""
+
+    @staticmethod
+    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, cu: Tensor, longest: int, scale: float) -> Tensor:
+        out, lse, rng, unused, _ = torch.ops.aten._flash_attention_forward(
+            q, k, v, cu, cu, longest, longest, 0.0, True, False, scale=scale
+        )
+        ctx.save_for_backward(q, k, v, out, lse, cu, rng, unused)
+        ctx.longest, ctx.scale = longest, scale
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, grad: Tensor) -> tuple[Optional[Tensor], ...]:
+        q, k, v, out, lse, cu, rng, unused = ctx.saved_tensors
+        dq, dk, dv = torch.ops.aten._flash_attention_backward(
+            grad.contiguous(), q, k, v, out, lse, cu, cu, ctx.longest, ctx.longest, 0.0, True, rng, unused,
+            scale=ctx.scale,
+        )
+        return dq, dk, dv, None, None, None
+
+
+def _bucketed(cu: Tensor, total: int) -> Tensor:
+    """Pad the boundaries with empty documents to a power-of-two count (>= 16): compiled layers then
+    see a few shapes instead of one per document count, and the kernel skips empty documents."""
+    n = max(16, 1 << (cu.numel() - 1).bit_length())
+    return torch.cat([cu, cu.new_full((n - cu.numel(),), total)])
+
+
+def document_packed_params(
+    doc_ids: Tensor, *, device: torch.device | str | None = None, kernel: str = "auto"
+) -> DocumentPackedParams:
+    """Block-diagonal causal attention for packed rows, built once per batch and reused by every layer.
+
+    `doc_ids` [b, s]: each token's document within its row (a row's padding is one more document).
+    Pass them on the CPU with `device` set to the layers' device: the varlen boundaries are then
+    computed without waiting for the GPU."""
+    if kernel not in PACKED_KERNELS:
+        raise ValueError(f"kernel={kernel!r} is not one of {PACKED_KERNELS}")
+    device = torch.device(device) if device is not None else doc_ids.device
     b, s = doc_ids.shape
-    docs = doc_ids.contiguous()
+    docs = doc_ids.to(device, non_blocking=True).contiguous()
+    params = DocumentPackedParams(qkv_format="sbhd", max_seqlen_q=s, max_seqlen_kv=s, doc_ids=docs)
+    if kernel == "auto" and device.type != "cuda":
+        kernel = "dense"
+    elif kernel == "auto":
+        kernel = "varlen" if _varlen_available() else "flex"
+    if kernel == "varlen":
+        from trinity.data.packing import cu_seqlens
 
-    def same_doc_causal(batch: Tensor, head: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        return (q_idx >= kv_idx) & (docs[batch, q_idx] == docs[batch, kv_idx])
+        cu, params.doc_max_seqlen = cu_seqlens(doc_ids.cpu() if device.type == "cuda" else doc_ids)
+        params.doc_cu_seqlens = _bucketed(cu, b * s).to(device, non_blocking=True)
+    elif kernel == "flex":
+        from torch.nn.attention.flex_attention import create_block_mask
 
-    # _compile: the eager builder launches hundreds of small kernels per call (measured 20 ms per 0.5B
-    # step on an H200); compiled it is a few. Eager on CPU, where no compiler may be at hand.
-    mask = create_block_mask(same_doc_causal, b, None, s, s, device=doc_ids.device, _compile=doc_ids.is_cuda)
-    return DocumentPackedParams(
-        qkv_format="sbhd", max_seqlen_q=s, max_seqlen_kv=s, block_mask=mask, doc_ids=docs
-    )
+        def same_doc_causal(batch: Tensor, head: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+            return (q_idx >= kv_idx) & (docs[batch, q_idx] == docs[batch, kv_idx])
+
+        # _compile: the eager builder launches hundreds of small kernels per call (measured 20 ms per
+        # 0.5B step on an H200); compiled it is a few. Eager on CPU, where no compiler may be at hand.
+        params.block_mask = create_block_mask(
+            same_doc_causal, b, None, s, s, device=device, _compile=device.type == "cuda"
+        )
+    return params
 
 
 _compiled_flex: Any = None
@@ -107,6 +175,26 @@ def _flex_attention(q: Tensor, k: Tensor, v: Tensor, block_mask: Any, scale: flo
             _compiled_flex = torch.compile(flex_attention, dynamic=False)
         fn = _compiled_flex
     return fn(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
+
+
+def _varlen_attention(query: Tensor, key: Tensor, value: Tensor, params: DocumentPackedParams, scale: float) -> Tensor:
+    """Flash varlen attention over the documents of the flattened rows; q [s, b, heads, d] in megatron's
+    layout (GQA K/V not repeated), returns [s, b, heads, d]. With one row per micro batch the layout
+    changes are views."""
+    sq, b, heads, d = query.shape
+
+    def flat(x: Tensor) -> Tensor:
+        return x.transpose(0, 1).reshape(b * sq, x.size(2), d)
+
+    # Inside a compiled layer the longest document would be a new constant (a recompile) per batch;
+    # the row length bounds it, and the kernel's blocks past a document's end return at once.
+    longest = sq if torch.compiler.is_compiling() else params.doc_max_seqlen
+    out = _FlashVarlen.apply(flat(query), flat(key), flat(value), params.doc_cu_seqlens, longest, scale)
+    return out.view(b, sq, heads, d).transpose(0, 1)
+
+
+def _flash_supports(query: Tensor) -> bool:
+    return query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and query.size(-1) <= 256
 
 
 class SDPACoreAttention(MegatronModule):
@@ -160,15 +248,26 @@ class SDPACoreAttention(MegatronModule):
     ) -> Tensor:
         if attention_bias is not None:
             raise ValueError("attention_bias is not supported by SDPACoreAttention")
-        block_mask = getattr(packed_seq_params, "block_mask", None)
-        if block_mask is not None and not query.is_cuda:
-            attention_mask, block_mask = packed_seq_params.dense_mask(), None
-        elif packed_seq_params is not None and block_mask is None:
+        packed = packed_seq_params
+        if packed is not None and not isinstance(packed, DocumentPackedParams):
             raise ValueError(
                 "packed_seq_params in thd format needs TransformerEngine; pass "
                 "trinity.models.attention.document_packed_params(doc_ids) or a block-diagonal "
                 "attention_mask (packed_causal_mask) instead"
             )
+        kernel = None
+        if packed is not None:
+            if packed.doc_cu_seqlens is not None and _flash_supports(query):
+                kernel = "varlen"
+            elif query.is_cuda and packed.block_mask is not None:
+                kernel = "flex"
+            else:
+                attention_mask = packed.dense_mask()
+            if kernel and self.training and self.dropout_p > 0.0:
+                raise ValueError(f"document_packed_params ({kernel}) excludes attention dropout on CUDA")
+        if kernel == "varlen":
+            out = _varlen_attention(query, key, value, packed, self.softmax_scale)
+            return out.reshape(query.size(0), query.size(1), self.hidden_size_per_partition)
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
         sq, b, heads, d = query.shape
         sk = key.size(0)
@@ -189,10 +288,8 @@ class SDPACoreAttention(MegatronModule):
         # 2.98 ms with K/V repeated; causal without a mask 1.04 ms.
         enable_gqa = heads != k.size(1)
         dropout_p = self.dropout_p if self.training else 0.0
-        if block_mask is not None:
-            if dropout_p > 0.0:
-                raise ValueError("document_packed_params excludes attention dropout on CUDA")
-            out = _flex_attention(q, k, v, block_mask, self.softmax_scale, enable_gqa)
+        if kernel == "flex":
+            out = _flex_attention(q, k, v, packed.block_mask, self.softmax_scale, enable_gqa)
             return out.permute(2, 0, 1, 3).reshape(sq, b, self.hidden_size_per_partition)
 
         def attend() -> Tensor:

@@ -30,10 +30,11 @@ from megatron.core import tensor_parallel
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from trinity.data.packing import block_causal_mask
 from trinity.errors import UserError
 from trinity.models import rope
 from trinity.models import spec as specs
-from trinity.models.attention import causal_mask, packed_causal_mask
+from trinity.models.attention import causal_mask, document_packed_params, packed_causal_mask
 from trinity.models.facts import ModelFacts
 
 log = logging.getLogger(__name__)
@@ -203,6 +204,22 @@ class ValueHead(torch.nn.Linear):
         return values, None
 
 
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The GPTModel inside DDP / Float16Module wrappers."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def packed_attention(model: torch.nn.Module, doc_ids: torch.Tensor, device: torch.device) -> dict[str, Any]:
+    """GPTModel.forward's attention arguments for packed rows, `doc_ids` [b, s] on the CPU (-1 = padding,
+    trinity.data.packing). Our layer spec gets the document boundaries once per micro batch (flash
+    varlen on CUDA: no [b, 1, s, s] mask read by every layer); TransformerEngine gets the dense mask."""
+    if getattr(unwrap(model), "trinity_backend", None) == specs.BACKEND_TE:
+        return {"attention_mask": block_causal_mask(doc_ids.to(device, non_blocking=True))}
+    return {"attention_mask": None, "packed_seq_params": document_packed_params(doc_ids, device=device)}
+
+
 def compile_scope(megatron: Any) -> str:
     """The `torch_compile` scope the role asks for (True / False from older configs mean layers / none)."""
     scope = getattr(megatron, "torch_compile", "none")
@@ -292,5 +309,6 @@ def build_model(
 
 
 __all__ = [
-    "COMPILE_SCOPES", "ValueHead", "build_model", "compile_scope", "causal_mask", "packed_causal_mask", "padded_vocab_size", "transformer_config",
+    "COMPILE_SCOPES", "ValueHead", "build_model", "compile_scope", "causal_mask", "packed_attention", "packed_causal_mask",
+    "padded_vocab_size", "transformer_config", "unwrap",
 ]

@@ -220,12 +220,6 @@ class _StopFlag:
         return False
 
 
-def _unwrap(model: Any) -> Any:
-    while hasattr(model, "module"):
-        model = model.module
-    return model
-
-
 @torch.no_grad()
 def generate(
     model: Any,
@@ -247,9 +241,10 @@ def generate(
     torch.compile (see `trinity.rollout.decode`).
     Returns a `Rollout` whose response width is the longest response generated.
     """
+    from trinity.models.build import unwrap
     from trinity.rollout.decode import StaticDecoder
 
-    gpt = _unwrap(model)
+    gpt = unwrap(model)
     param = next(gpt.parameters())
     device = param.device
     pipe = _Pipeline(gpt, device, param.dtype)

@@ -71,16 +71,15 @@ def _loss_func(labels: torch.Tensor, loss_mask: torch.Tensor, scale: float, voca
 
 
 def _forward_step(device: torch.device, scale: float, vocab_size: int, data_iterator, model):
-    from trinity.data.packing import block_causal_mask
+    from trinity.models.build import packed_attention
 
     batch = next(data_iterator)
     tokens = batch["tokens"].to(device, non_blocking=True)
     labels = batch["labels"].to(device, non_blocking=True)
     position_ids = batch["position_ids"].to(device, non_blocking=True)
     loss_mask = batch["loss_mask"].to(device, non_blocking=True)
-    attention_mask = block_causal_mask(batch["doc_ids"].to(device, non_blocking=True))
     # Without labels the last stage returns the [b, s, vocab / tp] logits (hidden states elsewhere).
-    output = model(tokens, position_ids, attention_mask)
+    output = model(tokens, position_ids, **packed_attention(model, batch["doc_ids"], device))
     return output, partial(_loss_func, labels, loss_mask, scale, vocab_size)
 
 
