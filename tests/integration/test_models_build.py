@@ -200,6 +200,24 @@ def test_packed_attention_gives_our_spec_boundaries_and_transformer_engine_the_d
     assert set(dense) == {"attention_mask"} and torch.equal(dense["attention_mask"], block_causal_mask(doc_ids))
 
 
+def test_rl_forward_over_left_padded_rows_equals_the_rollout_mask(tp1, tiny_dir):
+    """The RL roles' forward (prompt padding and the sequence as two packed documents) gives the real
+    tokens the logits of the rollout's own padding mask."""
+    from trinity.rollout.generate import attention_mask
+    from trinity.trainer.roles import forward_output
+
+    (model,) = _build(ModelFacts.from_hf_dir(tiny_dir("qwen2")))
+    model.eval()
+    ids, pos = _batch(b=2, s=12)
+    key_mask = torch.tensor([[0] * 4 + [1] * 8, [1] * 12])
+    with torch.no_grad():
+        out = forward_output(model, ids, key_mask)
+        expected = model(ids, pos, attention_mask(key_mask))
+    real = key_mask.bool()
+    torch.testing.assert_close(out[real], expected[real], atol=1e-5, rtol=0)
+    assert not torch.allclose(out[1], model(ids, pos, attention_mask(torch.ones(2, 12).long() - key_mask))[1])
+
+
 def test_grouped_gemm_without_its_kernel_is_a_clear_error(tp1, tiny_dir):
     from trinity.errors import UserError
 

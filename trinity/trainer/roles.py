@@ -24,7 +24,7 @@ from typing import Any, Callable
 import torch
 
 from trinity.errors import UserError
-from trinity.rollout.generate import Rollout, attention_mask
+from trinity.rollout.generate import Rollout
 
 LAYOUT_FIELDS = (
     "tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
@@ -117,9 +117,16 @@ def build_critic_chunks(facts: Any, megatron: Any, hf_dir: str, *, device: str, 
 
 
 def forward_output(model: Any, tokens: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
-    """The model's output over whole sequences: [B, S, vocab / TP] logits (or [B, S, 1] values)."""
+    """The model's output over whole sequences: [B, S, vocab / TP] logits (or [B, S, 1] values).
+
+    A row is its prompt's left padding (key_mask 0) then one sequence: attention runs as for packed rows
+    with those two documents (flash varlen on CUDA with our spec instead of a [B, 1, S, S] mask in every
+    layer); real tokens see exactly what `trinity.rollout.generate.attention_mask(key_mask)` lets
+    them see."""
+    from trinity.models.build import packed_attention
+
     pos = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
-    return model(tokens, pos, attention_mask(key_mask))
+    return model(tokens, pos, **packed_attention(model, key_mask.long() - 1, tokens.device))
 
 
 def response_slice(rollout: Rollout) -> slice:
