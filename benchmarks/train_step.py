@@ -115,8 +115,8 @@ def mcore_step(cfg_dir: Path, case: Case, device: torch.device, dtype: torch.dty
     def step() -> None:
         opt.zero_grad(set_to_none=True)
         # once per batch, as the trainer does
-        packed = kernel and document_packed_params(batch["doc_ids"], device=device, kernel=kernel)
-        hidden = decoder_hidden(model, batch["tokens"], batch["position_ids"], None, packed_seq_params=packed or None)
+        packed = document_packed_params(batch["doc_ids"], device=device, kernel=kernel) if kernel else None
+        hidden = decoder_hidden(model, batch["tokens"], batch["position_ids"], None, packed_seq_params=packed)
         loss = -token_logprobs(model, hidden, batch["labels"], chunk_tokens=args.chunk_tokens).mean()
         loss.backward()
         opt.step()

@@ -215,7 +215,12 @@ def test_rl_forward_over_left_padded_rows_equals_the_rollout_mask(tp1, tiny_dir)
         expected = model(ids, pos, attention_mask(key_mask))
     real = key_mask.bool()
     torch.testing.assert_close(out[real], expected[real], atol=1e-5, rtol=0)
+    # the masks matter: row 1 with every key padded (each token sees itself only) differs
     assert not torch.allclose(out[1], model(ids, pos, attention_mask(torch.ones(2, 12).long() - key_mask))[1])
+    # and row 0's real tokens do not see its left padding, unlike plain causal attention
+    with torch.no_grad():
+        causal = model(ids, pos, None)
+    assert not torch.allclose(out[0][real[0]], causal[0][real[0]], atol=1e-3)
 
 
 def test_grouped_gemm_without_its_kernel_is_a_clear_error(tp1, tiny_dir):

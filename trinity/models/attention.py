@@ -10,8 +10,8 @@ Conventions are megatron's: q [sq, b, heads, d], k/v [sk, b, groups, d], output 
 
 Packed rows (several documents per row) have two forms:
 - a dense block-diagonal boolean mask (`packed_causal_mask`): simple, but SDPA then runs its masked
-  (memory-efficient) kernel and reads an [b, 1, s, s] mask in every layer (2.6x the attention time
-  of the other forms at 0.5B on an H200, benchmarks/NOTES.md);
+  (memory-efficient) kernel and reads an [b, 1, s, s] mask in every layer (2.6x the causal
+  kernel's time at 0.5B on an H200, `python benchmarks/attention.py`);
 - `document_packed_params(doc_ids)`: a PackedSeqParams built once per batch that every layer reuses,
   carrying the document boundaries for torch's flash varlen kernel (or a FlexAttention BlockMask).
   megatron passes `packed_seq_params` to each layer by closure (not through its checkpoint's saved
@@ -59,12 +59,19 @@ def packed_causal_mask(doc_ids: Tensor) -> Tensor:
     return ~same_doc.unsqueeze(1) | causal_mask(s, device=doc_ids.device)
 
 
+THD_NEEDS_TE = (
+    "packed_seq_params in thd format needs TransformerEngine; pass "
+    "trinity.models.attention.document_packed_params(doc_ids) or a block-diagonal "
+    "attention_mask (packed_causal_mask) instead"
+)
+
 PACKED_KERNELS = ("auto", "varlen", "flex", "dense")
 """How packed rows attend on CUDA: `varlen` (torch's flash kernel over document boundaries, bf16/fp16),
 `flex` (FlexAttention with a block mask), `dense` (SDPA with the [b, 1, s, s] mask); `auto` picks
 varlen when torch has the flash ops, else flex. CPU layers, and varlen ones in fp32, use the dense mask.
-H200 (benchmarks/NOTES.md): varlen packed 7B rows run 3% faster than unpacked ones (documents skip each
-other's blocks), flex at par, dense 2.6x the attention time."""
+H200 (`python benchmarks/train_step.py --packed`): varlen packed 7B rows run 3% faster than unpacked ones
+(documents skip each other's blocks), flex at par; the dense mask takes 2.6x the causal kernel's time
+(`python benchmarks/attention.py`)."""
 
 
 @dataclass
@@ -250,11 +257,7 @@ class SDPACoreAttention(MegatronModule):
             raise ValueError("attention_bias is not supported by SDPACoreAttention")
         packed = packed_seq_params
         if packed is not None and not isinstance(packed, DocumentPackedParams):
-            raise ValueError(
-                "packed_seq_params in thd format needs TransformerEngine; pass "
-                "trinity.models.attention.document_packed_params(doc_ids) or a block-diagonal "
-                "attention_mask (packed_causal_mask) instead"
-            )
+            raise ValueError(THD_NEEDS_TE)
         kernel = None
         if packed is not None:
             if packed.doc_cu_seqlens is not None and _flash_supports(query):

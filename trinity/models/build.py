@@ -212,8 +212,8 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def packed_attention(model: torch.nn.Module, doc_ids: torch.Tensor, device: torch.device) -> dict[str, Any]:
-    """GPTModel.forward's attention arguments for packed rows, `doc_ids` [b, s] on the CPU (-1 = padding,
-    trinity.data.packing). Our layer spec gets the document boundaries once per micro batch (flash
+    """GPTModel.forward's attention arguments for packed rows, `doc_ids` [b, s] (-1 = padding,
+    trinity.data.packing; on the CPU, the boundaries need no GPU sync). Our layer spec gets the document boundaries once per micro batch (flash
     varlen on CUDA: no [b, 1, s, s] mask read by every layer); TransformerEngine gets the dense mask."""
     if getattr(unwrap(model), "trinity_backend", None) == specs.BACKEND_TE:
         return {"attention_mask": block_causal_mask(doc_ids.to(device, non_blocking=True))}

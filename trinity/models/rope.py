@@ -88,10 +88,9 @@ def fused_rope(t: Tensor, freqs: Tensor, interleaved: bool = False) -> Tensor:
 
 
 def _thd_needs_te(*args: Any, **kwargs: Any) -> Tensor:
-    raise ValueError(
-        "packed_seq_params in thd format needs TransformerEngine; pass "
-        "trinity.models.attention.document_packed_params(doc_ids) instead"
-    )
+    from trinity.models.attention import THD_NEEDS_TE
+
+    raise ValueError(THD_NEEDS_TE)
 
 
 def install() -> bool:
