@@ -5,14 +5,21 @@ megatron-core model (`trinity.models.build.build_model`, our spec) next to HF tr
     python benchmarks/train_step.py --shape qwen2_5_0_5b --seq 4096 --mbs 2
     python benchmarks/train_step.py --shape qwen2_5_7b --recompute none,selective,full --compile none,layers
     python benchmarks/train_step.py --shape qwen2_5_0_5b --packed no,varlen,flex,dense --engines mcore
+    python benchmarks/train_step.py --shape qwen2_5_1_5b --engines mcore --optimizer torch-fused,trainer,megatron-stock
     python benchmarks/train_step.py --shape tiny --device cpu --seq 128 --steps 2 --warmup 1   # CPU smoke
 
-Every combination of --engines x --recompute x --compile x --packed is one case (cases an engine cannot
-run are skipped: HF has no selective recompute, no per-layer compile, no packed rows here).
+Every combination of --engines x --recompute x --compile x --packed x --optimizer is one case (cases an
+engine cannot run are skipped: HF has no selective recompute, no per-layer compile, no packed rows and
+only torch's fused AdamW here).
 TFLOP/s = (6 * params * tokens + 12 * layers * hidden * seq * tokens) / step time, params counted from
 the HF shape (tied embeddings once); packed rows use the same count (their attention does less work, so
 tokens/s is the fair comparison); --packed names the kernel of the packed rows (`yes` = what
-`document_packed_params` picks, see trinity.models.attention.PACKED_KERNELS). Both engines use bf16 params and torch's fused AdamW (fp32 on CPU);
+`document_packed_params` picks, see trinity.models.attention.PACKED_KERNELS). Both engines use bf16 params
+and, with `--optimizer torch-fused` (the default), torch's fused AdamW over them (fp32 on CPU).
+`--optimizer trainer` steps ours as `trinity run` does: megatron-core DDP (fp32 grad buffer), its
+mixed-precision optimizer (fp32 master weights, gradient clipping at 1.0) on the fused kernels of
+`trinity.trainer.fused_optimizer`; `megatron-stock` is the same with megatron-core's own fallbacks
+without TE/apex (foreach AdamW, a host sync per parameter in the gradient norm).
 ours takes the loss through `trinity.models.logprobs` (chunked, no full-vocabulary fp32 logits), HF
 through its own loss. Peak memory = torch.cuda.max_memory_allocated, reset per case. Warm-up steps
 (compile included) are timed separately as "first s".
@@ -21,6 +28,7 @@ through its own loss. Peak memory = torch.cuda.max_memory_allocated, reset per c
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import tempfile
@@ -49,6 +57,7 @@ class Case:
     recompute: str  # none | selective | full
     compile: str  # none | layers | model
     packed: str  # no | a trinity.models.attention.PACKED_KERNELS name
+    optimizer: str = "torch-fused"  # torch-fused | trainer | megatron-stock
 
 
 def hf_config_dict(shape: str, seq: int) -> dict[str, Any]:
@@ -108,20 +117,48 @@ def mcore_step(cfg_dir: Path, case: Case, device: torch.device, dtype: torch.dty
     megatron = block.model_copy(update={"torch_compile": case.compile})
     (model,) = build_model(ModelFacts.from_hf_dir(cfg_dir), megatron, device=device.type, dtype=dtype)
     model.train()
-    opt = optimizer(model.parameters(), device)
     batch = make_batch(model.vocab_size, args.seq, args.mbs, case.packed != "no", device)
     kernel = None if case.packed == "no" else case.packed
+    if case.optimizer == "torch-fused":
+        opt = optimizer(model.parameters(), device)
+        zero_grad, finish = (lambda: opt.zero_grad(set_to_none=True)), opt.step
+    else:
+        zero_grad, finish = trainer_optimizer(model, megatron, dtype, stock=case.optimizer == "megatron-stock")
 
     def step() -> None:
-        opt.zero_grad(set_to_none=True)
+        zero_grad()
         # once per batch, as the trainer does
         packed = document_packed_params(batch["doc_ids"], device=device, kernel=kernel) if kernel else None
         hidden = decoder_hidden(model, batch["tokens"], batch["position_ids"], None, packed_seq_params=packed)
         loss = -token_logprobs(model, hidden, batch["labels"], chunk_tokens=args.chunk_tokens).mean()
         loss.backward()
-        opt.step()
+        finish()
 
     return step
+
+
+def trainer_optimizer(model: Any, megatron: Any, dtype: torch.dtype, stock: bool) -> tuple[Callable[[], None], ...]:
+    """(zero_grad, finish) of the trainer's DDP + megatron optimizer around `model` (whose forward the
+    caller keeps calling: DDP's grad hooks are on its params)."""
+    from trinity.config.schema import OptimConfig
+    from trinity.testing.optim_checks import megatron_stock
+    from trinity.trainer.setup import build_train_state
+
+    with megatron_stock() if stock else contextlib.nullcontext():
+        state = build_train_state([model], megatron, OptimConfig(lr=1e-5, weight_decay=0.0, clip_grad=1.0),
+                                  dtype=dtype, total_steps=1000)
+    ddp = state.model[0]
+
+    def zero_grad() -> None:
+        ddp.zero_grad_buffer()
+        state.optimizer.zero_grad()
+
+    def finish() -> None:
+        ddp.finish_grad_sync()
+        ok, _, _ = state.optimizer.step()
+        assert ok
+
+    return zero_grad, finish
 
 
 def hf_step(cfg_dir: Path, case: Case, device: torch.device, dtype: torch.dtype, args: Any) -> Callable[[], None]:
@@ -151,7 +188,8 @@ ENGINES: dict[str, Callable[..., Callable[[], None]]] = {"mcore": mcore_step, "h
 
 def supported(case: Case) -> bool:
     if case.engine == "hf":
-        return case.recompute != "selective" and case.compile != "layers" and case.packed == "no"
+        return (case.recompute != "selective" and case.compile != "layers" and case.packed == "no"
+                and case.optimizer == "torch-fused")
     return True
 
 
@@ -238,7 +276,7 @@ def run_case(cfg_dir: Path, case: Case, device: torch.device, dtype: torch.dtype
         sync(device)
         times.append(time.perf_counter() - t0)
     if args.profile:
-        tag = f"{case.engine}-{case.recompute}-{case.compile}-{case.packed}"
+        tag = f"{case.engine}-{case.recompute}-{case.compile}-{case.packed}-{case.optimizer}"
         print(f"--- profile {tag}", flush=True)
         profile_step(step, device, args.profile / f"trace-{tag}.json" if args.profile.is_dir() else None)
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
@@ -258,6 +296,7 @@ def main() -> None:
     p.add_argument("--recompute", default="none", help="comma list of none, selective, full")
     p.add_argument("--compile", default="none", help="comma list of none, layers, model")
     p.add_argument("--packed", default="no", help="comma list of no, yes, varlen, flex, dense")
+    p.add_argument("--optimizer", default="torch-fused", help="comma list of torch-fused, trainer, megatron-stock")
     p.add_argument("--chunk-tokens", type=int, default=None, help="ours: log-probs over chunks of this many tokens")
     p.add_argument("--profile", type=Path, default=None, help="profile one step per case; a folder gets traces")
     p.add_argument("--json", type=Path, default=None, help="also write the rows here")
@@ -271,8 +310,9 @@ def main() -> None:
     cfg = hf_config_dict(args.shape, args.seq)
     params, tokens = param_count(cfg), args.seq * args.mbs
     flops = step_flops(params, cfg["num_hidden_layers"], cfg["hidden_size"], args.seq, tokens)
-    cases = [Case(e, r, c, "auto" if pk == "yes" else pk) for e in args.engines.split(",") for r in args.recompute.split(",")
-             for c in args.compile.split(",") for pk in args.packed.split(",")]
+    cases = [Case(e, r, c, "auto" if pk == "yes" else pk, o) for e in args.engines.split(",")
+             for r in args.recompute.split(",") for c in args.compile.split(",") for pk in args.packed.split(",")
+             for o in args.optimizer.split(",")]
     rows: list[dict[str, Any]] = []
     parallel.init_parallel(device=args.device, layout=ParallelLayout(), seed=1234)
     try:
@@ -298,12 +338,12 @@ def main() -> None:
 def print_table(rows: list[dict[str, Any]], device: torch.device) -> None:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"\ntraining step on {name}, torch {torch.__version__}")
-    head = ("engine", "shape", "seq x mbs", "recompute", "compile", "packed", "first s", "step s", "tokens/s",
-            "TFLOP/s", "peak GiB")
+    head = ("engine", "shape", "seq x mbs", "recompute", "compile", "packed", "optimizer", "first s", "step s",
+            "tokens/s", "TFLOP/s", "peak GiB")
     print(" | ".join(head))
     for r in rows:
         print(" | ".join([r["engine"], r["shape"], f"{r['seq']} x {r['mbs']}", r["recompute"], r["compile"],
-                          r["packed"], f"{r['first_s']:.1f}", f"{r['step_s']:.4f}",
+                          r["packed"], r["optimizer"], f"{r['first_s']:.1f}", f"{r['step_s']:.4f}",
                           f"{r['tokens_per_s']:.0f}", f"{r['tflops']:.1f}", f"{r['peak_gib']:.2f}"]))
 
 

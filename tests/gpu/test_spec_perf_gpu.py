@@ -134,12 +134,46 @@ def test_compiled_logprobs_match_megatron_cross_entropy(cuda_tp1):
 
     logits = torch.randn(64, 2, 50000, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     labels = torch.randint(0, 50000, (64, 2), device="cuda")
-    got = _vocab_logprobs(logits, labels)
+    got = _vocab_logprobs(logits, labels, None)
     want = -tensor_parallel.vocab_parallel_cross_entropy(logits, labels)
     assert got.dtype == torch.float32 and _rel(got, want) < 1e-4
     g_got, = torch.autograd.grad(got.sum(), logits)
     g_want, = torch.autograd.grad(want.sum(), logits)
     assert _rel(g_got, g_want) < 1e-2
+
+
+@pytest.mark.parametrize("rows", [1000, 333])  # a second size: the kernels turn shape-generic
+def test_compiled_vocab_parallel_stats_match_the_eager_chunks(cuda_tp1, monkeypatch, rows):
+    """The trainer's log-probs and entropy on CUDA (one compiled kernel each way) against the eager
+    fp32 chunks, vocabulary padding included; and no [tokens, vocab] fp32 temporary."""
+    from trinity.algorithms import logprob
+
+    vocab, real = 32768, 32000
+    torch.manual_seed(rows)
+    logits = (torch.randn(rows, vocab, device="cuda") * 3).to(torch.bfloat16).requires_grad_(True)
+    targets = torch.randint(0, real, (rows,), device="cuda")
+    up_logp, up_ent = torch.randn(rows, device="cuda"), torch.randn(rows, device="cuda")
+
+    def run():
+        logp, ent = logprob.vocab_parallel_log_probs_and_entropy(logits, targets, vocab_size=real)
+        grad, = torch.autograd.grad((logp * up_logp + ent * up_ent).sum(), logits)
+        return logp, ent, grad
+
+    run()  # compile
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    logp, ent, grad = run()
+    extra = torch.cuda.max_memory_allocated() - base
+    with monkeypatch.context() as m:
+        m.setattr(logprob, "_kernel", lambda name, fn, x: None)
+        want_logp, want_ent, want_grad = run()
+    torch.testing.assert_close(logp, want_logp, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ent, want_ent, rtol=1e-5, atol=1e-5)
+    assert bool((grad[:, real:] == 0).all())
+    assert _rel(grad, want_grad) < 1e-2  # bf16 gradients of the same fp32 values
+    # the bf16 gradient (and a few [rows] vectors), far below one fp32 copy of the logits (2x these bytes)
+    assert extra < 1.25 * logits.numel() * logits.element_size(), extra
 
 
 @pytest.mark.parametrize("seq", [4096, 777])  # a second length: the kernels turn shape-generic

@@ -1,15 +1,27 @@
-"""Vocab-parallel log-probs/entropy on one rank equal plain log_softmax, values and gradients."""
+"""Vocab-parallel log-probs/entropy on one rank equal plain log_softmax, values and gradients.
+
+Every test runs twice: through the eager chunks (CPU's path) and through the math of the one-kernel
+functions that CUDA compiles (`_stats_kernel`, `_grad_kernel`, run eagerly here; compiled on a GPU in
+tests/gpu/test_spec_perf_gpu.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from trinity.algorithms import logprob
 from trinity.algorithms.logprob import (
     vocab_parallel_entropy,
     vocab_parallel_log_probs,
     vocab_parallel_log_probs_and_entropy,
 )
+
+
+@pytest.fixture(autouse=True, params=["chunks", "kernels"])
+def path(request, monkeypatch):
+    if request.param == "kernels":
+        monkeypatch.setattr(logprob, "_kernel", lambda name, fn, logits: fn)
+    return request.param
 
 
 def _reference(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -16,9 +16,11 @@ Vocabulary padding: megatron models carry a vocabulary padded to a multiple of 1
 logits are not the HF model's; pass `vocab_size` (the real one) and those columns are left out of the
 softmax (and get zero gradient). A shard that is all padding takes part with empty statistics.
 
-fp32 temporaries are bounded by `chunk_size` tokens at a time (default: about 2^26 elements), so
-`[seq, vocab]` is never materialised in fp32. With group None (or of size 1) the results equal
-`torch.log_softmax` ones.
+On CUDA, pass 2 and the backward are each one compiled kernel over all tokens (`torch.compile`: the
+fp32 math stays in registers, the logits are read once per pass and the gradient is written once, in
+the logits' dtype); elsewhere (CPU, fp64) they run eagerly with fp32 temporaries bounded by
+`chunk_size` tokens at a time (default: about 2^26 elements). Either way `[seq, vocab]` is never
+materialised in fp32. With group None (or of size 1) the results equal `torch.log_softmax` ones.
 """
 
 from __future__ import annotations
@@ -29,6 +31,45 @@ import torch
 import torch.distributed as dist
 
 _CHUNK_ELEMENTS = 1 << 26  # fp32 elements per temporary: 256 MiB
+_compiled: dict[str, Any] = {}
+
+
+def _stats_kernel(x: torch.Tensor, maxes: torch.Tensor, local: torch.Tensor, owned: torch.Tensor,
+                  with_targets: bool, with_entropy: bool) -> torch.Tensor:
+    """[n, 3] in maxes' dtype (fp32, or fp64 for fp64 logits): sum exp(x - max), the owned target's x - max (else 0), sum exp(x - max) * (x - max)."""
+    shifted = x.to(maxes.dtype) - maxes[:, None]
+    exp = shifted.exp()
+    zeros = torch.zeros_like(maxes)
+    picked = zeros
+    if with_targets:
+        picked = torch.where(owned, shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1), zeros)
+    weighted = (exp * shifted).sum(-1) if with_entropy else zeros
+    return torch.stack([exp.sum(-1), picked, weighted], dim=1)
+
+
+def _grad_kernel(x: torch.Tensor, vocab_local: int, logsumexp: torch.Tensor, local: torch.Tensor,
+                 owned: torch.Tensor, g_logp: torch.Tensor | None, mean_logit: torch.Tensor,
+                 g_ent: torch.Tensor | None) -> torch.Tensor:
+    """d(sum g_logp * logp + g_ent * entropy) / d x over all columns of x (0 past vocab_local), in x's dtype."""
+    xf = x.to(logsumexp.dtype)
+    probs = (xf - logsumexp[:, None]).exp()
+    cols = torch.arange(x.shape[-1], device=x.device)
+    grad = torch.zeros_like(xf)
+    if g_logp is not None:
+        onehot = (cols[None, :] == local[:, None]) & owned[:, None]
+        grad = (onehot.to(xf.dtype) - probs) * g_logp[:, None]
+    if g_ent is not None:
+        grad = grad + probs * (mean_logit[:, None] - xf) * g_ent[:, None]
+    return torch.where(cols[None, :] < vocab_local, grad, 0.0).to(x.dtype)
+
+
+def _kernel(name: str, fn: Any, logits: torch.Tensor) -> Any:
+    """`fn` compiled on CUDA for the float dtypes a model trains in; None elsewhere (the eager chunks)."""
+    if not logits.is_cuda or logits.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return None
+    if name not in _compiled:
+        _compiled[name] = torch.compile(fn, dynamic=None)
+    return _compiled[name]
 
 
 def _group_size_rank(group: Any) -> tuple[int, int]:
@@ -72,7 +113,13 @@ class _VocabParallelStats(torch.autograd.Function):
 
         # columns: sumexp, shifted target logit, sum exp(x - max) * (x - max)
         stats = torch.zeros(n, 3, dtype=compute, device=logits.device)
-        for start in range(0, n, chunk_size):
+        kernel = _kernel("stats", _stats_kernel, logits) if vocab_local > 0 else None
+        if kernel is not None:
+            with_targets = flat_targets is not None
+            local = flat_targets - vocab_start if with_targets else maxes.new_zeros(n, dtype=torch.long)
+            owned = (local >= 0) & (local < vocab_local)
+            stats = kernel(flat, maxes, local.clamp(0, vocab_local - 1), owned, with_targets, with_entropy)
+        for start in range(0, n if kernel is None else 0, chunk_size):
             end = min(start + chunk_size, n)
             shifted = flat[start:end].to(compute) - maxes[start:end, None]
             exp = shifted.exp()
@@ -112,12 +159,18 @@ class _VocabParallelStats(torch.autograd.Function):
         vocab_local = ctx.vocab_local
         full = logits.reshape(-1, logits.shape[-1])
         flat = full[:, :vocab_local]
-        grad = torch.zeros_like(full)  # padding columns get no gradient
         compute = logsumexp.dtype
-        if vocab_local == 0:
-            return grad.reshape(logits.shape), None, None, None, None, None, None
         g_logp = None if grad_logp is None or not ctx.has_targets else grad_logp.reshape(-1).to(compute)
         g_ent = None if grad_entropy is None else grad_entropy.reshape(-1).to(compute)
+        if vocab_local == 0 or (g_logp is None and g_ent is None):
+            return torch.zeros_like(logits), None, None, None, None, None, None
+        kernel = _kernel("grad", _grad_kernel, logits)
+        if kernel is not None:
+            local = flat_targets - ctx.vocab_start if ctx.has_targets else logsumexp.new_zeros(full.shape[0], dtype=torch.long)
+            owned = (local >= 0) & (local < vocab_local)
+            grad = kernel(full, vocab_local, logsumexp, local, owned, g_logp, mean_logit, g_ent)
+            return grad.reshape(logits.shape), None, None, None, None, None, None
+        grad = torch.zeros_like(full)  # padding columns get no gradient
         for start in range(0, flat.shape[0], ctx.chunk_size):
             end = min(start + ctx.chunk_size, flat.shape[0])
             x = flat[start:end].to(compute)

@@ -4,9 +4,9 @@ megatron's own loss path (`GPTModel(labels=...)`) runs the output layer over the
 its vocab-parallel cross-entropy upcasts those logits to fp32 and keeps their exp for backward: at a
 Qwen2.5-7B shape (vocab 152k) and 4096 tokens that is 1.2 GB of bf16 logits plus ~5 GB of fp32, and on
 an H200 its eager elementwise passes took 15% of a 0.5B training step (benchmarks/NOTES.md).
-- TP=1 on CUDA: log-softmax + gather as one compiled function over the bf16 logits (fp32 math inside
-  the kernel; only the bf16 logits and one fp32 logsumexp per token are kept for backward).
-- TP>1: megatron's vocab-parallel cross-entropy (it all-reduces max and sum over the TP group).
+- The log-probs are the trainer's own, `trinity.algorithms.logprob.vocab_parallel_log_probs` (one
+  compiled kernel each way on CUDA, fp32 math inside; only the bf16 logits and one fp32 logsumexp
+  per token are kept for backward; max and sums all-reduced over the TP group).
 - `chunk_tokens`: the output layer and the log-prob run over sequence chunks under activation
   checkpointing, so at most one chunk's logits exist at a time (the output matmul runs twice: a
   memory-for-time trade, off by default).
@@ -21,26 +21,12 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from megatron.core import parallel_state as ps
-from megatron.core import tensor_parallel
-
-_compiled_logprobs: Any = None
 
 
-def _logprobs_local(logits: Tensor, labels: Tensor) -> Tensor:
-    """log softmax(logits)[labels] in fp32 for a full (TP=1) vocabulary."""
-    picked = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1).float()
-    return picked - torch.logsumexp(logits.float(), dim=-1)
+def _vocab_logprobs(logits: Tensor, labels: Tensor, vocab_size: int | None) -> Tensor:
+    from trinity.algorithms.logprob import vocab_parallel_log_probs
 
-
-def _vocab_logprobs(logits: Tensor, labels: Tensor) -> Tensor:
-    global _compiled_logprobs
-    if ps.get_tensor_model_parallel_world_size() > 1:
-        return -tensor_parallel.vocab_parallel_cross_entropy(logits, labels)
-    if not logits.is_cuda:
-        return _logprobs_local(logits, labels)
-    if _compiled_logprobs is None:
-        _compiled_logprobs = torch.compile(_logprobs_local, dynamic=None)
-    return _compiled_logprobs(logits, labels)
+    return vocab_parallel_log_probs(logits, labels, group=ps.get_tensor_model_parallel_group(), vocab_size=vocab_size)
 
 
 def decoder_hidden(model: Any, input_ids: Tensor, position_ids: Tensor, attention_mask: Tensor | None = None,
@@ -57,25 +43,27 @@ def decoder_hidden(model: Any, input_ids: Tensor, position_ids: Tensor, attentio
         model.post_process = True
 
 
-def _chunk_logprobs(model: Any, hidden: Tensor, labels: Tensor) -> Tensor:
+def _chunk_logprobs(model: Any, hidden: Tensor, labels: Tensor, vocab_size: int | None) -> Tensor:
     weight = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else None
     logits, _ = model.output_layer(hidden, weight=weight)
-    return _vocab_logprobs(logits, labels)
+    return _vocab_logprobs(logits, labels, vocab_size)
 
 
-def token_logprobs(model: Any, hidden: Tensor, labels: Tensor, chunk_tokens: int | None = None) -> Tensor:
-    """log p(labels) [b, s] in fp32 from `hidden` [s, b, h] (decoder_hidden) and `labels` [b, s]."""
+def token_logprobs(model: Any, hidden: Tensor, labels: Tensor, chunk_tokens: int | None = None,
+                   vocab_size: int | None = None) -> Tensor:
+    """log p(labels) [b, s] in fp32 from `hidden` [s, b, h] (decoder_hidden) and `labels` [b, s];
+    `vocab_size`: the tokenizer's, when the model's vocabulary is padded (padding left out)."""
     labels_sb = labels.transpose(0, 1).contiguous()
     if model.output_layer.sequence_parallel:
         # hidden is this rank's sequence shard and the output layer gathers it: chunking would need
         # the labels gathered to match; one chunk keeps megatron's own behaviour.
-        return _chunk_logprobs(model, hidden, labels_sb).transpose(0, 1)
+        return _chunk_logprobs(model, hidden, labels_sb, vocab_size).transpose(0, 1)
     s, b = labels_sb.shape
     rows = max(1, (chunk_tokens or 1) // b)
     if chunk_tokens is None or rows >= s:
-        return _chunk_logprobs(model, hidden, labels_sb).transpose(0, 1)
+        return _chunk_logprobs(model, hidden, labels_sb, vocab_size).transpose(0, 1)
     pieces = [
-        checkpoint(_chunk_logprobs, model, hidden[i:i + rows], labels_sb[i:i + rows], use_reentrant=False)
+        checkpoint(_chunk_logprobs, model, hidden[i:i + rows], labels_sb[i:i + rows], vocab_size, use_reentrant=False)
         for i in range(0, s, rows)
     ]
     return torch.cat(pieces, dim=0).transpose(0, 1)

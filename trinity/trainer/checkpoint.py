@@ -28,6 +28,7 @@ import torch
 
 from trinity.distributed import cpu_compat
 from trinity.errors import UserError
+from trinity.trainer import fused_optimizer
 
 COMPLETE = "complete"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -106,6 +107,7 @@ class ReshardableOptimizer:
         0.16.1 restores from the param groups but then also expects among the loaded per-param
         tensors (KeyError: 'step' in _set_main_param_and_optimizer_states). Supply the already
         restored step there, for the duration of this call only."""
+        fused = any(g.get("fused") for inner in fused_optimizer.torch_adams(self.optimizer) for g in inner.param_groups)
         patched = [o for o in _chain(self.optimizer) if hasattr(o, "_set_main_param_and_optimizer_states")]
         for opt in patched:
             opt._set_main_param_and_optimizer_states = _keep_step(opt, opt._set_main_param_and_optimizer_states)
@@ -115,6 +117,8 @@ class ReshardableOptimizer:
             for opt in patched:
                 del opt._set_main_param_and_optimizer_states  # back to the class method
         _unshare_steps(self.optimizer)
+        if fused:  # torch's load_state_dict took the saved groups' flags
+            fused_optimizer.use_fused_adamw(self.optimizer)
 
 
 def _unshare_steps(optimizer: Any) -> None:
@@ -160,8 +164,9 @@ def _init_empty_adam_states(optimizer: Any) -> None:
         for group in inner.param_groups:
             for p in group["params"]:
                 state = inner.state[p]
-                if not state:
-                    state["step"] = torch.tensor(0.0)
+                if not state:  # fused Adam keeps its step as a float32 tensor beside the param
+                    state["step"] = (torch.zeros((), dtype=torch.float32, device=p.device) if group.get("fused")
+                                     else torch.tensor(0.0))
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 

@@ -65,8 +65,11 @@ def wrap_ddp(chunks: list[Any], megatron: MegatronConfig) -> list[Any]:
 
 
 def build_optimizer(model: list[Any], optim: OptimConfig, megatron: MegatronConfig, dtype: torch.dtype) -> Any:
-    """megatron-core Adam(W) over the DDP chunks: fp32 master weights when params are bf16/fp16."""
+    """megatron-core Adam(W) over the DDP chunks: fp32 master weights when params are bf16/fp16; on
+    torch's fused kernels where TE / apex are absent (`trinity.trainer.fused_optimizer`)."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from trinity.trainer import fused_optimizer
 
     config = OptimizerConfig(
         optimizer="adam",
@@ -82,7 +85,10 @@ def build_optimizer(model: list[Any], optim: OptimConfig, megatron: MegatronConf
         params_dtype=dtype,
         use_distributed_optimizer=megatron.use_distributed_optimizer,
     )
-    return get_megatron_optimizer(config, model)
+    fused_optimizer.install()
+    optimizer = get_megatron_optimizer(config, model)
+    fused_optimizer.use_fused_adamw(optimizer)
+    return optimizer
 
 
 def build_scheduler(optimizer: Any, optim: OptimConfig, total_steps: int) -> Any:
