@@ -2,6 +2,7 @@
 metrics, next to `benchmarks/train_step.py`'s bare model step of the same shape.
 
     python benchmarks/sft_run.py --shape 0.5b --seq 4096 --mbs 2 --steps 8
+    python benchmarks/sft_run.py --shape 0.5b --seq 4096 --mbs 2 --steps 8 --profile-step 6
     python benchmarks/sft_run.py --shape tiny --device cpu --seq 256 --mbs 2 --steps 3    # CPU smoke
 
 Each case is a real `trinity run` (validation, HF -> dist checkpoint cache, torchrun, the SFT loop with
@@ -9,8 +10,8 @@ megatron-core's schedule, DDP and mixed-precision optimizer) on a random-weight 
 (benchmarks/generate.py's shapes) with the tiny local tokenizer (one token per byte) and synthetic
 documents of 256-3072 bytes packed into rows of --seq tokens. One optimizer step per global batch of
 --mbs rows (one micro batch, as train_step.py measures). Numbers are medians over the steps after the
-first two (compilation). TFLOP/s count 6 * params * tokens + 12 * layers * hidden * seq * tokens, as
-train_step.py does.
+first two (compilation), the profiled step left out. TFLOP/s count 6 * params * tokens + 12 * layers *
+hidden * seq * tokens, as train_step.py does.
 """
 
 from __future__ import annotations
@@ -52,6 +53,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--compile", choices=["none", "layers", "model"], default="none", help="megatron.torch_compile")
     ap.add_argument("--timeout", type=int, default=500, help="seconds for the run")
+    ap.add_argument("--profile-step", type=int, default=None,
+                    help="trainer.profile_step: profile this step and print GPU time per kind of kernel")
+    ap.add_argument("--profile-dir", type=Path, default=None, help="copy rank 0's trace of the profiled step here")
     args = ap.parse_args()
 
     from trinity.testing.tiny_assets import make_tiny_tokenizer
@@ -73,15 +77,23 @@ def main() -> None:
             "cluster": {"device": args.device, "nproc_per_node": 1},
             "trainer": {"total_steps": args.steps, "global_batch_size": args.mbs, "micro_batch_size": args.mbs,
                         "output_dir": str(out), "save_interval": None, "log_interval": 1, "tensorboard": False,
-                        "export_hf": False},
+                        "export_hf": False, "profile_step": args.profile_step},
             "actor_rollout_ref": {"actor": {"optim": {"lr": 1e-5, "weight_decay": 0.0},
                                             "megatron": {"torch_compile": args.compile}}},
         }
         rows = run_case(cfg, root / "job.yaml", args.timeout)
+        if args.profile_step:
+            from trinity.trainer.profiling import summary_path, trace_path
+
+            print(summary_path(out, args.profile_step, 0).read_text())
+            if args.profile_dir:
+                args.profile_dir.mkdir(parents=True, exist_ok=True)
+                trace = trace_path(out, args.profile_step, 0)
+                (args.profile_dir / trace.name).write_bytes(trace.read_bytes())
         hf = json.loads((model / "config.json").read_text())
         params = sum(p.numel() for p in _meta_model(model).parameters())
 
-    steady = rows[2:] or rows
+    steady = [r for r in rows[2:] if not r.get("profiled")] or rows
     step_s = statistics.median(r["step_time_s"] for r in steady)
     tokens = args.seq * args.mbs
     flops = step_flops(params, hf["num_hidden_layers"], hf["hidden_size"], args.seq, tokens)

@@ -39,6 +39,8 @@ from typing import Any, Callable
 
 import torch
 
+from trinity.trainer.profiling import kernel_kind_table, kernel_kind_totals
+
 SHAPES: dict[str, dict[str, Any]] = {  # config.json fields of the Qwen2.5 releases
     "qwen2_5_7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
                        num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
@@ -193,51 +195,6 @@ def supported(case: Case) -> bool:
     return True
 
 
-# Kernel-name patterns of each kind of GPU work, first match wins (profile summaries).
-KERNEL_KINDS = (
-    ("attention", ("flash", "fmha", "cudnn", "attention", "flex")),
-    ("optimizer", ("multi_tensor", "adam")),
-    ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "sm90_")),
-    ("compiled (triton)", ("triton",)),
-    ("norm", ("rms_norm", "rmsnorm", "layer_norm", "layernorm")),
-    ("copy / cat", ("copy", "cat", "transpose")),
-    ("reduce", ("reduce",)),
-    ("elementwise", ("elementwise", "vectorized", "unrolled")),
-)
-
-
-def kernel_kind(name: str) -> str:
-    low = name.lower()
-    return next((kind for kind, keys in KERNEL_KINDS if any(k in low for k in keys)), "other")
-
-
-def kernel_kind_totals(events: Any) -> dict[str, list[float]]:
-    """{kind: [GPU ms, kernels]} over profiler `key_averages()` rows. Only device rows count, and not
-    the user annotations that the profiler also puts on the GPU timeline (`Optimizer.step#AdamW.step`
-    spans the optimizer's kernels: counting it too doubled the optimizer's time)."""
-    totals: dict[str, list[float]] = {}
-    for evt in events:
-        if not str(getattr(evt, "device_type", "")).endswith("CUDA"):
-            continue
-        if getattr(evt, "is_user_annotation", False) or evt.key.startswith(("Optimizer.", "ProfilerStep")):
-            continue
-        us = getattr(evt, "self_device_time_total", None) or getattr(evt, "self_cuda_time_total", 0.0)
-        entry = totals.setdefault(kernel_kind(evt.key), [0.0, 0])
-        entry[0] += us / 1e3
-        entry[1] += evt.count
-    return totals
-
-
-def print_kernel_kinds(prof: Any, wall_s: float) -> None:
-    """GPU time per kind of kernel of one profiled step, against the step's wall time."""
-    totals = kernel_kind_totals(prof.key_averages())
-    busy = sum(ms for ms, _ in totals.values())
-    print(f"GPU busy {busy:.1f} ms of a {wall_s * 1e3:.1f} ms profiled step", flush=True)
-    print("kind | ms | kernels | share of busy")
-    for kind, (ms, n) in sorted(totals.items(), key=lambda kv: -kv[1][0]):
-        print(f"{kind} | {ms:.1f} | {n} | {100 * ms / max(busy, 1e-9):.1f}%")
-
-
 def profile_step(step: Callable[[], None], device: torch.device, out: Path | None, rows: int = 30) -> None:
     """One profiled step: GPU time per kind of kernel and the top kernels/ops by device time, printed
     (and a Chrome trace under `out`)."""
@@ -251,7 +208,7 @@ def profile_step(step: Callable[[], None], device: torch.device, out: Path | Non
         wall = time.perf_counter() - t0
     key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
     if device.type == "cuda":
-        print_kernel_kinds(prof, wall)
+        print("\n".join(kernel_kind_table(kernel_kind_totals(prof.key_averages()), wall)), flush=True)
     print(prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=70), flush=True)
     if out is not None:
         prof.export_chrome_trace(str(out))

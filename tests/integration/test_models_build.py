@@ -211,7 +211,7 @@ def test_rl_forward_over_left_padded_rows_equals_the_rollout_mask(tp1, tiny_dir)
     ids, pos = _batch(b=2, s=12)
     key_mask = torch.tensor([[0] * 4 + [1] * 8, [1] * 12])
     with torch.no_grad():
-        out = forward_output(model, ids, key_mask)
+        out = forward_output(model, ids, key_mask).transpose(0, 1)  # [S, B, V] -> [B, S, V]
         expected = model(ids, pos, attention_mask(key_mask))
     real = key_mask.bool()
     torch.testing.assert_close(out[real], expected[real], atol=1e-5, rtol=0)

@@ -95,9 +95,13 @@ def assert_same_step(a: dict, b: dict, keys: tuple[str, ...]) -> None:
 def test_grpo_runs_checkpoints_and_resumes_exactly(assets, tmp_path):
     out = tmp_path / "grpo"
     cfg = job(assets, out, "grpo", 3)
-    run_job(cfg, tmp_path / "a.yaml")
+    cfg["trainer"]["profile_step"] = 3
+    log = run_job(cfg, tmp_path / "a.yaml")
     first = rows(out)
     assert [r["step"] for r in first] == [1, 2, 3]
+    assert [r.get("profiled") for r in first] == [None, None, 1]
+    assert f"profiled step 3: trace {out / 'profile' / 'step_3.rank_0.json.gz'}" in log
+    assert (out / "profile" / "step_3.rank_0.json.gz").stat().st_size > 1000
     for key in ("reward/mean", "reward/std", "response_length/mean", "actor/pg_loss", "actor/entropy",
                 "actor/kl_loss", "actor/ref_kl", "actor/pg_clipfrac", "advantages/mean", "time/rollout_s",
                 "time/ref_s", "time/old_logp_s", "time/update_actor_s", "tokens_per_s/rollout"):

@@ -119,7 +119,7 @@ def baseline_run(assets, tmp_path_factory) -> Path:
     """An uninterrupted 10-step run at TP=PP=DP=1 with checkpoints every 5 steps and an HF export.
     The lr is constant after a 2-step warm-up, so shorter runs of the same job follow the same schedule."""
     out = tmp_path_factory.mktemp("baseline")
-    cfg = job(assets, out / "run", trainer={"total_steps": 10, "save_interval": 5, "export_hf": True})
+    cfg = job(assets, out / "run", trainer={"total_steps": 10, "save_interval": 5, "export_hf": True, "profile_step": 3})
     assert run_job(cfg, out / "job.yaml") == 0
     return out / "run"
 
@@ -141,6 +141,12 @@ def test_sft_single_process_learns_and_exports(assets, baseline_run):
     assert rows[0]["lr"] == pytest.approx(1.5e-3) and rows[-1]["lr"] == pytest.approx(3e-3)  # 2 warm-up steps
     text = (out.parent / "job.out").read_text()
     assert f"first loss {first:.4f} (step 1), last loss {last:.4f} (step 10)" in text
+    # trainer.profile_step: one trace, that step's line marked, host ops summarised (the losses of the
+    # other tests' unprofiled runs match this run's step 3 too)
+    assert [r["step"] for r in rows if r.get("profiled")] == [3]
+    assert sorted(p.name for p in (out / "profile").iterdir()) == ["step_3.rank_0.json.gz", "step_3.rank_0.txt"]
+    assert f"profiled step 3: trace {out / 'profile' / 'step_3.rank_0.json.gz'}" in text
+    assert "step 3/10 |" in text and "| profiled" in text
     ckpts = out / "checkpoints"
     assert sorted(p.name for p in ckpts.iterdir()) == ["step_10", "step_5"]
     assert (ckpts / "step_10" / "complete").is_file() and (ckpts / "step_10" / "hf" / "config.json").is_file()

@@ -42,3 +42,34 @@ def test_chunked_logprobs_equal_megatron_loss_and_grads(tp1, tmp_path, tied, chu
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.grad, ref_grads[n], atol=1e-6, rtol=0, msg=n)
     assert model.post_process  # restored
+
+
+@pytest.mark.parametrize("value_head", [False, True])
+def test_stage_output_is_the_model_output_in_megatron_layout(tp1, tmp_path, value_head):
+    """The trainer's forward (`stage_output`, no [b, s] copy of the logits) gives GPTModel's own output
+    transposed, and the same gradients, for the actor's logits and the critic's values; through the
+    DDP wrapper the trainer uses."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    from trinity.models.build import build_model
+    from trinity.models.logprobs import stage_output
+
+    facts = ModelFacts.from_hf_dir(make_tiny_hf_model("qwen2", tmp_path))
+    (model,) = build_model(facts, MegatronConfig(), device="cpu", dtype=torch.float32, value_head=value_head)
+    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(), model)
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, 128, (3, 10), generator=g)
+    pos = torch.arange(10).expand(3, 10)
+    weights = torch.randn(3, 10, 1 if value_head else model.vocab_size, generator=g)
+
+    ref = ddp(ids, pos, None)  # [b, s, ...]
+    (ref * weights).sum().backward()
+    ref_grads = {n: p.main_grad.clone() for n, p in model.named_parameters()}
+    ddp.zero_grad_buffer()
+    out = stage_output(ddp, ids, pos, None)
+    assert out.shape == (10, 3, ref.shape[-1]) and out.is_contiguous()
+    torch.testing.assert_close(out.transpose(0, 1), ref, atol=0, rtol=0)
+    (out * weights.transpose(0, 1)).sum().backward()
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.main_grad, ref_grads[n], atol=1e-6, rtol=1e-6, msg=n)
+    assert model.post_process

@@ -36,6 +36,7 @@ def check_job(cfg: JobConfig, *, check_paths: bool = True) -> tuple[ModelFacts |
     _check_rl_roles(cfg, problems)
     _check_batches(cfg, problems)
     _check_data(cfg, problems, check_paths)
+    _check_profile(cfg, problems)
     return facts, problems, warnings
 
 
@@ -282,6 +283,15 @@ def _check_batches(cfg: JobConfig, problems: list[str]) -> None:
         )
     if cfg.algorithm.name == AlgorithmName.grpo and cfg.actor_rollout_ref.rollout.n < 2:
         problems.append("actor_rollout_ref.rollout.n: GRPO compares responses within a group; use n >= 2")
+
+
+def _check_profile(cfg: JobConfig, problems: list[str]) -> None:
+    t = cfg.trainer
+    if t.profile_step is not None and t.total_steps is not None and t.profile_step > t.total_steps:
+        problems.append(
+            f"trainer.profile_step: step {t.profile_step} comes after the last step (trainer.total_steps = "
+            f"{t.total_steps}); pick a step from 2 to {t.total_steps}, or unset it"
+        )
 
 
 def _check_data(cfg: JobConfig, problems: list[str], check_paths: bool) -> None:

@@ -168,6 +168,10 @@ class TrainerConfig(StrictModel):
     """Seed of data order and sampling."""
     tensorboard: bool = True
     """Write TensorBoard events to <output_dir>/tensorboard when tensorboard is installed."""
+    profile_step: int | None = Field(default=None, ge=1)
+    """Profile this step with torch.profiler on every rank: a Chrome trace per rank in
+    <output_dir>/profile and GPU time per kind of kernel printed; pick a step after the first
+    (which compiles and warms up). Unset: no profiling."""
 
 
 class ActorConfig(StrictModel):

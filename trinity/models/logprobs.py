@@ -31,22 +31,48 @@ def _vocab_logprobs(logits: Tensor, labels: Tensor, vocab_size: int | None) -> T
 
 def decoder_hidden(model: Any, input_ids: Tensor, position_ids: Tensor, attention_mask: Tensor | None = None,
                    **kwargs: Any) -> Tensor:
-    """Final-normed hidden states [s, b, h] of a post_process GPTModel, without the output layer.
-    GPTModel returns the decoder output when `post_process` is off (its final norm lives in the decoder,
-    which keeps its own flag), so the flag is lowered for this one call."""
-    if not model.post_process:
+    """Final-normed hidden states [s, b, h] of a post_process GPTModel (or a DDP wrapper of one), without
+    the output layer. GPTModel returns the decoder output when `post_process` is off (its final norm
+    lives in the decoder, which keeps its own flag), so the flag is lowered for this one call."""
+    from trinity.models.build import unwrap
+
+    inner = unwrap(model)
+    if not inner.post_process:
         raise ValueError("decoder_hidden needs the last pipeline stage (post_process) model chunk")
-    model.post_process = False
+    inner.post_process = False
     try:
         return model(input_ids, position_ids, attention_mask, **kwargs)
     finally:
-        model.post_process = True
+        inner.post_process = True
+
+
+def output_layer(model: Any, hidden: Tensor) -> Tensor:
+    """The output layer over `hidden` [s, b, h]: logits [s, b, vocab / TP] (a critic's values [s, b, 1])."""
+    from trinity.models.build import unwrap
+
+    inner = unwrap(model)
+    weight = inner.shared_embedding_or_output_weight() if inner.share_embeddings_and_output_weights else None
+    out, _ = inner.output_layer(hidden, weight=weight)
+    return out
+
+
+def stage_output(model: Any, input_ids: Tensor, position_ids: Tensor, attention_mask: Tensor | None = None,
+                 **kwargs: Any) -> Tensor:
+    """A model chunk's forward in megatron's own [s, b, ...] layout: the last stage's logits [s, b,
+    vocab / TP] (values [s, b, 1] for the critic), other stages' hidden states as `model()` gives them.
+
+    GPTModel returns the last stage's logits as `logits.transpose(0, 1).contiguous()`: a full copy of
+    the logits, and two more in the backward (the output layer's matmuls on the transposed gradient),
+    9.2 ms of a 0.5B SFT step on an H200 (benchmarks/NOTES.md). Callers index the logits [s, b]."""
+    from trinity.models.build import unwrap
+
+    if not unwrap(model).post_process:
+        return model(input_ids, position_ids, attention_mask, **kwargs)
+    return output_layer(model, decoder_hidden(model, input_ids, position_ids, attention_mask, **kwargs))
 
 
 def _chunk_logprobs(model: Any, hidden: Tensor, labels: Tensor, vocab_size: int | None) -> Tensor:
-    weight = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else None
-    logits, _ = model.output_layer(hidden, weight=weight)
-    return _vocab_logprobs(logits, labels, vocab_size)
+    return _vocab_logprobs(output_layer(model, hidden), labels, vocab_size)
 
 
 def token_logprobs(model: Any, hidden: Tensor, labels: Tensor, chunk_tokens: int | None = None,
@@ -69,4 +95,4 @@ def token_logprobs(model: Any, hidden: Tensor, labels: Tensor, chunk_tokens: int
     return torch.cat(pieces, dim=0).transpose(0, 1)
 
 
-__all__ = ["decoder_hidden", "token_logprobs"]
+__all__ = ["decoder_hidden", "output_layer", "stage_output", "token_logprobs"]

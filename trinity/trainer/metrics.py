@@ -133,7 +133,7 @@ class MetricsLogger:
             f"step {step}/{self.total_steps} | loss {_fmt(metrics['loss'])} | lr {_fmt(metrics['lr'])} | "
             f"grad_norm {_fmt(metrics['grad_norm'])} | {metrics['tokens_per_s']:.0f} tok/s | "
             f"{metrics['step_time_s']:.3f} s/step | mem {metrics['mem_peak_gib']:.2f} GiB"
-        )
+        ) + (" | profiled" if metrics.get("profiled") else "")
         if self._progress is not None:
             self._progress.update(self._task, completed=step, info=f"loss {_fmt(metrics['loss'])}", refresh=True)
         if step % self.log_interval == 0 or step == self.total_steps:

@@ -272,6 +272,7 @@ def compute_advantages(cfg: Any, ro: Any, scores: torch.Tensor, groups: list[int
 
 def run_rl(ctx: WorkerContext) -> None:
     from trinity.trainer.rl_checkpoint import RLCheckpointManager
+    from trinity.trainer.profiling import StepProfiler
 
     cfg = ctx.config
     job = RLJob(ctx)
@@ -286,9 +287,14 @@ def run_rl(ctx: WorkerContext) -> None:
         ctx.output_dir, enabled=ctx.is_rank0, total_steps=job.total_steps, start_step=start,
         log_interval=cfg.trainer.log_interval, tensorboard=cfg.trainer.tensorboard,
     )
+    profiler = StepProfiler(cfg.trainer.profile_step, ctx.output_dir, ctx.rank, ctx.device)
     try:
         for step in range(start + 1, job.total_steps + 1):
-            metrics.log(rl_step(job, step))
+            with profiler.step(step) as profiled:
+                row = rl_step(job, step)
+            metrics.log({**row, "profiled": 1} if profiled else row)
+            for line in profiler.summary if profiled else ():
+                metrics.print(line)
             if (cfg.trainer.save_interval and step % cfg.trainer.save_interval == 0) or step == job.total_steps:
                 job.all_resident()
                 metrics.print(f"saved checkpoint {ckpt.save_roles(step, job)}")
@@ -325,4 +331,6 @@ class RLMetricsLogger(MetricsLogger):
                 if key in metrics:
                     parts.append(f"{key.split('/')[-1]} {metrics[key]:.4f}")
             parts.append(f"{metrics['step_time_s']:.2f} s/step")
+            if metrics.get("profiled"):
+                parts.append("profiled")
             self.print(" | ".join(parts))

@@ -117,16 +117,18 @@ def build_critic_chunks(facts: Any, megatron: Any, hf_dir: str, *, device: str, 
 
 
 def forward_output(model: Any, tokens: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
-    """The model's output over whole sequences: [B, S, vocab / TP] logits (or [B, S, 1] values).
+    """The model's output over whole sequences in megatron's layout: [S, B, vocab / TP] logits (or
+    [S, B, 1] values) on the last stage (`trinity.models.logprobs.stage_output`: no [B, S] copy).
 
     A row is its prompt's left padding (key_mask 0) then one sequence: attention runs as for packed rows
     with those two documents (flash varlen on CUDA with our spec instead of a [B, 1, S, S] mask in every
     layer); real tokens see exactly what `trinity.rollout.generate.attention_mask(key_mask)` lets
     them see."""
     from trinity.models.build import packed_attention
+    from trinity.models.logprobs import stage_output
 
     pos = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
-    return model(tokens, pos, **packed_attention(model, key_mask.long() - 1, tokens.device))
+    return stage_output(model, tokens, pos, **packed_attention(model, key_mask.long() - 1, tokens.device))
 
 
 def response_slice(rollout: Rollout) -> slice:
@@ -137,23 +139,24 @@ def response_slice(rollout: Rollout) -> slice:
 def response_logprobs(
     logits: torch.Tensor, rollout: Rollout, vocab_size: int, *, with_entropy: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(log p(response tokens), entropy or None), [B, R] fp32, from vocab-parallel logits."""
+    """(log p(response tokens), entropy or None), [B, R] fp32, from vocab-parallel logits [S, B, V / TP]."""
     from megatron.core import parallel_state as ps
 
     from trinity.algorithms.logprob import vocab_parallel_log_probs, vocab_parallel_log_probs_and_entropy
 
     group = ps.get_tensor_model_parallel_group() if ps.get_tensor_model_parallel_world_size() > 1 else None
-    shard = logits[:, response_slice(rollout)]
-    targets = rollout.responses
+    shard = logits[response_slice(rollout)]  # [R, B, V / TP], contiguous
+    targets = rollout.responses.t()
     if with_entropy:
-        return vocab_parallel_log_probs_and_entropy(shard, targets, group=group, vocab_size=vocab_size)
-    return vocab_parallel_log_probs(shard, targets, group=group, vocab_size=vocab_size), None
+        logp, entropy = vocab_parallel_log_probs_and_entropy(shard, targets, group=group, vocab_size=vocab_size)
+        return logp.t(), entropy.t()
+    return vocab_parallel_log_probs(shard, targets, group=group, vocab_size=vocab_size).t(), None
 
 
 def response_values(output: torch.Tensor, rollout: Rollout) -> torch.Tensor:
-    """Critic values [B, R] fp32 at the response tokens' positions (see module doc)."""
+    """Critic values [B, R] fp32 at the response tokens' positions (see module doc), from [S, B, 1]."""
     p, r = rollout.prompt_len, rollout.response_len
-    return output[:, p : p + r, 0].float()
+    return output[p : p + r, :, 0].t().float()
 
 
 def _pipeline_forward_only(

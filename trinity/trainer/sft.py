@@ -18,6 +18,7 @@ import torch
 from trinity.errors import UserError
 from trinity.trainer.checkpoint import CheckpointManager
 from trinity.trainer.metrics import MetricsLogger, peak_memory_gib
+from trinity.trainer.profiling import StepProfiler
 from trinity.trainer.registry import WorkerContext
 from trinity.trainer.setup import TrainState, build_train_state
 
@@ -72,14 +73,15 @@ def _loss_func(labels: torch.Tensor, loss_mask: torch.Tensor, scale: float, voca
 
 def _forward_step(device: torch.device, scale: float, vocab_size: int, data_iterator, model):
     from trinity.models.build import packed_attention
+    from trinity.models.logprobs import stage_output
 
     batch = next(data_iterator)
     tokens = batch["tokens"].to(device, non_blocking=True)
-    labels = batch["labels"].to(device, non_blocking=True)
     position_ids = batch["position_ids"].to(device, non_blocking=True)
-    loss_mask = batch["loss_mask"].to(device, non_blocking=True)
-    # Without labels the last stage returns the [b, s, vocab / tp] logits (hidden states elsewhere).
-    output = model(tokens, position_ids, **packed_attention(model, batch["doc_ids"], device))
+    # the last stage's logits come as [s, b, vocab / tp] (hidden states elsewhere): labels follow them
+    labels = batch["labels"].to(device, non_blocking=True).t()
+    loss_mask = batch["loss_mask"].to(device, non_blocking=True).t()
+    output = stage_output(model, tokens, position_ids, **packed_attention(model, batch["doc_ids"], device))
     return output, partial(_loss_func, labels, loss_mask, scale, vocab_size)
 
 
@@ -147,23 +149,27 @@ def run_sft(ctx: WorkerContext) -> None:
         log_interval=cfg.trainer.log_interval, tensorboard=cfg.trainer.tensorboard,
     )
     save_every = cfg.trainer.save_interval
+    profiler = StepProfiler(cfg.trainer.profile_step, ctx.output_dir, ctx.rank, ctx.device)
     try:
         for step in range(start + 1, steps + 1):
             _sync(ctx.device)
             t0 = time.perf_counter()
-            micro = data.next_global_batch()
-            loss, grad_norm = train_step(
-                state, micro, loss_tokens=data.last_step_loss_tokens, seq_len=data.seq_len, device=ctx.device,
-                vocab_size=ctx.facts.vocab_size,
-            )
-            _sync(ctx.device)
-            dt = time.perf_counter() - t0
+            with profiler.step(step) as profiled:
+                micro = data.next_global_batch()
+                loss, grad_norm = train_step(
+                    state, micro, loss_tokens=data.last_step_loss_tokens, seq_len=data.seq_len, device=ctx.device,
+                    vocab_size=ctx.facts.vocab_size,
+                )
+                _sync(ctx.device)
+                dt = time.perf_counter() - t0
             lr = state.lr()  # set by the schedule for this step before the optimizer ran
             metrics.log({
                 "step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
                 "loss_tokens": data.last_step_loss_tokens, "tokens_per_s": data.tokens_per_step / dt,
-                "step_time_s": dt, "mem_peak_gib": peak_memory_gib(ctx.device),
+                "step_time_s": dt, "mem_peak_gib": peak_memory_gib(ctx.device), **({"profiled": 1} if profiled else {}),
             })
+            for line in profiler.summary if profiled else ():
+                metrics.print(line)
             if (save_every and step % save_every == 0) or step == steps:
                 path = ckpt.save(step, state, data)
                 metrics.print(f"saved checkpoint {path}")

@@ -1,0 +1,111 @@
+"""`trainer.profile_step`: one training step under torch.profiler, on every rank.
+
+Each rank writes a Chrome trace (open it in chrome://tracing or https://ui.perfetto.dev) to
+`<output_dir>/profile/step_<N>.rank_<R>.json.gz` and, beside it (`.txt`), where its GPU time went by
+kind of kernel (GEMM, attention, optimizer, compiled, ...) against the step's wall time; rank 0 also
+prints its own. Ranks of different pipeline stages or roles differ: compare their files. The summary
+is the one `benchmarks/train_step.py --profile` prints, so a job and a benchmark of it compare directly.
+Profiling costs host time during that step only; its metrics line is marked `profiled`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+# Kernel-name patterns of each kind of GPU work, first match wins.
+KERNEL_KINDS = (
+    ("attention", ("flash", "fmha", "cudnn", "attention", "flex")),
+    ("optimizer", ("multi_tensor", "adam")),
+    ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "sm90_")),
+    ("compiled (triton)", ("triton",)),
+    ("norm", ("rms_norm", "rmsnorm", "layer_norm", "layernorm")),
+    ("copy / cat", ("copy", "cat", "transpose")),
+    ("reduce", ("reduce",)),
+    ("elementwise", ("elementwise", "vectorized", "unrolled")),
+)
+
+
+def kernel_kind(name: str) -> str:
+    low = name.lower()
+    return next((kind for kind, keys in KERNEL_KINDS if any(k in low for k in keys)), "other")
+
+
+def kernel_kind_totals(events: Any) -> dict[str, list[float]]:
+    """{kind: [GPU ms, kernels]} over profiler `key_averages()` rows. Only device rows count, and not
+    the user annotations that the profiler also puts on the GPU timeline (`Optimizer.step#AdamW.step`
+    spans the optimizer's kernels: counting it too doubled the optimizer's time)."""
+    totals: dict[str, list[float]] = {}
+    for evt in events:
+        if not str(getattr(evt, "device_type", "")).endswith("CUDA"):
+            continue
+        if getattr(evt, "is_user_annotation", False) or evt.key.startswith(("Optimizer.", "ProfilerStep")):
+            continue
+        us = getattr(evt, "self_device_time_total", None) or getattr(evt, "self_cuda_time_total", 0.0)
+        entry = totals.setdefault(kernel_kind(evt.key), [0.0, 0])
+        entry[0] += us / 1e3
+        entry[1] += evt.count
+    return totals
+
+
+def kernel_kind_table(totals: dict[str, list[float]], wall_s: float) -> list[str]:
+    """Lines of a table of GPU time per kind of kernel against the profiled step's wall time."""
+    busy = sum(ms for ms, _ in totals.values())
+    lines = [f"GPU busy {busy:.1f} ms of a {wall_s * 1e3:.1f} ms profiled step", "kind | ms | kernels | share of busy"]
+    for kind, (ms, n) in sorted(totals.items(), key=lambda kv: -kv[1][0]):
+        lines.append(f"{kind} | {ms:.1f} | {n} | {100 * ms / max(busy, 1e-9):.1f}%")
+    return lines
+
+
+def trace_path(output_dir: Path, step: int, rank: int) -> Path:
+    return output_dir / "profile" / f"step_{step}.rank_{rank}.json.gz"
+
+
+def summary_path(output_dir: Path, step: int, rank: int) -> Path:
+    return output_dir / "profile" / f"step_{step}.rank_{rank}.txt"
+
+
+class StepProfiler:
+    """Profiles `profile_step` (None: nothing) of a training loop; `summary` holds rank 0's lines after it."""
+
+    def __init__(self, profile_step: int | None, output_dir: Path, rank: int, device: torch.device):
+        self.profile_step = profile_step
+        self.output_dir = output_dir
+        self.rank = rank
+        self.device = device
+        self.summary: list[str] = []
+
+    @contextlib.contextmanager
+    def step(self, step: int) -> Iterator[bool]:
+        """Runs the body under the profiler when `step` is the profiled one; yields whether it is."""
+        if step != self.profile_step:
+            yield False
+            return
+        from torch.profiler import ProfilerActivity, profile
+
+        cuda = self.device.type == "cuda"
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        with profile(activities=activities) as prof:
+            t0 = time.perf_counter()
+            yield True
+            if cuda:
+                torch.cuda.synchronize(self.device)
+            wall = time.perf_counter() - t0
+        path = trace_path(self.output_dir, step, self.rank)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(path))
+        if cuda:
+            self.summary = kernel_kind_table(kernel_kind_totals(prof.key_averages()), wall)
+        else:  # no GPU rows: the host ops that took the most time
+            rows = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:10]
+            self.summary = [f"host time of a {wall * 1e3:.1f} ms profiled step, top ops", "op | ms | calls"]
+            self.summary += [f"{e.key} | {e.self_cpu_time_total / 1e3:.1f} | {e.count}" for e in rows]
+        self.summary.insert(0, f"profiled step {step}: trace {path}")
+        summary_path(self.output_dir, step, self.rank).write_text("\n".join(self.summary) + "\n")
+
+
+__all__ = ["KERNEL_KINDS", "StepProfiler", "kernel_kind", "kernel_kind_table", "kernel_kind_totals", "summary_path", "trace_path"]
