@@ -11,21 +11,35 @@ import torch
 
 from trinity.config.megatron import MegatronConfig
 from trinity.config.schema import OptimConfig
-from trinity.trainer import fused_optimizer
+from trinity.trainer import fused_optimizer, grad_fusion
 
 TOKENS = [[3, 9, 27, 81, 4, 12, 36, 8], [5, 25, 7, 49, 11, 13, 17, 19]]
 
 
 @contextmanager
 def megatron_stock() -> Iterator[None]:
-    """Build optimizers as megatron-core ships them without TE/apex (local fallbacks, foreach AdamW)."""
+    """Build the trainer's DDP and optimizer as megatron-core ships them without TE/apex (local
+    fallbacks, foreach AdamW, bf16 weight gradients added by DDP's hook)."""
     install, use = fused_optimizer.install, fused_optimizer.use_fused_adamw
     fused_optimizer.uninstall()
     fused_optimizer.install, fused_optimizer.use_fused_adamw = (lambda: False), (lambda optimizer: 0)
     try:
-        yield
+        with no_grad_fusion():
+            yield
     finally:
         fused_optimizer.install, fused_optimizer.use_fused_adamw = install, use
+
+
+@contextmanager
+def no_grad_fusion() -> Iterator[None]:
+    """Build the trainer's DDP with bf16 weight gradients added by DDP's hook (megatron-core's path
+    without apex), everything else as the trainer has it."""
+    fuse = grad_fusion.enable
+    grad_fusion.enable = lambda chunks: 0
+    try:
+        yield
+    finally:
+        grad_fusion.enable = fuse
 
 
 def trainer_steps(facts: Any, path: Path, *, device: str, dtype: torch.dtype, distributed: bool,

@@ -47,21 +47,29 @@ class TrainState:
 
 def wrap_ddp(chunks: list[Any], megatron: MegatronConfig) -> list[Any]:
     """Wrap model chunks in megatron-core DDP (fp32 grad buffers; bucketing only on the first chunk,
-    as megatron's training loop does, so VPP chunks after the first reduce in one bucket each)."""
+    as megatron's training loop does, so VPP chunks after the first reduce in one bucket each). Eager
+    CUDA layers then accumulate weight gradients straight into the fp32 buffers
+    (`trinity.trainer.grad_fusion`; compiled layers keep DDP's hook)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.utils import get_model_config
+
+    from trinity.models.build import compile_scope
+    from trinity.trainer import grad_fusion
 
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=megatron.overlap_grad_reduce,
         use_distributed_optimizer=megatron.use_distributed_optimizer,
     )
-    return [
+    wrapped = [
         DistributedDataParallel(
             config=get_model_config(chunk), ddp_config=ddp_config, module=chunk, disable_bucketing=(i > 0)
         )
         for i, chunk in enumerate(chunks)
     ]
+    if compile_scope(megatron) == "none":
+        grad_fusion.enable(wrapped)
+    return wrapped
 
 
 def build_optimizer(model: list[Any], optim: OptimConfig, megatron: MegatronConfig, dtype: torch.dtype) -> Any:

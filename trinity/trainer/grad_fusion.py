@@ -1,0 +1,73 @@
+"""Weight gradients accumulated straight into DDP's fp32 grad buffer, without apex.
+
+megatron-core's linear layers can compute a weight gradient and add it into `weight.main_grad` in the
+GEMM itself (`gradient_accumulation_fusion`), through apex's `fused_weight_gradient_mlp_cuda`. Without
+apex (the lent GPUs, most pip installs) megatron computes a bf16 weight gradient, and DDP's hook then
+adds it into the fp32 buffer: one more write and read of every gradient, an add kernel per parameter
+and a bf16 rounding of each micro batch's gradient before it is summed.
+
+`enable(chunks)` gives megatron's layers the same two entry points as apex's extension, on torch's
+cuBLAS GEMM with an fp32 output (`torch.addmm(..., out_dtype=torch.float32)`, CUDA only), and turns the
+fusion on for the linear layers of DDP-wrapped CUDA chunks. It leaves alone: TransformerEngine's layers
+(they fuse by themselves), CPU chunks (no fp32-output GEMM there), and an output layer that shares its
+weight with the embedding (megatron marks the whole parameter as already added, which would drop the
+embedding's own gradient of the same weight).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+class TorchWgradGemm:
+    """apex's `fused_weight_gradient_mlp_cuda` contract: main_grad += grad_output^T @ total_input."""
+
+    @staticmethod
+    def wgrad_gemm_accum_fp32(total_input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor) -> None:
+        torch.addmm(main_grad, grad_output.t(), total_input, torch.float32, out=main_grad)
+
+    @staticmethod
+    def wgrad_gemm_accum_fp16(total_input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor) -> None:
+        main_grad.addmm_(grad_output.t(), total_input)
+
+
+def _install() -> None:
+    from megatron.core.tensor_parallel import layers
+
+    if not layers._grad_accum_fusion_available:  # apex's extension wins where it imports
+        layers.fused_weight_gradient_mlp_cuda = TorchWgradGemm
+        layers._grad_accum_fusion_available = True
+
+
+def fusable_layers(model: Any) -> list[Any]:
+    """megatron's own Column/RowParallelLinear layers of `model` whose weight DDP gave a main_grad,
+    less an output layer tied to the embedding."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    tied_output = getattr(model, "output_layer", None) if getattr(model, "share_embeddings_and_output_weights", False) else None
+    found = []
+    for module in model.modules():
+        if type(module) not in (ColumnParallelLinear, RowParallelLinear) or module is tied_output:
+            continue
+        weight = getattr(module, "weight", None)
+        if weight is not None and weight.is_cuda and hasattr(weight, "main_grad"):
+            found.append(module)
+    return found
+
+
+def enable(chunks: list[Any]) -> int:
+    """Turn on gradient accumulation fusion for the fusable layers of DDP-wrapped `chunks`; returns
+    how many layers now accumulate into main_grad."""
+    from trinity.models.build import unwrap
+
+    layers = [layer for chunk in chunks for layer in fusable_layers(unwrap(chunk))]
+    if layers:
+        _install()
+    for layer in layers:
+        layer.gradient_accumulation_fusion = True
+    return len(layers)
+
+
+__all__ = ["TorchWgradGemm", "enable", "fusable_layers"]
