@@ -18,6 +18,8 @@ import argparse
 import tempfile
 import time
 
+from pathlib import Path
+
 import torch
 
 SHAPES = {
@@ -54,6 +56,19 @@ def make_model(shape: str, out: str, dtype: torch.dtype) -> str:
     torch.manual_seed(0)
     Qwen2ForCausalLM(cfg).to(dtype).save_pretrained(out, safe_serialization=True)
     return out
+
+
+def make_job_model(shape: str, root: Path, device: str) -> Path:
+    """`root/model`: a random-weight model of `shape` (bf16 on cuda, fp32 on cpu) with the tiny local
+    tokenizer beside its weights, as `trinity run` jobs of the benchmarks load it."""
+    from trinity.testing.tiny_assets import make_tiny_tokenizer
+
+    model = Path(make_model(shape, str(root / "model"), torch.bfloat16 if device == "cuda" else torch.float32))
+    make_tiny_tokenizer(root / "tok")
+    for f in (root / "tok").iterdir():
+        if f.is_file():
+            (model / f.name).write_bytes(f.read_bytes())
+    return model
 
 
 def main() -> None:

@@ -26,7 +26,7 @@ import torch
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from generate import bandwidth, make_model  # noqa: E402
+from generate import bandwidth, make_job_model  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 PHASES = ("rollout", "reward", "ref", "old_logp", "values", "update_actor", "update_critic")
@@ -104,15 +104,11 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
 
-    from trinity.testing.tiny_assets import make_tiny_tokenizer, write_prompt_dataset
+    from trinity.testing.tiny_assets import write_prompt_dataset
 
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        model = Path(make_model(args.shape, str(root / "model"), torch.bfloat16 if args.device == "cuda" else torch.float32))
-        make_tiny_tokenizer(root / "tok")
-        for f in (root / "tok").iterdir():
-            if f.is_file():
-                (model / f.name).write_bytes(f.read_bytes())
+        model = make_job_model(args.shape, root, args.device)
         prompts = write_prompt_dataset(root / "prompts.jsonl", 512, seed=0)
         bw = bandwidth(torch.device(args.device))
         weight_bytes = sum(f.stat().st_size for f in model.glob("*.safetensors"))

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from generate import SHAPES, make_model  # noqa: E402
+from generate import SHAPES, make_job_model  # noqa: E402
 from rl_step import run_case  # noqa: E402
 from train_step import step_flops  # noqa: E402
 
@@ -58,15 +58,9 @@ def main() -> None:
     ap.add_argument("--profile-dir", type=Path, default=None, help="copy rank 0's trace of the profiled step here")
     args = ap.parse_args()
 
-    from trinity.testing.tiny_assets import make_tiny_tokenizer
-
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        model = Path(make_model(args.shape, str(root / "model"), torch.bfloat16 if args.device == "cuda" else torch.float32))
-        make_tiny_tokenizer(root / "tok")
-        for f in (root / "tok").iterdir():
-            if f.is_file():
-                (model / f.name).write_bytes(f.read_bytes())
+        model = make_job_model(args.shape, root, args.device)
         # enough documents for every step's rows (about 1.7k tokens each)
         docs = write_documents(root / "sft.jsonl", args.steps * args.mbs * args.seq // 1000 + 16, seed=0)
         out = root / "run"

@@ -28,6 +28,21 @@ def _one_thread():
     torch.set_num_threads(1)
 
 
+@pytest.fixture(scope="module")
+def tiny_qwen2_tp1(tmp_path_factory):
+    """(ModelFacts, HF folder) of a tiny random Qwen2, with one CPU process group (TP=PP=DP=1) set up
+    for the module's tests."""
+    from trinity.distributed.layout import ParallelLayout
+    from trinity.distributed.parallel import destroy, init_parallel
+    from trinity.models.facts import ModelFacts
+    from trinity.testing.tiny_models import make_tiny_hf_model
+
+    path = make_tiny_hf_model("qwen2", tmp_path_factory.mktemp("qwen2"))
+    init_parallel(device="cpu", layout=ParallelLayout(), seed=3)
+    yield ModelFacts.from_hf_dir(path), path
+    destroy()
+
+
 @pytest.fixture
 def write_job(tmp_path):
     """Write a job dict as YAML and return its path."""

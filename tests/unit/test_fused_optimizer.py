@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trinity.distributed.layout import ParallelLayout
 from trinity.testing.optim_checks import megatron_stock, trainer_steps
 from trinity.trainer import fused_optimizer
 
@@ -52,15 +51,8 @@ def test_install_replaces_only_the_local_fallbacks_and_uninstall_restores():
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    from trinity.distributed.parallel import destroy, init_parallel
-    from trinity.models.facts import ModelFacts
-    from trinity.testing.tiny_models import make_tiny_hf_model
-
-    path = make_tiny_hf_model("qwen2", tmp_path_factory.mktemp("qwen2"))
-    init_parallel(device="cpu", layout=ParallelLayout(), seed=3)
-    yield ModelFacts.from_hf_dir(path), path
-    destroy()
+def tiny(tiny_qwen2_tp1):
+    yield tiny_qwen2_tp1
     fused_optimizer.uninstall()
 
 

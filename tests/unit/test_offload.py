@@ -7,8 +7,6 @@ import torch
 
 from trinity.config.megatron import MegatronConfig
 from trinity.config.schema import ActorConfig, OptimConfig
-from trinity.distributed.layout import ParallelLayout
-from trinity.models.facts import ModelFacts
 from trinity.rollout.generate import SamplingParams, generate
 from trinity.trainer.offload import RoleOffloader, optimizer_tensors
 
@@ -16,14 +14,8 @@ PROMPTS = [[5, 6, 7, 8], [9, 10], [11, 12, 13], [14]]
 
 
 @pytest.fixture(scope="module")
-def facts_path(tmp_path_factory):
-    from trinity.distributed.parallel import destroy, init_parallel
-    from trinity.testing.tiny_models import make_tiny_hf_model
-
-    path = make_tiny_hf_model("qwen2", tmp_path_factory.mktemp("qwen2"))
-    init_parallel(device="cpu", layout=ParallelLayout(), seed=3)
-    yield ModelFacts.from_hf_dir(path), path
-    destroy()
+def facts_path(tiny_qwen2_tp1):
+    return tiny_qwen2_tp1
 
 
 def _state(facts, path, distributed: bool):

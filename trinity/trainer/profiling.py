@@ -78,11 +78,20 @@ class StepProfiler:
         self.rank = rank
         self.device = device
         self.summary: list[str] = []
+        self.profiled = False  # whether the last step() was the profiled one
+
+    def log(self, metrics: Any, row: dict[str, Any]) -> None:
+        """`metrics.log(row)` for the step just run, marked `profiled` (and followed by the summary) when
+        it was the profiled one."""
+        metrics.log({**row, "profiled": 1} if self.profiled else row)
+        for line in self.summary if self.profiled else ():
+            metrics.print(line)
 
     @contextlib.contextmanager
     def step(self, step: int) -> Iterator[bool]:
         """Runs the body under the profiler when `step` is the profiled one; yields whether it is."""
-        if step != self.profile_step:
+        self.profiled = step == self.profile_step
+        if not self.profiled:
             yield False
             return
         from torch.profiler import ProfilerActivity, profile

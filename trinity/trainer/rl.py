@@ -290,11 +290,9 @@ def run_rl(ctx: WorkerContext) -> None:
     profiler = StepProfiler(cfg.trainer.profile_step, ctx.output_dir, ctx.rank, ctx.device)
     try:
         for step in range(start + 1, job.total_steps + 1):
-            with profiler.step(step) as profiled:
+            with profiler.step(step):
                 row = rl_step(job, step)
-            metrics.log({**row, "profiled": 1} if profiled else row)
-            for line in profiler.summary if profiled else ():
-                metrics.print(line)
+            profiler.log(metrics, row)
             if (cfg.trainer.save_interval and step % cfg.trainer.save_interval == 0) or step == job.total_steps:
                 job.all_resident()
                 metrics.print(f"saved checkpoint {ckpt.save_roles(step, job)}")

@@ -154,7 +154,7 @@ def run_sft(ctx: WorkerContext) -> None:
         for step in range(start + 1, steps + 1):
             _sync(ctx.device)
             t0 = time.perf_counter()
-            with profiler.step(step) as profiled:
+            with profiler.step(step):
                 micro = data.next_global_batch()
                 loss, grad_norm = train_step(
                     state, micro, loss_tokens=data.last_step_loss_tokens, seq_len=data.seq_len, device=ctx.device,
@@ -163,13 +163,11 @@ def run_sft(ctx: WorkerContext) -> None:
                 _sync(ctx.device)
                 dt = time.perf_counter() - t0
             lr = state.lr()  # set by the schedule for this step before the optimizer ran
-            metrics.log({
+            profiler.log(metrics, {
                 "step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
                 "loss_tokens": data.last_step_loss_tokens, "tokens_per_s": data.tokens_per_step / dt,
-                "step_time_s": dt, "mem_peak_gib": peak_memory_gib(ctx.device), **({"profiled": 1} if profiled else {}),
+                "step_time_s": dt, "mem_peak_gib": peak_memory_gib(ctx.device),
             })
-            for line in profiler.summary if profiled else ():
-                metrics.print(line)
             if (save_every and step % save_every == 0) or step == steps:
                 path = ckpt.save(step, state, data)
                 metrics.print(f"saved checkpoint {path}")
