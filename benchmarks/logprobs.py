@@ -1,7 +1,8 @@
 """Per-token log-probs (forward + backward) over the output layer's logits: the trainer's
 `vocab_parallel_log_probs` (compiled kernels on CUDA) against its eager fp32 chunks (its CPU path,
 and what CUDA ran before), one compiled logsumexp + gather (what this benchmark's models used before,
-TP=1 only), megatron-core's `vocab_parallel_cross_entropy` and a plain fp32 `log_softmax` + gather. Same logits, same GPU; time and the peak memory above the logits.
+TP=1 only), megatron-core's `vocab_parallel_cross_entropy` and a plain fp32 `log_softmax` + gather.
+Same logits, same GPU; time and the peak memory above the logits.
 
     python benchmarks/logprobs.py --shape 0.5b,7b
     python benchmarks/logprobs.py --shape tiny --device cpu        # CPU smoke
@@ -55,7 +56,8 @@ def cases() -> dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]:
             "fp32 log_softmax": plain}
 
 
-def measure(fn: Callable[..., torch.Tensor], logits: torch.Tensor, targets: torch.Tensor, steps: int) -> tuple[float, float]:
+def measure(fn: Callable[..., torch.Tensor], logits: torch.Tensor, targets: torch.Tensor,
+            steps: int) -> tuple[float, float]:
     cuda = logits.is_cuda
 
     def once() -> None:

@@ -36,7 +36,8 @@ _compiled: dict[str, Any] = {}
 
 def _stats_kernel(x: torch.Tensor, maxes: torch.Tensor, local: torch.Tensor, owned: torch.Tensor,
                   with_targets: bool, with_entropy: bool) -> torch.Tensor:
-    """[n, 3] in maxes' dtype (fp32, or fp64 for fp64 logits): sum exp(x - max), the owned target's x - max (else 0), sum exp(x - max) * (x - max)."""
+    """[n, 3] in maxes' dtype (fp32, or fp64 for fp64 logits): sum exp(x - max), the owned target's
+    x - max (else 0), sum exp(x - max) * (x - max)."""
     shifted = x.to(maxes.dtype) - maxes[:, None]
     exp = shifted.exp()
     zeros = torch.zeros_like(maxes)
@@ -166,7 +167,8 @@ class _VocabParallelStats(torch.autograd.Function):
             return torch.zeros_like(logits), None, None, None, None, None, None
         kernel = _kernel("grad", _grad_kernel, logits)
         if kernel is not None:
-            local = flat_targets - ctx.vocab_start if ctx.has_targets else logsumexp.new_zeros(full.shape[0], dtype=torch.long)
+            n = full.shape[0]
+            local = flat_targets - ctx.vocab_start if ctx.has_targets else logsumexp.new_zeros(n, dtype=torch.long)
             owned = (local >= 0) & (local < vocab_local)
             grad = kernel(full, vocab_local, logsumexp, local, owned, g_logp, mean_logit, g_ent)
             return grad.reshape(logits.shape), None, None, None, None, None, None

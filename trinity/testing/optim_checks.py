@@ -43,7 +43,8 @@ def no_grad_fusion() -> Iterator[None]:
 
 
 def trainer_steps(facts: Any, path: Path, *, device: str, dtype: torch.dtype, distributed: bool,
-                  steps: int = 3) -> tuple[list[torch.optim.Optimizer], list[float], list[torch.Tensor], list[torch.Tensor]]:
+                  steps: int = 3
+                  ) -> tuple[list[torch.optim.Optimizer], list[float], list[torch.Tensor], list[torch.Tensor]]:
     """`steps` steps of the trainer's DDP + megatron optimizer over the HF weights at `path`, with
     gradient clipping active (clip_grad far below the tiny model's gradient norm). Returns (the torch
     Adams inside, the grad norms, the parameters before, the parameters after)."""

@@ -46,7 +46,8 @@ def fusable_layers(model: Any) -> list[Any]:
     less an output layer tied to the embedding."""
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
-    tied_output = getattr(model, "output_layer", None) if getattr(model, "share_embeddings_and_output_weights", False) else None
+    tied = getattr(model, "share_embeddings_and_output_weights", False)
+    tied_output = getattr(model, "output_layer", None) if tied else None
     found = []
     for module in model.modules():
         if type(module) not in (ColumnParallelLinear, RowParallelLinear) or module is tied_output:

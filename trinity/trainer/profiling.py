@@ -117,4 +117,5 @@ class StepProfiler:
         summary_path(self.output_dir, step, self.rank).write_text("\n".join(self.summary) + "\n")
 
 
-__all__ = ["KERNEL_KINDS", "StepProfiler", "kernel_kind", "kernel_kind_table", "kernel_kind_totals", "summary_path", "trace_path"]
+__all__ = ["KERNEL_KINDS", "StepProfiler", "kernel_kind", "kernel_kind_table", "kernel_kind_totals", "summary_path",
+           "trace_path"]
