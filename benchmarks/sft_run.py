@@ -3,6 +3,8 @@ metrics, next to `benchmarks/train_step.py`'s bare model step of the same shape.
 
     python benchmarks/sft_run.py --shape 0.5b --seq 4096 --mbs 2 --steps 8
     python benchmarks/sft_run.py --shape 0.5b --seq 4096 --mbs 2 --steps 8 --profile-step 6
+    python benchmarks/sft_run.py --shape 0.5b --seq 4096 --mbs 2 --layouts 1gpu,dp2,tp2        # 2 GPUs
+    python benchmarks/sft_run.py --shape 0.5b --layouts 1gpu,dp2 --megatron overlap_grad_reduce=true
     python benchmarks/sft_run.py --shape tiny --device cpu --seq 256 --mbs 2 --steps 3    # CPU smoke
 
 Each case is a real `trinity run` (validation, HF -> dist checkpoint cache, torchrun, the SFT loop with
@@ -12,6 +14,12 @@ documents of 256-3072 bytes packed into rows of --seq tokens. One optimizer step
 --mbs rows (one micro batch, as train_step.py measures). Numbers are medians over the steps after the
 first two (compilation), the profiled step left out. TFLOP/s count 6 * params * tokens + 12 * layers *
 hidden * seq * tokens, as train_step.py does.
+
+`--layouts` runs the same job on 1 GPU and at DP=2 / TP=2 (benchmarks/scaling.py's layouts), each
+data-parallel rank training --mbs rows per step: efficiency = tokens/s per GPU against one GPU, through
+the trainer's own reducer and optimizer (fp32 grad buffer, distributed optimizer by default), where
+scaling.py times the bare model step. `--megatron KEY=VALUE` sets a field of the actor's `megatron:`
+block for every layout (overlap_grad_reduce, use_distributed_optimizer, sequence_parallel, ...).
 """
 
 from __future__ import annotations
@@ -25,20 +33,23 @@ import tempfile
 from pathlib import Path
 
 import torch
+import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from generate import SHAPES, make_job_model  # noqa: E402
 from rl_step import run_case  # noqa: E402
+from scaling import LAYOUTS  # noqa: E402
 from train_step import step_flops  # noqa: E402
 
 
-def write_documents(path: Path, n: int, seed: int) -> Path:
-    """n {"prompt", "response"} samples of printable ASCII, 256-3072 bytes each (a quarter prompt)."""
+def write_documents(path: Path, n: int, seed: int, seq: int) -> Path:
+    """n {"prompt", "response"} samples of printable ASCII, seq/16 to 3 seq/4 bytes each (256-3072 at
+    seq 4096; a quarter prompt)."""
     rng = random.Random(seed)
     alphabet = "abcdefghijklmnopqrstuvwxyz      .,0123456789\n"
     with path.open("w") as f:
         for _ in range(n):
-            size = rng.randint(256, 3072)
+            size = rng.randint(seq // 16, 3 * seq // 4)
             text = "".join(rng.choices(alphabet, k=size))
             f.write(json.dumps({"prompt": text[: size // 4], "response": text[size // 4:]}) + "\n")
     return path
@@ -49,54 +60,94 @@ def main() -> None:
     ap.add_argument("--shape", choices=sorted(SHAPES), default="0.5b")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     ap.add_argument("--seq", type=int, default=4096)
-    ap.add_argument("--mbs", type=int, default=2, help="rows per micro batch = per step")
+    ap.add_argument("--mbs", type=int, default=2, help="rows per micro batch = per step and data-parallel rank")
     ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--layouts", default="1gpu",
+                    help=f"comma list of {', '.join(LAYOUTS)}: one `trinity run` each (dp2 / tp2 need 2 GPUs)")
+    ap.add_argument("--megatron", action="append", default=[], metavar="KEY=VALUE",
+                    help="a field of the actor's megatron: block (YAML value), e.g. overlap_grad_reduce=true; "
+                         "repeatable")
     ap.add_argument("--compile", choices=["none", "layers", "model"], default="none", help="megatron.torch_compile")
-    ap.add_argument("--timeout", type=int, default=500, help="seconds for the run")
+    ap.add_argument("--timeout", type=int, default=500, help="seconds for each run")
     ap.add_argument("--profile-step", type=int, default=None,
                     help="trainer.profile_step: profile this step and print GPU time per kind of kernel")
     ap.add_argument("--profile-dir", type=Path, default=None, help="copy rank 0's trace of the profiled step here")
     args = ap.parse_args()
+    layouts = args.layouts.split(",")
+    unknown = [name for name in layouts if name not in LAYOUTS]
+    if unknown:
+        ap.error(f"--layouts: unknown {', '.join(unknown)}; choose from {', '.join(LAYOUTS)}")
+    megatron = {"torch_compile": args.compile, **dict(_key_value(kv, ap) for kv in args.megatron)}
 
+    results = []
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         model = make_job_model(args.shape, root, args.device)
-        # enough documents for every step's rows (about 1.7k tokens each)
-        docs = write_documents(root / "sft.jsonl", args.steps * args.mbs * args.seq // 1000 + 16, seed=0)
-        out = root / "run"
-        cfg = {
-            "algorithm": {"name": "sft"},
-            "model": {"path": str(model)},
-            "data": {"train_files": [str(docs)], "seq_length": args.seq},
-            "cluster": {"device": args.device, "nproc_per_node": 1},
-            "trainer": {"total_steps": args.steps, "global_batch_size": args.mbs, "micro_batch_size": args.mbs,
-                        "output_dir": str(out), "save_interval": None, "log_interval": 1, "tensorboard": False,
-                        "export_hf": False, "profile_step": args.profile_step},
-            "actor_rollout_ref": {"actor": {"optim": {"lr": 1e-5, "weight_decay": 0.0},
-                                            "megatron": {"torch_compile": args.compile}}},
-        }
-        rows = run_case(cfg, root / "job.yaml", args.timeout)
-        if args.profile_step:
-            from trinity.trainer.profiling import summary_path, trace_path
-
-            print(summary_path(out, args.profile_step, 0).read_text())
-            if args.profile_dir:
-                args.profile_dir.mkdir(parents=True, exist_ok=True)
-                trace = trace_path(out, args.profile_step, 0)
-                (args.profile_dir / trace.name).write_bytes(trace.read_bytes())
         hf = json.loads((model / "config.json").read_text())
         params = sum(p.numel() for p in _meta_model(model).parameters())
+        for layout in layouts:
+            gpus, tp = LAYOUTS[layout]
+            dp = gpus // tp
+            rows_per_step = args.mbs * dp  # every data-parallel rank gets --mbs rows, as scaling.py does
+            # enough documents for every step's rows (~2.5 a row); the first term alone was the count
+            # before --layouts, kept so that runs at seq 4096 train on the same data as before
+            n_docs = max(args.steps * rows_per_step * args.seq // 1000, args.steps * rows_per_step * 3) + 16
+            docs = write_documents(root / f"sft_{layout}.jsonl", n_docs, seed=0, seq=args.seq)
+            out = root / f"run_{layout}"
+            cfg = {
+                "algorithm": {"name": "sft"},
+                "model": {"path": str(model)},
+                "data": {"train_files": [str(docs)], "seq_length": args.seq},
+                "cluster": {"device": args.device, "nproc_per_node": gpus},
+                "trainer": {"total_steps": args.steps, "global_batch_size": rows_per_step,
+                            "micro_batch_size": args.mbs, "output_dir": str(out), "save_interval": None,
+                            "log_interval": 1, "tensorboard": False, "export_hf": False,
+                            "profile_step": args.profile_step},
+                "actor_rollout_ref": {"actor": {"optim": {"lr": 1e-5, "weight_decay": 0.0},
+                                                "megatron": {**megatron, "tensor_model_parallel_size": tp}}},
+            }
+            rows = run_case(cfg, root / f"job_{layout}.yaml", args.timeout)
+            if args.profile_step:
+                _show_profile(out, args.profile_step, args.profile_dir, layout)
+            steady = [r for r in rows[2:] if not r.get("profiled")] or rows
+            step_s = statistics.median(r["step_time_s"] for r in steady)
+            tokens = args.seq * rows_per_step
+            flops = step_flops(params, hf["num_hidden_layers"], hf["hidden_size"], args.seq, tokens)
+            results.append({"layout": layout, "gpus": gpus, "step_s": step_s, "tokens_per_s": tokens / step_s,
+                            "tflops_per_gpu": flops / step_s / 1e12 / gpus,
+                            "peak_gib": max(r["mem_peak_gib"] for r in rows),
+                            "loss": (rows[0]["loss"], rows[-1]["loss"])})
 
-    steady = [r for r in rows[2:] if not r.get("profiled")] or rows
-    step_s = statistics.median(r["step_time_s"] for r in steady)
-    tokens = args.seq * args.mbs
-    flops = step_flops(params, hf["num_hidden_layers"], hf["hidden_size"], args.seq, tokens)
-    print(f"\ntrinity run (SFT) on {torch.cuda.get_device_name() if args.device == 'cuda' else 'cpu'}, "
-          f"shape {args.shape}, {args.steps} steps, torch {torch.__version__}")
-    print("shape | seq x mbs | torch_compile | step s | tokens/s | TFLOP/s | peak GiB | loss first -> last")
-    print(f"{args.shape} | {args.seq} x {args.mbs} | {args.compile} | {step_s:.4f} | {tokens / step_s:.0f} | "
-          f"{flops / step_s / 1e12:.1f} | {max(r['mem_peak_gib'] for r in rows):.2f} | "
-          f"{rows[0]['loss']:.3f} -> {rows[-1]['loss']:.3f}")
+    base = next((r["tokens_per_s"] for r in results if r["gpus"] == 1), None)
+    where = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    extra = " ".join(args.megatron) or "defaults"
+    print(f"\ntrinity run (SFT) on {where}, shape {args.shape}, seq {args.seq}, {args.mbs} rows per DP rank, "
+          f"{args.steps} steps, torch_compile {args.compile}, megatron: {extra}, torch {torch.__version__}")
+    print("layout | gpus | step s | tokens/s | tokens/s per gpu | efficiency | TFLOP/s per gpu | peak GiB (rank 0) "
+          "| loss first -> last")
+    for r in results:
+        per_gpu = r["tokens_per_s"] / r["gpus"]
+        eff = f"{per_gpu / base:.2f}" if base else "-"
+        print(f"{r['layout']} | {r['gpus']} | {r['step_s']:.4f} | {r['tokens_per_s']:.0f} | {per_gpu:.0f} | {eff} | "
+              f"{r['tflops_per_gpu']:.1f} | {r['peak_gib']:.2f} | {r['loss'][0]:.3f} -> {r['loss'][1]:.3f}")
+
+
+def _key_value(text: str, ap: argparse.ArgumentParser) -> tuple[str, object]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        ap.error(f"--megatron {text!r}: expected KEY=VALUE, e.g. overlap_grad_reduce=true")
+    return key, yaml.safe_load(value)
+
+
+def _show_profile(out: Path, step: int, profile_dir: Path | None, layout: str) -> None:
+    from trinity.trainer.profiling import summary_path, trace_path
+
+    print(f"--- {layout}, rank 0")
+    print(summary_path(out, step, 0).read_text())
+    if profile_dir:
+        profile_dir.mkdir(parents=True, exist_ok=True)
+        trace = trace_path(out, step, 0)
+        (profile_dir / f"{layout}.{trace.name}").write_bytes(trace.read_bytes())
 
 
 def _meta_model(path: Path) -> torch.nn.Module:
