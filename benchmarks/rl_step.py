@@ -41,7 +41,8 @@ def job(model: Path, prompts: Path, out: Path, *, algo: str, gpus: int, layout: 
         "data": {"train_files": [str(prompts)], "max_prompt_length": 64, "train_batch_size": args.prompts * gpus},
         "cluster": {"device": args.device, "nproc_per_node": gpus},
         "trainer": {"total_steps": args.steps, "micro_batch_size": args.micro, "output_dir": str(out),
-                    "save_interval": None, "log_interval": 1, "tensorboard": False, "export_hf": False},
+                    "save_interval": None, "log_interval": 1, "tensorboard": False, "export_hf": False,
+                    "profile_step": args.profile_step},
         "actor_rollout_ref": {
             "actor": {"ppo_mini_batch_size": args.prompts * gpus, "use_kl_loss": algo == "grpo",
                       "optim": {"lr": 1e-6, "weight_decay": 0.0}, "megatron": {**par, **flags}},
@@ -55,11 +56,13 @@ def job(model: Path, prompts: Path, out: Path, *, algo: str, gpus: int, layout: 
     return cfg
 
 
-def run_case(cfg: dict, path: Path, timeout: int) -> list[dict]:
+def run_case(cfg: dict, path: Path, timeout: int, log_tail: int = 0) -> list[dict]:
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     code = f"import sys; from trinity.cli.commands import run; sys.exit(run({str(path)!r}, []))"
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=dict(os.environ), text=True,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=timeout)
+    if log_tail:
+        print("\n".join(proc.stdout.splitlines()[-log_tail:]), flush=True)
     if proc.returncode != 0:
         print(proc.stdout[-3000:])
         raise SystemExit(f"case {path.stem} failed with exit code {proc.returncode}")
@@ -68,7 +71,7 @@ def run_case(cfg: dict, path: Path, timeout: int) -> list[dict]:
 
 
 def summarize(rows: list[dict]) -> dict[str, float]:
-    steady = rows[1:] or rows
+    steady = [r for r in rows[1:] if not r.get("profiled")] or rows
     keys = {k for r in steady for k in r if k.startswith(("time/", "tokens_per_s/", "mem/")) or k == "step_time_s"}
     med = {k: statistics.median(r[k] for r in steady if k in r) for k in keys}
     med.update({k: max(r[k] for r in rows if k in r) for k in keys if k.endswith("_peak_gib")})
@@ -101,6 +104,9 @@ def main() -> None:
     ap.add_argument("--response-length", type=int, default=128)
     ap.add_argument("--micro", type=int, default=8)
     ap.add_argument("--timeout", type=int, default=400, help="seconds per case")
+    ap.add_argument("--profile-step", type=int, default=None,
+                    help="trainer.profile_step: profile this step of each case and print rank 0's GPU time per kind")
+    ap.add_argument("--log-tail", type=int, default=0, help="print this many last lines of each job's output")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
 
@@ -123,7 +129,12 @@ def main() -> None:
                     name = f"{algo}_{gpus}gpu_offload-{off}"
                     cfg = job(model, prompts, root / name, algo=algo, gpus=gpus, layout=args.layout,
                               offload=off == "yes", args=args)
-                    med = summarize(run_case(cfg, root / f"{name}.yaml", args.timeout))
+                    med = summarize(run_case(cfg, root / f"{name}.yaml", args.timeout, args.log_tail))
+                    if args.profile_step:
+                        from trinity.trainer.profiling import summary_path
+
+                        print(f"--- {name}, rank 0")
+                        print(summary_path(root / name, args.profile_step, 0).read_text(), flush=True)
                     # Per rank, as the metrics are: DP ranks each decode their prompts with every weight;
                     # TP ranks decode all prompts with half the weights each.
                     tp = 2 if gpus == 2 and args.layout == "tp" else 1

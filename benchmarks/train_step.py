@@ -235,7 +235,8 @@ def run_case(cfg_dir: Path, case: Case, device: torch.device, dtype: torch.dtype
     if args.profile:
         tag = f"{case.engine}-{case.recompute}-{case.compile}-{case.packed}-{case.optimizer}"
         print(f"--- profile {tag}", flush=True)
-        profile_step(step, device, args.profile / f"trace-{tag}.json" if args.profile.is_dir() else None)
+        profile_step(step, device, args.profile / f"trace-{tag}.json" if args.profile.is_dir() else None,
+                     rows=args.profile_rows)
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
     del step
     return {"first_s": first, "step_s": sorted(times)[len(times) // 2], "peak_gib": peak}
@@ -256,6 +257,7 @@ def main() -> None:
     p.add_argument("--optimizer", default="torch-fused", help="comma list of torch-fused, trainer, megatron-stock")
     p.add_argument("--chunk-tokens", type=int, default=None, help="ours: log-probs over chunks of this many tokens")
     p.add_argument("--profile", type=Path, default=None, help="profile one step per case; a folder gets traces")
+    p.add_argument("--profile-rows", type=int, default=30, help="--profile: how many top kernels/ops to list")
     p.add_argument("--json", type=Path, default=None, help="also write the rows here")
     args = p.parse_args()
 

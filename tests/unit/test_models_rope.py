@@ -39,3 +39,21 @@ def test_install_makes_megatron_use_fused_rope_and_thd_fails_clearly():
             rope_utils.fused_apply_rotary_pos_emb_thd(torch.zeros(1), None, None)
     with pytest.raises(ValueError, match="interleaved"):
         rope.fused_rope(torch.zeros(2, 1, 1, 4), torch.zeros(2, 1, 1, 4), interleaved=True)
+
+
+def test_cos_sin_are_computed_once_per_rotary_table_tensor():
+    """Eager layers share megatron's (lru-cached) table: its cos/sin are computed on the first layer
+    only; another table tensor, even with the same values, gets its own."""
+    from trinity.models import rope
+
+    rope._tables.clear()
+    freqs = torch.rand(6, 1, 1, 4) * 50
+    first = rope._cos_sin(freqs)
+    assert rope._cos_sin(freqs)[0] is first[0] and len(rope._tables) == 1
+    torch.testing.assert_close(first[0], torch.cos(freqs), rtol=0, atol=0)
+    torch.testing.assert_close(first[1], torch.sin(freqs), rtol=0, atol=0)
+    other = freqs.clone()
+    assert rope._cos_sin(other)[0] is not first[0] and len(rope._tables) == 2
+    t = torch.randn(6, 2, 3, 8, requires_grad=True)
+    rope.fused_rope(t, freqs).sum().backward()  # forward and backward take the cached table
+    assert len(rope._tables) == 2 and t.grad is not None
