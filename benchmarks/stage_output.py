@@ -46,7 +46,7 @@ def main() -> None:
     from trinity.models.build import build_model, packed_attention
     from trinity.models.facts import ModelFacts
     from trinity.models.logprobs import stage_output
-    from trinity.trainer.setup import wrap_ddp
+    from trinity.trainer.engine.setup import wrap_ddp
 
     dev = torch.device(args.device)
     cpu_compat.enable() if dev.type == "cpu" else cpu_compat.disable()

@@ -18,7 +18,7 @@ tokens/s is the fair comparison); --packed names the kernel of the packed rows (
 and, with `--optimizer torch-fused` (the default), torch's fused AdamW over them (fp32 on CPU).
 `--optimizer trainer` steps ours as `trinity run` does: megatron-core DDP (fp32 grad buffer), its
 mixed-precision optimizer (fp32 master weights, gradient clipping at 1.0) on the fused kernels of
-`trinity.trainer.fused_optimizer`; `megatron-stock` is the same with megatron-core's own fallbacks
+`trinity.trainer.engine.fused_optimizer`; `megatron-stock` is the same with megatron-core's own fallbacks
 without TE/apex (foreach AdamW, a host sync per parameter in the gradient norm).
 ours takes the loss through `trinity.models.logprobs` (chunked, no full-vocabulary fp32 logits), HF
 through its own loss. Peak memory = torch.cuda.max_memory_allocated, reset per case. Warm-up steps
@@ -144,7 +144,7 @@ def trainer_optimizer(model: Any, megatron: Any, dtype: torch.dtype, stock: bool
     caller keeps calling: DDP's grad hooks are on its params)."""
     from trinity.config.schema import OptimConfig
     from trinity.testing.optim_checks import megatron_stock
-    from trinity.trainer.setup import build_train_state
+    from trinity.trainer.engine.setup import build_train_state
 
     with megatron_stock() if stock else contextlib.nullcontext():
         state = build_train_state([model], megatron, OptimConfig(lr=1e-5, weight_decay=0.0, clip_grad=1.0),

@@ -1,5 +1,5 @@
 """The trainer's optimizer on CUDA: torch's fused AdamW and the multi-tensor norm / scale of
-trinity.trainer.fused_optimizer step bf16 params (fp32 master weights) as megatron-core's stock
+trinity.trainer.engine.fused_optimizer step bf16 params (fp32 master weights) as megatron-core's stock
 fallbacks do."""
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def test_fused_optimizer_matches_megatron_stock_on_cuda(cuda_tiny, distributed):
 
 @pytest.mark.parametrize("tied", [True, False])
 def test_weight_gradients_accumulate_into_the_fp32_buffer(tmp_path, tied):
-    """trinity.trainer.grad_fusion: eager CUDA linear layers add their weight gradients into DDP's fp32
+    """trinity.trainer.engine.grad_fusion: eager CUDA linear layers add their weight gradients into DDP's fp32
     buffer inside the GEMM. Over two micro batches the buffer equals DDP's own path (bf16 gradients
     added by its hook) to bf16 rounding, and a tied output layer is left to DDP's hook (the embedding's
     gradient of the same weight would be lost otherwise)."""
@@ -69,7 +69,7 @@ def test_weight_gradients_accumulate_into_the_fp32_buffer(tmp_path, tied):
     from trinity.models.facts import ModelFacts
     from trinity.testing.optim_checks import TOKENS, no_grad_fusion
     from trinity.testing.tiny_models import make_tiny_hf_model
-    from trinity.trainer.setup import wrap_ddp
+    from trinity.trainer.engine.setup import wrap_ddp
 
     cpu_compat.disable()
     path = make_tiny_hf_model("qwen2", tmp_path, tie_word_embeddings=tied)

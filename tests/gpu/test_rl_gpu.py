@@ -39,12 +39,13 @@ def _state(facts, path):
     from trinity.config.schema import OptimConfig
     from trinity.convert.builtin import load_hf_weights
     from trinity.models.build import build_model
-    from trinity.trainer.setup import build_train_state
+    from trinity.config.roles import Role
+    from trinity.trainer.engine import RoleEngine
 
     m = MegatronConfig()
     chunks = build_model(facts, m, device="cuda", dtype=torch.bfloat16)
     load_hf_weights(chunks, path, facts)
-    return build_train_state(chunks, m, OptimConfig(lr=1e-5, weight_decay=0.0), dtype=torch.bfloat16, total_steps=10)
+    return RoleEngine(Role.actor, chunks, m, OptimConfig(lr=1e-5, weight_decay=0.0), dtype=torch.bfloat16, total_steps=10)
 
 
 def _phase(name: str, log: dict, fn):
@@ -59,9 +60,9 @@ def _phase(name: str, log: dict, fn):
 def _run(facts, path, offload: bool, steps: int = 2):
     from trinity.config.schema import ActorConfig
     from trinity.rollout.generate import SamplingParams, generate
-    from trinity.trainer.offload import RoleOffloader
-    from trinity.trainer.rl_update import Experience, actor_update
-    from trinity.trainer.roles import infer_logprobs
+    from trinity.trainer.engine.offload import RoleOffloader
+    from trinity.trainer.recipes.rl_update import Experience, actor_update
+    from trinity.trainer.recipes.rollout_forward import infer_logprobs
 
     state = _state(facts, path)
     off = RoleOffloader(state.model, state.optimizer, param_offload=offload, grad_offload=offload, optimizer_offload=offload)

@@ -204,7 +204,7 @@ def test_rl_forward_over_left_padded_rows_equals_the_rollout_mask(tp1, tiny_dir)
     """The RL roles' forward (prompt padding and the sequence as two packed documents) gives the real
     tokens the logits of the rollout's own padding mask."""
     from trinity.rollout.generate import attention_mask
-    from trinity.trainer.roles import forward_output
+    from trinity.trainer.recipes.rollout_forward import forward_output
 
     (model,) = _build(ModelFacts.from_hf_dir(tiny_dir("qwen2")))
     model.eval()

@@ -32,7 +32,7 @@ def _worker(rank: int, port: int, model_dir: str, out: str) -> None:
     from trinity.distributed.parallel import destroy
     from trinity.models.facts import ModelFacts
     from trinity.rollout.generate import SamplingParams, generate
-    from trinity.trainer.roles import infer_logprobs
+    from trinity.trainer.recipes.rollout_forward import infer_logprobs
 
     facts = ModelFacts.from_hf_dir(model_dir)
     try:

@@ -50,7 +50,7 @@ def _worker(rank: int, port: int, model_dir: str, out: str, device: str) -> None
     os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     from trinity.distributed.parallel import destroy
     from trinity.models.facts import ModelFacts
-    from trinity.trainer.roles import infer_logprobs
+    from trinity.trainer.recipes.rollout_forward import infer_logprobs
 
     facts = ModelFacts.from_hf_dir(model_dir)
     try:

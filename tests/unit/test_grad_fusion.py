@@ -1,11 +1,11 @@
-"""trinity.trainer.grad_fusion on CPU: the apex-contract GEMM for half-precision buffers, and CPU
+"""trinity.trainer.engine.grad_fusion on CPU: the apex-contract GEMM for half-precision buffers, and CPU
 chunks left to DDP's hook (the fp32-output GEMM is CUDA-only; tests/gpu/test_optimizer_gpu.py runs it)."""
 
 from __future__ import annotations
 
 import torch
 
-from trinity.trainer.grad_fusion import TorchWgradGemm
+from trinity.trainer.engine.grad_fusion import TorchWgradGemm
 
 
 def test_half_precision_buffer_accumulates_the_weight_gradient():
@@ -25,7 +25,7 @@ def test_cpu_chunks_keep_ddp_hooks(tmp_path):
     from trinity.models.build import build_model
     from trinity.models.facts import ModelFacts
     from trinity.testing.tiny_models import make_tiny_hf_model
-    from trinity.trainer.setup import wrap_ddp
+    from trinity.trainer.engine.setup import wrap_ddp
 
     facts = ModelFacts.from_hf_dir(make_tiny_hf_model("qwen2", tmp_path))
     init_parallel(device="cpu", layout=ParallelLayout(), seed=1)

@@ -8,7 +8,7 @@ import torch
 from trinity.config.megatron import MegatronConfig
 from trinity.config.schema import ActorConfig, OptimConfig
 from trinity.rollout.generate import SamplingParams, generate
-from trinity.trainer.offload import RoleOffloader, optimizer_tensors
+from trinity.trainer.engine.offload import RoleOffloader, optimizer_tensors
 
 PROMPTS = [[5, 6, 7, 8], [9, 10], [11, 12, 13], [14]]
 
@@ -21,18 +21,19 @@ def facts_path(tiny_qwen2_tp1):
 def _state(facts, path, distributed: bool):
     from trinity.convert.builtin import load_hf_weights
     from trinity.models.build import build_model
-    from trinity.trainer.setup import build_train_state
+    from trinity.config.roles import Role
+    from trinity.trainer.engine import RoleEngine
 
     m = MegatronConfig(use_distributed_optimizer=distributed)
     chunks = build_model(facts, m, device="cpu", dtype=torch.float32)
     load_hf_weights(chunks, path, facts)
-    return build_train_state(chunks, m, OptimConfig(lr=1e-3, weight_decay=0.0), dtype=torch.float32, total_steps=10)
+    return RoleEngine(Role.actor, chunks, m, OptimConfig(lr=1e-3, weight_decay=0.0), dtype=torch.float32, total_steps=10)
 
 
 def _steps(facts, path, offload: bool, distributed: bool = True, n: int = 3) -> list[float]:
     """n GRPO-like steps (rollout, old log-probs, actor update) with every part offloaded between phases."""
-    from trinity.trainer.rl_update import Experience, actor_update
-    from trinity.trainer.roles import infer_logprobs
+    from trinity.trainer.recipes.rl_update import Experience, actor_update
+    from trinity.trainer.recipes.rollout_forward import infer_logprobs
 
     state = _state(facts, path, distributed)
     off = RoleOffloader(state.model, state.optimizer, param_offload=offload, grad_offload=offload, optimizer_offload=offload)

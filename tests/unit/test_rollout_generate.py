@@ -64,7 +64,7 @@ def test_greedy_matches_hf_and_unpadded(model):
 
 
 def test_rollout_logprobs_equal_training_forward(model):
-    from trinity.trainer.roles import infer_logprobs
+    from trinity.trainer.recipes.rollout_forward import infer_logprobs
 
     gpt, facts, _ = model
     g = torch.Generator().manual_seed(0)

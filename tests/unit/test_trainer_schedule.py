@@ -1,4 +1,4 @@
-"""trinity.trainer.setup: the LR schedule against its closed form, and grad clipping as the real
+"""trinity.trainer.engine.setup: the LR schedule against its closed form, and grad clipping as the real
 megatron-core optimizer applies it (world size 1 on CPU, gloo)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 
 from trinity.config.megatron import MegatronConfig
 from trinity.config.schema import OptimConfig
-from trinity.trainer.setup import build_scheduler
+from trinity.trainer.engine.setup import build_scheduler
 
 
 def _lrs(optim: OptimConfig, total_steps: int) -> dict[int, float]:
@@ -76,7 +76,7 @@ def cpu_world(tmp_path_factory):
 def _train_state(model_dir, optim: OptimConfig, megatron: MegatronConfig):
     from trinity.models.build import build_model
     from trinity.models.facts import ModelFacts
-    from trinity.trainer.setup import build_train_state
+    from trinity.trainer.engine.setup import build_train_state
 
     torch.manual_seed(3)
     chunks = build_model(ModelFacts.from_hf_dir(model_dir), megatron, device="cpu", dtype=torch.float32)

@@ -63,11 +63,13 @@ def write_resolved(cfg: JobConfig, path: Path) -> None:
 
 
 def prepare_weights(loaded: LoadedConfig, out: Path) -> None:
-    """The seeds' convert-then-launch flow: roles that load neither through mbridge nor from a dist
-    checkpoint get one converted from the HF model, cached under <output_dir>/mcore_cache/<fingerprint>
+    """The seeds' convert-then-launch flow: roles whose weight source is the HF folder
+    (`trinity.config.weights.weight_source`) get a dist checkpoint converted from it, cached under <output_dir>/mcore_cache/<fingerprint>
     and reused while the source is unchanged."""
+    from trinity.config.weights import WeightKind, job_roles, weight_source
+
     cfg = loaded.config
-    roles = [m for m in cfg.roles().values() if not m.use_mbridge and not m.use_dist_checkpointing]
+    roles = [r.megatron(cfg) for r in job_roles(cfg) if weight_source(cfg, r).kind is WeightKind.hf]
     if not roles:
         return
     from trinity.convert.dist_ckpt import source_fingerprint

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from trinity.config.megatron import MegatronConfig, RecomputeGranularity, RecomputeMethod, RecomputeModule
+from trinity.config.roles import Role
 from trinity.config.schema import JobConfig
 from trinity.models.facts import ModelFacts
 
@@ -168,7 +169,7 @@ def build_plan(cfg: JobConfig, facts: ModelFacts, warnings: list[str]) -> JobPla
             mbs = max(seqs // (micro * dp), 1)
         else:
             mbs = lay.num_microbatches(cfg.trainer.global_batch_size, micro, world)
-        trained = not path.endswith(".ref")
+        trained = Role.from_path(path).trained
         mem = estimate_memory(facts, m, world=world, seq=seq, micro=micro, microbatches=mbs, bytes_per_param=bpp,
                               trained=trained, value_head=path == "critic")
         roles.append(RolePlan(path=path, layout=lay.describe(world), dp=dp, microbatches=mbs, memory=mem))

@@ -1,5 +1,5 @@
 """Training steps through the trainer's optimizer, shared by the CPU and GPU tests of
-`trinity.trainer.fused_optimizer`."""
+`trinity.trainer.engine.fused_optimizer`."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 
 from trinity.config.megatron import MegatronConfig
 from trinity.config.schema import OptimConfig
-from trinity.trainer import fused_optimizer, grad_fusion
+from trinity.trainer.engine import fused_optimizer, grad_fusion
 
 TOKENS = [[3, 9, 27, 81, 4, 12, 36, 8], [5, 25, 7, 49, 11, 13, 17, 19]]
 
@@ -50,7 +50,7 @@ def trainer_steps(facts: Any, path: Path, *, device: str, dtype: torch.dtype, di
     Adams inside, the grad norms, the parameters before, the parameters after)."""
     from trinity.convert.builtin import load_hf_weights
     from trinity.models.build import build_model
-    from trinity.trainer.setup import build_train_state
+    from trinity.trainer.engine.setup import build_train_state
 
     m = MegatronConfig(use_distributed_optimizer=distributed)
     chunks = build_model(facts, m, device=device, dtype=dtype)

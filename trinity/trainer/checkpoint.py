@@ -1,15 +1,24 @@
-"""Training checkpoints: atomic, keep-last-K, resumable.
+"""Training checkpoints of any recipe: atomic, keep-last-K, resumable. One manager for every
+algorithm, over a dict of role engines plus the data position.
 
-A checkpoint is a trinity dist checkpoint (`trinity.convert.dist_ckpt`: model + optimizer in
-megatron-core dist_checkpointing, reshardable to any layout, with the HF config/tokenizer under hf/)
-plus what resuming needs:
-- in `extra` (saved once by rank 0): step, data position, LR-schedule state, world size;
-- `rng/rank_<r>.pt`: each rank's RNG states (dropout streams differ per TP/PP rank).
+    checkpoints/step_N/<role>/   each trained role's model + optimizer (a trinity dist checkpoint,
+                                 reshardable to any layout, HF config/tokenizer under hf/); a recipe with
+                                 one trained role may put it at step_N/ itself (SFT: the step folder is
+                                 then what `trinity convert mcore-to-hf` reads)
+    checkpoints/step_N/rng/rank_<r>.pt   each rank's RNG states, as tensors (dropout streams differ per
+                                 TP/PP rank), loaded with torch.load(weights_only=True)
+    checkpoints/step_N/resolved_config.yaml   the job config that wrote it (resume compares it)
+    checkpoints/step_N/complete
 
-Protocol: everything is written into `step_N.tmp/`; then rank 0 writes the `complete` marker and
-renames the folder to `step_N/`. `resume: auto` only considers `step_N/` folders with the marker, so a
-run killed at any moment resumes from the last checkpoint that was fully written. Older checkpoints
-beyond `keep_last` are deleted only after a newer one is complete.
+In the `extra` of every role's checkpoint (saved once by rank 0): step, data position, LR-schedule
+state of every trained role, world size. The frozen ref is not saved: it is the initial model,
+reloaded from the job's weight source on resume.
+
+Protocol: everything is written into `step_N.tmp/` (a stale one from a killed run is cleared first);
+then rank 0 writes the `complete` marker and renames the folder to `step_N/`. `resume: auto` only
+considers `step_N/` folders with the marker, so a run killed at any moment resumes from the last
+checkpoint that was fully written. Older checkpoints beyond `keep_last` are deleted only after a newer
+one is complete.
 """
 
 from __future__ import annotations
@@ -25,12 +34,12 @@ from typing import Any
 
 import numpy as np
 import torch
+import yaml
 
-from trinity.distributed import cpu_compat
 from trinity.errors import UserError
-from trinity.trainer import fused_optimizer
 
 COMPLETE = "complete"
+CONFIG_FILE = "resolved_config.yaml"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 # Fault injection for tests, `<step>:<seconds>`: sleep after checkpoint <step>'s data is written,
 # before it is marked complete (a test kills the job in that window).
@@ -40,10 +49,6 @@ PAUSE_ENV = "TRINITY_TEST_CKPT_PAUSE_S"
 def _pause_s(step: int) -> float:
     at, _, seconds = os.environ.get(PAUSE_ENV, "").partition(":")
     return float(seconds) if at.strip() == str(step) and seconds else 0.0
-
-
-# The CPU accommodation of checkpoint I/O (a no-op off CPU); the name rl_checkpoint imports.
-_cpu_mode = cpu_compat.checkpoint_io
 
 
 def _rank() -> int:
@@ -60,11 +65,16 @@ def _barrier() -> None:
 
 
 def rng_state() -> dict[str, Any]:
+    """Every RNG stream of this rank as tensors and plain values, so that loading it needs no
+    unpickling of arbitrary objects (torch.load(weights_only=True))."""
     from megatron.core import tensor_parallel
 
+    version, mt, gauss = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state()
     state = {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        "python": {"version": version, "state": torch.tensor(mt, dtype=torch.int64), "gauss": gauss},
+        "numpy": {"name": name, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
         "torch": torch.get_rng_state(),
         "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
     }
@@ -76,99 +86,32 @@ def rng_state() -> dict[str, Any]:
 def set_rng_state(state: dict[str, Any]) -> None:
     from megatron.core import tensor_parallel
 
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    py = state["python"]
+    random.setstate((py["version"], tuple(int(v) for v in py["state"].tolist()), py["gauss"]))
+    npy = state["numpy"]
+    np.random.set_state((npy["name"], npy["keys"].numpy().astype(np.uint32), npy["pos"], npy["has_gauss"],
+                         npy["cached_gaussian"]))
     torch.set_rng_state(state["torch"])
     tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
 
 
-class ReshardableOptimizer:
-    """The optimizer as dist_ckpt sees it: its sharded state in the `fully_reshardable` format.
-
-    megatron-core 0.16's default for the distributed optimizer (`fully_sharded_model_space`) uses
-    flattened ranges that the torch_dist writer refuses; `fully_reshardable` saves each parameter's
-    state in its model shape, so a checkpoint resumes under any TP/PP/DP layout.
-    """
-
-    METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
-
-    def __init__(self, optimizer: Any):
-        self.optimizer = optimizer
-
-    def sharded_state_dict(self, model_sharded_state_dict: Any, is_loading: bool = False) -> Any:
-        if is_loading:
-            _init_empty_adam_states(self.optimizer)
-        return self.optimizer.sharded_state_dict(model_sharded_state_dict, is_loading=is_loading, metadata=self.METADATA)
-
-    def load_state_dict(self, state_dict: Any) -> None:
-        """Without apex/TE, torch AdamW keeps a `step` in each param's state, which megatron-core
-        0.16.1 restores from the param groups but then also expects among the loaded per-param
-        tensors (KeyError: 'step' in _set_main_param_and_optimizer_states). Supply the already
-        restored step there, for the duration of this call only."""
-        fused = any(g.get("fused") for inner in fused_optimizer.torch_adams(self.optimizer) for g in inner.param_groups)
-        patched = [o for o in _chain(self.optimizer) if hasattr(o, "_set_main_param_and_optimizer_states")]
-        for opt in patched:
-            opt._set_main_param_and_optimizer_states = _keep_step(opt, opt._set_main_param_and_optimizer_states)
-        try:
-            self.optimizer.load_state_dict(state_dict)
-        finally:
-            for opt in patched:
-                del opt._set_main_param_and_optimizer_states  # back to the class method
-        _unshare_steps(self.optimizer)
-        if fused:  # torch's load_state_dict took the saved groups' flags
-            fused_optimizer.use_fused_adamw(self.optimizer)
+def save_rng(path: Path) -> None:
+    torch.save(rng_state(), path)
 
 
-def _unshare_steps(optimizer: Any) -> None:
-    """megatron-core restores torch AdamW's per-param `step` as ONE tensor object shared by every
-    param; torch then increments it once per param per step, corrupting the bias correction of all
-    steps after a resume. Give each param its own copy."""
-    for opt in _chain(optimizer):
-        inner = getattr(opt, "optimizer", None)
-        if isinstance(inner, torch.optim.Optimizer):
-            for state in inner.state.values():
-                if isinstance(state.get("step"), torch.Tensor):
-                    state["step"] = state["step"].clone()
+def load_rng(path: Path) -> bool:
+    """Restore this rank's RNG from `path`; False (RNG left as seeded) for a file of the older pickled
+    format, which is not loaded: unpickling it could run code."""
+    import pickle
 
-
-def _chain(optimizer: Any) -> list[Any]:
-    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
-
-
-def _keep_step(opt: Any, original: Any) -> Any:
-    def set_states(model_param: Any, tensors: dict[str, Any]) -> None:
-        if "step" not in tensors:
-            group, order = opt.model_param_group_index_map[model_param]
-            main_param = opt.optimizer.param_groups[group]["params"][order]
-            step = opt.optimizer.state[main_param].get("step")
-            if step is not None:
-                tensors = {**tensors, "step": step.clone()}
-        original(model_param, tensors)
-
-    return set_states
-
-
-def _init_empty_adam_states(optimizer: Any) -> None:
-    """Give a fresh torch Adam(W) zero states, `step` included, before a checkpoint is loaded into it.
-
-    Without apex/TE, megatron-core's DistributedOptimizer.state_dict() reads `step` from every
-    param's state, but its init_state_fn only creates exp_avg/exp_avg_sq; the loaded checkpoint
-    overwrites all of these values.
-    """
-    for opt in _chain(optimizer):
-        inner = getattr(opt, "optimizer", None)
-        if not isinstance(inner, torch.optim.Optimizer):
-            continue
-        for group in inner.param_groups:
-            for p in group["params"]:
-                state = inner.state[p]
-                if not state:  # fused Adam keeps its step as a float32 tensor beside the param
-                    state["step"] = (torch.zeros((), dtype=torch.float32, device=p.device) if group.get("fused")
-                                     else torch.tensor(0.0))
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    try:
+        state = torch.load(path, weights_only=True)
+    except pickle.UnpicklingError:
+        return False
+    set_rng_state(state)
+    return True
 
 
 def complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
@@ -183,10 +126,25 @@ def complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
 
 
 class CheckpointManager:
-    """Saves and finds the checkpoints of one run under `root` (<output_dir>/checkpoints)."""
+    """Saves and finds the checkpoints of one run under `root` (<output_dir>/checkpoints).
 
-    def __init__(self, root: Path, *, keep_last: int, is_rank0: bool, hf_dir: str | Path | None = None):
+    `engines`: the recipe's role engines by name (only trained ones are saved); `data`: the data
+    position (state_dict / load_state_dict); `flat`: the single trained role's checkpoint is the step
+    folder itself; `config`: the job config as a plain dict, stored beside each checkpoint."""
+
+    def __init__(
+        self, root: Path, *, keep_last: int, is_rank0: bool, engines: dict[str, Any], data: Any,
+        hf_dir: str | Path | None = None, flat: bool = False, config: dict[str, Any] | None = None,
+    ):
         self.root, self.keep_last, self.is_rank0, self.hf_dir = Path(root), keep_last, is_rank0, hf_dir
+        self.engines = {name: e for name, e in engines.items() if e.trained}
+        self.data, self.config = data, config
+        self.flat = flat
+        if flat and len(self.engines) != 1:
+            raise ValueError("a flat checkpoint holds exactly one trained role")
+
+    def _role_dir(self, step_dir: Path, name: str) -> Path:
+        return step_dir if self.flat else step_dir / name
 
     def resume_path(self, resume: str) -> Path | None:
         """The checkpoint to resume from: `auto` (newest complete one, or none), `disable`, or a folder."""
@@ -200,25 +158,26 @@ class CheckpointManager:
             raise UserError(f"trainer.resume: {path} is not a complete training checkpoint (no {COMPLETE} marker)")
         return path
 
-    def save(self, step: int, state: Any, data: Any) -> Path:
+    def save(self, step: int) -> Path:
         """Write checkpoint `step` (all ranks call); returns its final folder."""
-        from trinity.convert.dist_ckpt import save_model_checkpoint
-
         final = self.root / f"step_{step}"
         tmp = self.root / f"step_{step}.tmp"
+        if self.is_rank0 and tmp.exists():  # left by a run killed while saving
+            shutil.rmtree(tmp)
+        _barrier()
         extra = {
-            "step": step,
-            "data": data.state_dict(),
-            "scheduler": state.scheduler.state_dict(),
-            "world_size": _world(),
+            "step": step, "data": self.data.state_dict(), "world_size": _world(),
+            "schedulers": {name: e.scheduler.state_dict() for name, e in self.engines.items()},
         }
-        with cpu_compat.checkpoint_io():
-            save_model_checkpoint(
-                state.model, tmp, hf_dir=self.hf_dir, extra_common=extra, optimizer=ReshardableOptimizer(state.optimizer), force=True,
-                meta={"kind": "training", "step": step},
-            )
-        (tmp / "rng").mkdir(exist_ok=True)
-        torch.save(rng_state(), tmp / "rng" / f"rank_{_rank()}.pt")
+        for name, engine in self.engines.items():
+            engine.save(self._role_dir(tmp, name), hf_dir=self.hf_dir, extra=extra,
+                        meta={"kind": "training", "role": name, "step": step})
+        if self.is_rank0:
+            (tmp / "rng").mkdir(exist_ok=True)
+            if self.config is not None:
+                (tmp / CONFIG_FILE).write_text(yaml.safe_dump(self.config, sort_keys=False), encoding="utf-8")
+        _barrier()
+        save_rng(tmp / "rng" / f"rank_{_rank()}.pt")
         _barrier()
         time.sleep(_pause_s(step))
         if self.is_rank0:
@@ -234,21 +193,27 @@ class CheckpointManager:
         for _, path in complete_checkpoints(self.root)[: -self.keep_last]:
             shutil.rmtree(path, ignore_errors=True)
 
-    def load(self, path: Path, state: Any, data: Any) -> int:
-        """Restore model, optimizer, schedule, data position and RNG from `path`; returns its step."""
-        from trinity.convert.dist_ckpt import load_model_checkpoint
-
-        with cpu_compat.checkpoint_io():
-            extra = load_model_checkpoint(state.model, path, optimizer=ReshardableOptimizer(state.optimizer))
+    def load(self, path: Path) -> int:
+        """Restore every trained role (model, optimizer, schedule), the data position and the RNG from
+        `path`; returns its step."""
+        extra: dict[str, Any] = {}
+        for name, engine in self.engines.items():
+            role_dir = self._role_dir(path, name)
+            if not role_dir.is_dir():
+                raise UserError(f"trainer.resume: {path} has no {name}/ checkpoint (was it written by another algorithm?)")
+            extra = engine.load(role_dir)
+            schedulers = extra.get("schedulers") or ({name: extra["scheduler"]} if "scheduler" in extra else {})
+            if name not in schedulers:
+                raise UserError(f"trainer.resume: {path} is not a training checkpoint of this job (no {name} schedule in it)")
+            engine.scheduler.load_state_dict(schedulers[name])
         try:
             step = int(extra["step"])
-            data.load_state_dict(extra["data"])
-            state.scheduler.load_state_dict(extra["scheduler"])
+            self.data.load_state_dict(extra["data"])
         except KeyError as exc:
             raise UserError(f"trainer.resume: {path} is not a training checkpoint (no {exc} in it)") from None
         rng_file = path / "rng" / f"rank_{_rank()}.pt"
         if int(extra.get("world_size", -1)) == _world() and rng_file.is_file():
-            set_rng_state(torch.load(rng_file, weights_only=False))
+            load_rng(rng_file)
         return step
 
 

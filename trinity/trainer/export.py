@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from trinity.trainer.registry import WorkerContext
+from trinity.trainer.context import WorkerContext
 
 
 def export_hf(ctx: WorkerContext, chunks: list[Any]) -> Path:

@@ -1,5 +1,7 @@
-"""Per-step metrics on rank 0: metrics.jsonl (every step), a console line every log_interval steps,
-a rich progress bar when the user watches a terminal, and TensorBoard when it is installed and asked for."""
+"""Per-step metrics on rank 0, for every recipe: metrics.jsonl (every step), a console line every
+log_interval steps (the recipe says what it shows; the logger adds elapsed time and ETA), a rich
+progress bar when the user watches a terminal, and TensorBoard (finite numbers only) when it is
+installed and asked for."""
 
 from __future__ import annotations
 
@@ -8,8 +10,9 @@ import math
 import os
 import resource
 import sys
+import time
 from pathlib import Path
-from typing import Any, Mapping, TextIO
+from typing import Any, Callable, Mapping, TextIO
 
 import torch
 
@@ -36,6 +39,12 @@ def peak_memory_gib(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # ru_maxrss is KiB on Linux
+
+
+def hms(seconds: float) -> str:
+    """0:00:07, 1:02:03 (hours unbounded)."""
+    s = max(int(round(seconds)), 0)
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
 
 
 def _fmt(value: Any) -> str:
@@ -81,8 +90,14 @@ class MetricsLogger:
         start_step: int,
         log_interval: int,
         tensorboard: bool,
+        line: Callable[[dict[str, Any]], list[str]] | None = None,
     ):
+        """`line(metrics)`: the parts of a step's console line after `step i/N` (the first also labels
+        the progress bar); SFT's by default."""
         self.enabled, self.log_interval, self.total_steps = enabled, log_interval, total_steps
+        self.line = line or sft_line
+        self.start_step = start_step
+        self._t0 = time.perf_counter()
         self.first: dict[str, Any] | None = None
         self.last: dict[str, Any] | None = None
         self._file = None
@@ -129,15 +144,20 @@ class MetricsLogger:
             for key, value in metrics.items():
                 if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
                     self._tb.add_scalar(f"train/{key}", value, step)
-        line = (
-            f"step {step}/{self.total_steps} | loss {_fmt(metrics['loss'])} | lr {_fmt(metrics['lr'])} | "
-            f"grad_norm {_fmt(metrics['grad_norm'])} | {metrics['tokens_per_s']:.0f} tok/s | "
-            f"{metrics['step_time_s']:.3f} s/step | mem {metrics['mem_peak_gib']:.2f} GiB"
-        ) + (" | profiled" if metrics.get("profiled") else "")
+        parts = self.line(metrics)
         if self._progress is not None:
-            self._progress.update(self._task, completed=step, info=f"loss {_fmt(metrics['loss'])}", refresh=True)
+            self._progress.update(self._task, completed=step, info=parts[0] if parts else "", refresh=True)
         if step % self.log_interval == 0 or step == self.total_steps:
-            self.print(line)
+            self.print(" | ".join([f"step {step}/{self.total_steps}", *parts, *self._timing(step)]
+                                  + (["profiled"] if metrics.get("profiled") else [])))
+
+    def _timing(self, step: int) -> list[str]:
+        """Elapsed time of this run (since the logger started) and the time the remaining steps take at
+        this run's mean pace so far."""
+        elapsed = time.perf_counter() - self._t0
+        done = step - self.start_step
+        eta = elapsed / done * (self.total_steps - step) if done > 0 else 0.0
+        return [f"elapsed {hms(elapsed)}", f"eta {hms(eta)}"]
 
     def print(self, text: str) -> None:
         if not self.enabled:
@@ -154,6 +174,13 @@ class MetricsLogger:
             self._tb.close()
         if self._file is not None:
             self._file.close()
+
+
+def sft_line(metrics: dict[str, Any]) -> list[str]:
+    return [
+        f"loss {_fmt(metrics['loss'])}", f"lr {_fmt(metrics['lr'])}", f"grad_norm {_fmt(metrics['grad_norm'])}",
+        f"{metrics['tokens_per_s']:.0f} tok/s", f"{metrics['step_time_s']:.3f} s/step", f"mem {metrics['mem_peak_gib']:.2f} GiB",
+    ]
 
 
 def _keep_steps_up_to(path: Path, step: int) -> None:

@@ -1,8 +1,9 @@
 """Entry point of every rank: `python -m trinity.trainer.worker <resolved_config.yaml>`.
 
-Parse, set up the parallel state, build and load the actor, run the algorithm's loop, and always
-tear the process groups down. A UserError on any rank ends the job with one clean line (printed by
-the rank that hit it; torchrun shows rank 0) and exit code 2; anything else is a bug with a traceback.
+Parse, set up the parallel state, run the algorithm's recipe in the training loop (the recipe builds
+its role engines), and always tear the process groups down. A UserError on any rank ends the job with
+one clean line (printed by the rank that hit it; torchrun shows rank 0) and exit code 2; anything else
+is a bug with a traceback.
 """
 
 from __future__ import annotations
@@ -10,7 +11,6 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import Any
 
 from trinity.errors import UserError
 
@@ -19,42 +19,20 @@ def _rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
-def build_actor(loaded: Any, device: str, dtype: Any) -> list[Any]:
-    """The actor's GPTModel chunks on `device`, with weights from mbridge or the dist checkpoint."""
-    from trinity.models.build import build_model
-
-    cfg = loaded.config
-    megatron = cfg.actor_rollout_ref.actor.megatron
-    chunks = build_model(loaded.facts, megatron, device=device, dtype=dtype)
-    if megatron.use_mbridge:
-        from trinity.convert.mbridge_adapter import load_weights
-
-        load_weights(chunks, cfg.model.path, loaded.facts)
-    elif megatron.use_dist_checkpointing:
-        from trinity.convert.dist_ckpt import load_model_checkpoint
-
-        if not megatron.dist_checkpointing_path:
-            raise UserError("actor_rollout_ref.actor.megatron.dist_checkpointing_path: required with use_dist_checkpointing")
-        load_model_checkpoint(chunks, megatron.dist_checkpointing_path)
-    else:
-        from trinity.convert.builtin import load_hf_weights
-
-        load_hf_weights(chunks, cfg.model.path, loaded.facts)
-    return chunks
-
-
 def run_worker(config_path: str | Path) -> None:
     import torch
     import torch.distributed as dist
 
     from trinity.config.loader import load_config
     from trinity.distributed import parallel
-    from trinity.trainer.registry import WorkerContext, get_loop
-    from trinity.trainer.setup import training_dtype
+    from trinity.trainer.context import WorkerContext
+    from trinity.trainer.engine.setup import training_dtype
+    from trinity.trainer.loop import run
+    from trinity.trainer.recipes import get_recipe
 
     loaded = load_config(config_path, check_paths=True)
     cfg = loaded.config
-    loop = get_loop(cfg.algorithm.name.value)
+    recipe = get_recipe(cfg.algorithm.name.value)
     megatron = cfg.actor_rollout_ref.actor.megatron
     device_kind = cfg.cluster.device
     try:
@@ -64,12 +42,8 @@ def run_worker(config_path: str | Path) -> None:
         else:
             device = torch.device("cpu")
         dtype = training_dtype(cfg.model.dtype, device_kind)
-        actor = build_actor(loaded, device_kind, dtype)
-        ctx = WorkerContext(
-            loaded=loaded, device=device, dtype=dtype, actor=actor,
-            rank=dist.get_rank(), world_size=dist.get_world_size(),
-        )
-        loop(ctx)
+        ctx = WorkerContext(loaded=loaded, device=device, dtype=dtype, rank=dist.get_rank(), world_size=dist.get_world_size())
+        run(ctx, recipe)
     finally:
         parallel.destroy()
 

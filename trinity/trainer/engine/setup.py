@@ -49,12 +49,12 @@ def wrap_ddp(chunks: list[Any], megatron: MegatronConfig) -> list[Any]:
     """Wrap model chunks in megatron-core DDP (fp32 grad buffers; bucketing only on the first chunk,
     as megatron's training loop does, so VPP chunks after the first reduce in one bucket each). Eager
     CUDA layers then accumulate weight gradients straight into the fp32 buffers
-    (`trinity.trainer.grad_fusion`; compiled layers keep DDP's hook)."""
+    (`trinity.trainer.engine.grad_fusion`; compiled layers keep DDP's hook)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.utils import get_model_config
 
     from trinity.models.build import compile_scope
-    from trinity.trainer import grad_fusion
+    from trinity.trainer.engine import grad_fusion
 
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
@@ -74,10 +74,10 @@ def wrap_ddp(chunks: list[Any], megatron: MegatronConfig) -> list[Any]:
 
 def build_optimizer(model: list[Any], optim: OptimConfig, megatron: MegatronConfig, dtype: torch.dtype) -> Any:
     """megatron-core Adam(W) over the DDP chunks: fp32 master weights when params are bf16/fp16; on
-    torch's fused kernels where TE / apex are absent (`trinity.trainer.fused_optimizer`)."""
+    torch's fused kernels where TE / apex are absent (`trinity.trainer.engine.fused_optimizer`)."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    from trinity.trainer import fused_optimizer
+    from trinity.trainer.engine import fused_optimizer
 
     config = OptimizerConfig(
         optimizer="adam",

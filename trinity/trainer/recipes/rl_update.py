@@ -16,8 +16,8 @@ from typing import Any, Callable
 import torch
 
 from trinity.algorithms.losses import actor_loss, global_agg_denominator, value_loss
-from trinity.rollout.generate import Rollout
-from trinity.trainer.roles import forward_output, response_logprobs, response_values
+from trinity.rollout.types import Rollout
+from trinity.trainer.recipes.rollout_forward import forward_output, response_logprobs, response_values
 
 
 @dataclass
@@ -66,36 +66,25 @@ def _critic_loss_func(micro: dict, critic_cfg: Any, mode: Any, denom: torch.Tens
     return loss * scale, {"critic/vf_loss": loss.detach(), "critic/vf_clipfrac": m.vf_clipfrac, "critic/vpred_mean": m.vpred_mean}
 
 
-def _forward_step(loss_fn: Callable, data_iterator, model):
-    micro = next(data_iterator)
-    ro: Rollout = micro["rollout"]
-    output = forward_output(model, ro.tokens, ro.attention_pad_mask())
-    return output, partial(loss_fn, micro)
+class RolloutLoss:
+    """A `LossFn` over rollout micro batches: the whole-sequence forward, then `fn(micro, output=...)`."""
+
+    def __init__(self, fn: Callable):
+        self.fn = fn
+
+    def forward(self, chunk: Any, micro: dict[str, Any]) -> torch.Tensor:
+        ro: Rollout = micro["rollout"]
+        return forward_output(chunk, ro.tokens, ro.attention_pad_mask())
+
+    def __call__(self, micro: dict[str, Any], output: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
+        return self.fn(micro, output=output)
 
 
-def _one_update(state: Any, micros: list[dict], make_loss: Callable[[torch.Tensor, float], Callable], mode: Any) -> tuple[list[dict], float]:
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
+def _one_update(engine: Any, micros: list[dict], make_loss: Callable[[torch.Tensor, float], Callable], mode: Any) -> tuple[list[dict], float]:
     dp, group = _dp()
     denom = global_agg_denominator([m["rollout"].response_mask for m in micros], mode, group if dp > 1 else None)
-    scale = float(len(micros) * dp)
-    for chunk in state.model:
-        chunk.zero_grad_buffer()
-    state.optimizer.zero_grad()
-    ro0: Rollout = micros[0]["rollout"]
-    outputs = get_forward_backward_func()(
-        forward_step_func=partial(_forward_step, make_loss(denom, scale)),
-        data_iterator=iter(micros),
-        model=state.model[0],
-        num_microbatches=len(micros),
-        seq_length=ro0.tokens.shape[1],
-        micro_batch_size=ro0.tokens.shape[0],
-        forward_only=False,
-    )
-    ok, grad_norm, _ = state.optimizer.step()
-    if not ok:
-        raise RuntimeError("optimizer step skipped (non-finite gradients)")
-    return outputs, float(grad_norm if grad_norm is not None else float("nan"))
+    result = engine.train_batch(micros, RolloutLoss(make_loss(denom, float(len(micros) * dp))))
+    return result.outputs, result.grad_norm
 
 
 def _micro_batches(exp: Experience, start: int, end: int, micro: int) -> list[dict]:
@@ -122,7 +111,7 @@ def _reduce(records: list[dict], grad_norms: list[float], prefix: str) -> dict[s
 
 
 def update(
-    state: Any, exp: Experience, *, seqs_per_update: int, epochs: int, micro: int,
+    engine: Any, exp: Experience, *, seqs_per_update: int, epochs: int, micro: int,
     make_loss: Callable[[torch.Tensor, float], Callable], mode: Any, prefix: str,
 ) -> dict[str, float]:
     """`epochs` passes over this rank's sequences in mini-batches of `seqs_per_update`."""
@@ -131,25 +120,25 @@ def update(
     for _ in range(epochs):
         for start in range(0, exp.size, seqs_per_update):
             micros = _micro_batches(exp, start, min(start + seqs_per_update, exp.size), micro)
-            outputs, norm = _one_update(state, micros, make_loss, mode)
+            outputs, norm = _one_update(engine, micros, make_loss, mode)
             records.extend(outputs)
             norms.append(norm)
     return _reduce(records, norms, prefix)
 
 
-def actor_update(state: Any, exp: Experience, actor_cfg: Any, vocab_size: int, *, seqs_per_update: int, micro: int) -> dict[str, float]:
+def actor_update(engine: Any, exp: Experience, actor_cfg: Any, vocab_size: int, *, seqs_per_update: int, micro: int) -> dict[str, float]:
     def make(denom: torch.Tensor, scale: float) -> Callable:
         return partial(_actor_loss_func, actor_cfg=actor_cfg, vocab_size=vocab_size, denom=denom, scale=scale)
 
-    return update(state, exp, seqs_per_update=seqs_per_update, epochs=actor_cfg.ppo_epochs, micro=micro,
+    return update(engine, exp, seqs_per_update=seqs_per_update, epochs=actor_cfg.ppo_epochs, micro=micro,
                   make_loss=_kw_last(make), mode=actor_cfg.loss_agg_mode, prefix="actor")
 
 
-def critic_update(state: Any, exp: Experience, critic_cfg: Any, mode: Any, *, seqs_per_update: int, micro: int) -> dict[str, float]:
+def critic_update(engine: Any, exp: Experience, critic_cfg: Any, mode: Any, *, seqs_per_update: int, micro: int) -> dict[str, float]:
     def make(denom: torch.Tensor, scale: float) -> Callable:
         return partial(_critic_loss_func, critic_cfg=critic_cfg, mode=mode, denom=denom, scale=scale)
 
-    return update(state, exp, seqs_per_update=seqs_per_update, epochs=critic_cfg.ppo_epochs, micro=micro,
+    return update(engine, exp, seqs_per_update=seqs_per_update, epochs=critic_cfg.ppo_epochs, micro=micro,
                   make_loss=_kw_last(make), mode=mode, prefix="critic")
 
 

@@ -1,0 +1,55 @@
+"""What the worker hands the training loop: one rank's view of the job, and how it builds a role."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from trinity.config.loader import LoadedConfig
+from trinity.config.roles import Role
+from trinity.config.schema import JobConfig
+
+
+@dataclass
+class WorkerContext:
+    """One rank's view of the job once the parallel state is set up."""
+
+    loaded: LoadedConfig
+    device: Any  # torch.device
+    dtype: Any  # torch.dtype of the parameters
+    rank: int
+    world_size: int
+
+    @property
+    def config(self) -> JobConfig:
+        return self.loaded.config
+
+    @property
+    def facts(self) -> Any:
+        return self.loaded.facts
+
+    @property
+    def output_dir(self) -> Path:
+        return Path(self.config.trainer.output_dir)
+
+    @property
+    def is_rank0(self) -> bool:
+        return self.rank == 0
+
+    def log(self, text: str) -> None:
+        """Print on rank 0 only (torchrun shows rank 0; every rank's output is in logs/)."""
+        if self.is_rank0:
+            print(text, flush=True)
+
+    def build_engine(self, role: Role, total_steps: int) -> Any:
+        """`role`'s engine: its chunks built, loaded from the job's weight source for it, and wrapped
+        (DDP, optimizer and an LR schedule over `total_steps` when the role is trained)."""
+        from trinity.config.weights import weight_source
+        from trinity.trainer.engine import RoleEngine
+
+        cfg = self.config
+        return RoleEngine.build(
+            role, self.facts, role.megatron(cfg), role.optim(cfg), weight_source(cfg, role),
+            device=cfg.cluster.device, dtype=self.dtype, total_steps=total_steps,
+        )

@@ -1,0 +1,223 @@
+"""A role engine: one role's model chunks and everything that trains, runs and stores them.
+
+Built from (model facts, the role's megatron block, optimizer settings or None, weight source, value
+head or not). A trained engine wraps its chunks in megatron-core DDP and owns the optimizer, the LR
+schedule and the offloader; a frozen one (the ref) owns bare chunks, forward only. Recipes see only:
+
+- `train_batch(micro_batches, loss_fn)`: THE training step of every algorithm (zero the grads, run
+  megatron's pipeline schedule over the micro batches, step the optimizer);
+- `infer_batch(micro_batches, forward, reduce_fn, result_shape)`: forward only, micro batch by micro
+  batch, through the pipeline schedule at PP>1 with the result broadcast to every stage;
+- `need(params=, grads=, optim=)`: what the next phase needs resident (offload);
+- `save(path, ...)` / `load(path)`: the role's part of a training checkpoint.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any, Callable, Protocol
+
+import torch
+
+from trinity.config.roles import Role
+from trinity.config.weights import WeightSource
+from trinity.trainer.engine.offload import RoleOffloader
+
+
+class LossFn(Protocol):
+    """What `train_batch` runs per micro batch: the stage's forward, then the loss on the last stage.
+
+    `__call__` returns (the loss to back-propagate, already scaled for megatron's division by the number
+    of micro batches and DDP's average over DP; a dict of detached metrics that the schedule collects)."""
+
+    def forward(self, chunk: Any, micro: Any) -> torch.Tensor: ...
+
+    def __call__(self, micro: Any, output: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]: ...
+
+
+@dataclass
+class StepResult:
+    """What one `train_batch` gives back: the last stage's per-micro-batch metric dicts (empty on other
+    stages) and the global grad norm (every rank)."""
+
+    outputs: list[dict[str, Any]]
+    grad_norm: float
+
+
+class RoleEngine:
+    def __init__(
+        self, role: Role, chunks: list[Any], megatron: Any, optim: Any | None, *, dtype: torch.dtype, total_steps: int
+    ):
+        self.role, self.megatron = role, megatron
+        self.optimizer = self.scheduler = None
+        if optim is None:
+            for chunk in chunks:
+                chunk.eval()
+                chunk.requires_grad_(False)
+            self.model = chunks
+        else:
+            from trinity.trainer.engine.setup import build_train_state
+
+            state = build_train_state(chunks, megatron, optim, dtype=dtype, total_steps=total_steps)
+            self.model, self.optimizer, self.scheduler = state.model, state.optimizer, state.scheduler
+        self.offloader = RoleOffloader(
+            self.model, self.optimizer, param_offload=megatron.param_offload, grad_offload=megatron.grad_offload,
+            optimizer_offload=megatron.optimizer_offload,
+        )
+
+    @classmethod
+    def build(
+        cls, role: Role, facts: Any, megatron: Any, optim: Any | None, source: WeightSource, *,
+        device: str, dtype: torch.dtype, total_steps: int, chunks: list[Any] | None = None,
+    ) -> "RoleEngine":
+        """Build the role's GPTModel chunks (value head for the critic), load `source` into them and wrap
+        them; `chunks` are already built and loaded ones (the worker's actor)."""
+        if chunks is None:
+            from trinity.models.build import build_model
+            from trinity.trainer.engine.weights import load_weights
+
+            chunks = build_model(facts, megatron, device=device, dtype=dtype, value_head=role.value_head)
+            load_weights(chunks, source, facts, value_head=role.value_head)
+        return cls(role, chunks, megatron, optim, dtype=dtype, total_steps=total_steps)
+
+    # ------------------------------------------------------------------ what recipes read
+
+    @property
+    def trained(self) -> bool:
+        return self.optimizer is not None
+
+    @property
+    def modules(self) -> list[Any]:
+        """The GPTModel chunks without their DDP wrappers (generation, export)."""
+        return [getattr(chunk, "module", chunk) for chunk in self.model]
+
+    def lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def advance_schedule(self) -> None:
+        """Set the LR of the next optimizer step(s): the schedule's value at the next step (warm-up starts
+        above 0). Recipes call it once per training step, before `train_batch`."""
+        self.scheduler.step(increment=1)
+
+    def need(self, *, params: bool, grads: bool = False, optim: bool = False) -> None:
+        self.offloader.need(params=params, grads=grads, optim=optim)
+
+    def all_resident(self) -> None:
+        """Params and optimizer on the device (checkpoint save / export); grads stay where they are
+        (a recipe without phases, SFT, never moves anything)."""
+        self.need(params=True, grads=self.offloader.on_grads, optim=True)
+
+    # ------------------------------------------------------------------ the step
+
+    def train_batch(self, micro_batches: list[Any], loss_fn: LossFn) -> StepResult:
+        """One optimizer step over this rank's micro batches (every micro batch has `tokens` [b, s] of
+        one shape, or a `rollout` whose tokens do)."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        for chunk in self.model:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        b, s = _tokens(micro_batches[0]).shape
+
+        def forward_step(data_iterator: Any, chunk: Any) -> tuple[torch.Tensor, Callable]:
+            micro = next(data_iterator)
+            return loss_fn.forward(chunk, micro), partial(loss_fn, micro)
+
+        # One iterator per VPP chunk: the interleaved schedule runs every micro batch through each chunk.
+        iterators = [iter(micro_batches) for _ in self.model]
+        outputs = get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iterators if len(iterators) > 1 else iterators[0],
+            model=self.model if len(self.model) > 1 else self.model[0],
+            num_microbatches=len(micro_batches),
+            seq_length=s,
+            micro_batch_size=b,
+            forward_only=False,
+        )
+        ok, grad_norm, _ = self.optimizer.step()
+        if not ok:
+            raise RuntimeError("optimizer step skipped (non-finite gradients)")
+        return StepResult(list(outputs), float(grad_norm if grad_norm is not None else float("nan")))
+
+    @torch.no_grad()
+    def infer_batch(
+        self, micro_batches: list[Any], forward: Callable[[Any, Any], torch.Tensor],
+        reduce_fn: Callable[[torch.Tensor, Any], torch.Tensor], result_shape: tuple[int, ...],
+    ) -> torch.Tensor:
+        return forward_only(self.model, micro_batches, forward, reduce_fn, result_shape)
+
+    # ------------------------------------------------------------------ checkpoint part
+
+    def save(self, path: Path, *, hf_dir: Any, extra: dict[str, Any], meta: dict[str, Any]) -> None:
+        """Model + optimizer as a reshardable trinity dist checkpoint at `path` (all ranks call)."""
+        from trinity.convert.dist_ckpt import save_model_checkpoint
+        from trinity.distributed import cpu_compat
+        from trinity.trainer.engine.optimizer_state import ReshardableOptimizer
+
+        with cpu_compat.checkpoint_io():
+            save_model_checkpoint(
+                self.model, path, hf_dir=hf_dir, extra_common=extra, optimizer=ReshardableOptimizer(self.optimizer),
+                force=True, meta=meta,
+            )
+
+    def load(self, path: Path) -> dict[str, Any]:
+        """Model + optimizer from `path`; returns the checkpoint's `extra`. The optimizer's
+        hyper-parameters stay the config's (a resume with a changed optim.lr applies it)."""
+        from trinity.convert.dist_ckpt import load_model_checkpoint
+        from trinity.distributed import cpu_compat
+        from trinity.trainer.engine.optimizer_state import ReshardableOptimizer, keep_config_hyperparams
+
+        with cpu_compat.checkpoint_io():
+            return keep_config_hyperparams(
+                self.optimizer, lambda: load_model_checkpoint(self.model, path, optimizer=ReshardableOptimizer(self.optimizer))
+            )
+
+
+def _tokens(micro: Any) -> torch.Tensor:
+    if isinstance(micro, dict) and "tokens" in micro:
+        return micro["tokens"]
+    return micro["rollout"].tokens
+
+
+@torch.no_grad()
+def forward_only(
+    model: list[Any], micro_batches: list[Any], forward: Callable[[Any, Any], torch.Tensor],
+    reduce_fn: Callable[[torch.Tensor, Any], torch.Tensor], result_shape: tuple[int, ...],
+) -> torch.Tensor:
+    """`reduce_fn(forward(chunk, micro), micro)` of every micro batch, concatenated along dim 0, on every
+    rank. At PP>1 through megatron's pipeline schedule (forward only): the last stage computes it and
+    broadcasts it (fp32, `result_shape`) to the other stages."""
+    from megatron.core import parallel_state as ps
+
+    if ps.get_pipeline_model_parallel_world_size() == 1:
+        return torch.cat([reduce_fn(forward(model[0], part), part) for part in micro_batches])
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    def forward_step(data_iterator: Any, chunk: Any) -> tuple[torch.Tensor, Callable]:
+        part = next(data_iterator)
+        output = forward(chunk, part)
+        return output, lambda out: (out.new_zeros(()), {"out": reduce_fn(out, part)})
+
+    out: list[torch.Tensor] = []
+    # the schedule's point-to-point buffers have one shape: one call per run of equal-sized micro batches
+    start = 0
+    device = _tokens(micro_batches[0]).device
+    while start < len(micro_batches):
+        shape = _tokens(micro_batches[start]).shape
+        end = start
+        while end < len(micro_batches) and _tokens(micro_batches[end]).shape == shape:
+            end += 1
+        store = get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter(micro_batches[start:end]), model=model[0],
+            num_microbatches=end - start, seq_length=shape[1], micro_batch_size=shape[0], forward_only=True,
+        )
+        out.extend(d["out"] for d in store)
+        start = end
+    if ps.is_pipeline_last_stage(ignore_virtual=True):
+        result = torch.cat(out).float().contiguous()
+    else:
+        result = torch.empty(result_shape, dtype=torch.float32, device=device)
+    torch.distributed.broadcast(result, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group())
+    return result

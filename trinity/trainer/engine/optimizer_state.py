@@ -1,0 +1,122 @@
+"""The optimizer's part of a training checkpoint: megatron-core's sharded optimizer state in a
+reshardable format, with the fixes megatron-core 0.16.1 needs on torch's AdamW (no TE / apex), and the
+config's hyper-parameters kept over the checkpoint's on resume (`keep_config_hyperparams`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from trinity.trainer.engine import fused_optimizer
+
+# Param-group entries that come from the job's `optim:` block: on resume the config's values win
+# (a changed optim.lr must apply, not the checkpoint's); `lr` itself follows from them at the next
+# schedule step.
+CONFIG_HYPERPARAMS = ("max_lr", "min_lr", "betas", "eps", "weight_decay")
+
+
+def keep_config_hyperparams(optimizer: Any, load: Any) -> Any:
+    """Run `load()` (which restores the optimizer's param groups from a checkpoint) and put the
+    config's CONFIG_HYPERPARAMS back into every param group afterwards."""
+    groups = [g for inner in _chain(optimizer) for g in _param_groups(inner)]
+    before = [{k: g[k] for k in CONFIG_HYPERPARAMS if k in g} for g in groups]
+    result = load()
+    groups = [g for inner in _chain(optimizer) for g in _param_groups(inner)]
+    for g, saved in zip(groups, before):
+        g.update(saved)
+    return result
+
+
+def _param_groups(opt: Any) -> list[dict[str, Any]]:
+    inner = getattr(opt, "optimizer", None)
+    return list(inner.param_groups) if isinstance(inner, torch.optim.Optimizer) else []
+
+
+class ReshardableOptimizer:
+    """The optimizer as dist_ckpt sees it: its sharded state in the `fully_reshardable` format.
+
+    megatron-core 0.16's default for the distributed optimizer (`fully_sharded_model_space`) uses
+    flattened ranges that the torch_dist writer refuses; `fully_reshardable` saves each parameter's
+    state in its model shape, so a checkpoint resumes under any TP/PP/DP layout.
+    """
+
+    METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+
+    def __init__(self, optimizer: Any):
+        self.optimizer = optimizer
+
+    def sharded_state_dict(self, model_sharded_state_dict: Any, is_loading: bool = False) -> Any:
+        if is_loading:
+            _init_empty_adam_states(self.optimizer)
+        return self.optimizer.sharded_state_dict(model_sharded_state_dict, is_loading=is_loading, metadata=self.METADATA)
+
+    def load_state_dict(self, state_dict: Any) -> None:
+        """Without apex/TE, torch AdamW keeps a `step` in each param's state, which megatron-core
+        0.16.1 restores from the param groups but then also expects among the loaded per-param
+        tensors (KeyError: 'step' in _set_main_param_and_optimizer_states). Supply the already
+        restored step there, for the duration of this call only."""
+        fused = any(g.get("fused") for inner in fused_optimizer.torch_adams(self.optimizer) for g in inner.param_groups)
+        patched = [o for o in _chain(self.optimizer) if hasattr(o, "_set_main_param_and_optimizer_states")]
+        for opt in patched:
+            opt._set_main_param_and_optimizer_states = _keep_step(opt, opt._set_main_param_and_optimizer_states)
+        try:
+            self.optimizer.load_state_dict(state_dict)
+        finally:
+            for opt in patched:
+                del opt._set_main_param_and_optimizer_states  # back to the class method
+        _unshare_steps(self.optimizer)
+        if fused:  # torch's load_state_dict took the saved groups' flags
+            fused_optimizer.use_fused_adamw(self.optimizer)
+
+
+def _unshare_steps(optimizer: Any) -> None:
+    """megatron-core restores torch AdamW's per-param `step` as ONE tensor object shared by every
+    param; torch then increments it once per param per step, corrupting the bias correction of all
+    steps after a resume. Give each param its own copy."""
+    for opt in _chain(optimizer):
+        inner = getattr(opt, "optimizer", None)
+        if isinstance(inner, torch.optim.Optimizer):
+            for state in inner.state.values():
+                if isinstance(state.get("step"), torch.Tensor):
+                    state["step"] = state["step"].clone()
+
+
+def _chain(optimizer: Any) -> list[Any]:
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def _keep_step(opt: Any, original: Any) -> Any:
+    def set_states(model_param: Any, tensors: dict[str, Any]) -> None:
+        if "step" not in tensors:
+            group, order = opt.model_param_group_index_map[model_param]
+            main_param = opt.optimizer.param_groups[group]["params"][order]
+            step = opt.optimizer.state[main_param].get("step")
+            if step is not None:
+                tensors = {**tensors, "step": step.clone()}
+        original(model_param, tensors)
+
+    return set_states
+
+
+def _init_empty_adam_states(optimizer: Any) -> None:
+    """Give a fresh torch Adam(W) zero states, `step` included, before a checkpoint is loaded into it.
+
+    Without apex/TE, megatron-core's DistributedOptimizer.state_dict() reads `step` from every
+    param's state, but its init_state_fn only creates exp_avg/exp_avg_sq; the loaded checkpoint
+    overwrites all of these values.
+    """
+    for opt in _chain(optimizer):
+        inner = getattr(opt, "optimizer", None)
+        if not isinstance(inner, torch.optim.Optimizer):
+            continue
+        for group in inner.param_groups:
+            for p in group["params"]:
+                state = inner.state[p]
+                if not state:  # fused Adam keeps its step as a float32 tensor beside the param
+                    state["step"] = (torch.zeros((), dtype=torch.float32, device=p.device) if group.get("fused")
+                                     else torch.tensor(0.0))
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+

@@ -1,0 +1,55 @@
+"""The one training loop: any recipe, with resume, the step profiler, checkpoints every save_interval,
+one metrics logger and the HF export at the end."""
+
+from __future__ import annotations
+
+from trinity.trainer.checkpoint import CheckpointManager
+from trinity.trainer.context import WorkerContext
+from trinity.trainer.metrics import MetricsLogger
+from trinity.trainer.recipes import Recipe
+
+
+def run(ctx: WorkerContext, recipe_cls: type[Recipe]) -> None:
+    from trinity.trainer.profiling import StepProfiler
+    from trinity.trainer.resume import check_resume_config
+
+    cfg = ctx.config
+    recipe = recipe_cls(ctx)
+    recipe.build()
+    ctx.log(recipe.describe())
+    ckpt = CheckpointManager(
+        ctx.output_dir / "checkpoints", keep_last=cfg.trainer.keep_last, is_rank0=ctx.is_rank0,
+        engines=recipe.engines, data=recipe.data, hf_dir=cfg.model.path, flat=recipe.flat_checkpoint,
+        config=cfg.model_dump(mode="json"),
+    )
+    start = 0
+    resume_from = ckpt.resume_path(cfg.trainer.resume)
+    if resume_from is not None:
+        for line in check_resume_config(resume_from, cfg):
+            ctx.log(line)
+        start = ckpt.load(resume_from)
+        ctx.log(f"resumed from {resume_from} at step {start}")
+    metrics = MetricsLogger(
+        ctx.output_dir, enabled=ctx.is_rank0, total_steps=recipe.total_steps, start_step=start,
+        log_interval=cfg.trainer.log_interval, tensorboard=cfg.trainer.tensorboard, line=recipe.line,
+    )
+    save_every = cfg.trainer.save_interval
+    profiler = StepProfiler(cfg.trainer.profile_step, ctx.output_dir, ctx.rank, ctx.device)
+    try:
+        for step in range(start + 1, recipe.total_steps + 1):
+            with profiler.step(step):
+                row = recipe.step(step)
+            profiler.log(metrics, row)
+            if (save_every and step % save_every == 0) or step == recipe.total_steps:
+                recipe.all_resident()
+                metrics.print(f"saved checkpoint {ckpt.save(step)}")
+        if metrics.first is not None:
+            metrics.print(recipe.summary(metrics.first, metrics.last))
+    finally:
+        metrics.close()
+    if cfg.trainer.export_hf:
+        from trinity.trainer.export import export_hf
+
+        recipe.all_resident()
+        ctx.log(f"exported HF model to {export_hf(ctx, recipe.actor.modules)}")
+

@@ -1,0 +1,90 @@
+"""Recipes: one per algorithm. A recipe says which roles it needs, how it builds its data, what one
+step does and what the console shows; `trinity.trainer.loop.run` runs any of them (resume, profiler,
+checkpoints, metrics, export). A new algorithm is one recipe module (+ its loss in
+`trinity.algorithms`) and one line in RECIPES.
+
+Entries are `module:Class` strings so that looking one up imports only that recipe.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, ClassVar
+
+from trinity.config.roles import Role
+from trinity.errors import UserError
+
+RECIPES: dict[str, str] = {
+    "sft": "trinity.trainer.recipes.sft:SFTRecipe",
+    "grpo": "trinity.trainer.recipes.grpo:GRPORecipe",
+    "ppo": "trinity.trainer.recipes.ppo:PPORecipe",
+}
+
+
+class Recipe:
+    """Base of every recipe. The loop calls, in order: `build()` (data, then the role engines in
+    `roles()` order), then `step(step)` per step, `all_resident()` before a save or the export, and
+    `summary(first, last)` at the end."""
+
+    # The single trained role's checkpoint is the step folder itself (see trinity.trainer.checkpoint).
+    flat_checkpoint: ClassVar[bool] = False
+
+    def __init__(self, ctx: Any):
+        self.ctx = ctx
+        self.cfg = ctx.config
+        self.engines: dict[str, Any] = {}
+        self.data: Any = None
+        self.total_steps = 0
+
+    # ---------------------------------------------------------------- what a recipe defines
+
+    def roles(self) -> list[Role]:
+        """The roles this algorithm needs, in build order."""
+        raise NotImplementedError
+
+    def build_data(self) -> Any:
+        """This rank's data (with state_dict / load_state_dict / steps_per_epoch / summary())."""
+        raise NotImplementedError
+
+    def step(self, step: int) -> dict[str, Any]:
+        """One training step; returns its metrics row (with `step`, on every rank)."""
+        raise NotImplementedError
+
+    def line(self, metrics: dict[str, Any]) -> list[str]:
+        """The console line's parts after `step i/N`."""
+        raise NotImplementedError
+
+    def summary(self, first: dict[str, Any], last: dict[str, Any]) -> str:
+        raise NotImplementedError
+
+    def setup(self) -> None:
+        """Anything built after the engines (phases, samplers...)."""
+
+    # ---------------------------------------------------------------- shared
+
+    def build(self) -> None:
+        self.data = self.build_data()
+        t = self.cfg.trainer
+        self.total_steps = t.total_steps if t.total_steps is not None else t.total_epochs * self.data.steps_per_epoch
+        for role in self.roles():
+            self.engines[role.value] = self.ctx.build_engine(role, self.total_steps)
+        self.setup()
+
+    def describe(self) -> str:
+        return f"data: {self.data.summary()}; training {self.total_steps} steps"
+
+    def all_resident(self) -> None:
+        for engine in self.engines.values():
+            engine.all_resident()
+
+    @property
+    def actor(self) -> Any:
+        return self.engines[Role.actor.value]
+
+
+def get_recipe(name: str) -> type[Recipe]:
+    target = RECIPES.get(name)
+    if target is None:
+        raise UserError(f"algorithm.name: no recipe is registered for {name!r}; known: {', '.join(RECIPES)}")
+    module, _, cls = target.partition(":")
+    return getattr(importlib.import_module(module), cls)

@@ -1,0 +1,126 @@
+"""SFT: packed rows -> the actor engine's step, one optimizer step per global batch.
+
+Loss normalisation: the loss of a step is the sum of the per-token cross-entropy over the trained
+(response) tokens of the whole global batch, divided by their number. Each micro batch's loss is
+scaled so that megatron's own divisions (by the number of micro batches, and DDP's average over
+data-parallel ranks) cancel, which makes every TP/PP/DP layout compute the same loss and gradients.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from trinity.config.roles import Role
+from trinity.errors import UserError
+from trinity.trainer.metrics import peak_memory_gib, sft_line
+from trinity.trainer.recipes import Recipe
+
+
+class SFTLoss:
+    """Masked token-sum cross-entropy over a packed micro batch, pre-scaled by `scale`.
+
+    Computed from the vocab-parallel logits with the padded vocabulary columns (the model's vocab is
+    padded to a multiple of 128 * TP) left out of the softmax, as in the HF model: megatron's own
+    loss would include them and give a different loss under each TP size."""
+
+    def __init__(self, device: torch.device, scale: float, vocab_size: int):
+        self.device, self.scale, self.vocab_size = device, scale, vocab_size
+
+    def forward(self, chunk: Any, batch: dict[str, Any]) -> torch.Tensor:
+        from trinity.models.build import packed_attention
+        from trinity.models.logprobs import stage_output
+
+        tokens = batch["tokens"].to(self.device, non_blocking=True)
+        position_ids = batch["position_ids"].to(self.device, non_blocking=True)
+        return stage_output(chunk, tokens, position_ids, **packed_attention(chunk, batch["doc_ids"], self.device))
+
+    def __call__(self, batch: dict[str, Any], logits: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
+        from megatron.core import parallel_state as ps
+
+        from trinity.algorithms.logprob import vocab_parallel_log_probs
+
+        # the last stage's logits come as [s, b, vocab / tp]: labels follow them
+        labels = batch["labels"].to(self.device, non_blocking=True).t()
+        loss_mask = batch["loss_mask"].to(self.device, non_blocking=True).t()
+        logp = vocab_parallel_log_probs(
+            logits, labels, group=ps.get_tensor_model_parallel_group(), vocab_size=self.vocab_size
+        )
+        token_sum = -(logp * loss_mask).sum()
+        return token_sum * self.scale, {"loss_sum": token_sum.detach()}
+
+
+class SFTRecipe(Recipe):
+    flat_checkpoint = True  # step_N/ is the actor's dist checkpoint: `trinity convert mcore-to-hf` reads it
+
+    def roles(self) -> list[Role]:
+        return [Role.actor]
+
+    def build_data(self) -> Any:
+        from megatron.core import parallel_state as ps
+
+        from trinity.data.loader import build_sft_data
+
+        cfg = self.cfg
+        if not cfg.data.train_files:
+            raise UserError("data.train_files: SFT needs at least one training file")
+        return build_sft_data(
+            cfg.data.train_files,
+            cfg.model.tokenizer_path or cfg.model.path,
+            seq_len=cfg.data.seq_length,
+            packing=cfg.data.packing,
+            global_batch_size=cfg.trainer.global_batch_size,
+            micro_batch_size=cfg.trainer.micro_batch_size,
+            seed=cfg.trainer.seed,
+            dp_rank=ps.get_data_parallel_rank(),
+            dp_size=ps.get_data_parallel_world_size(),
+            shuffle=cfg.data.shuffle,
+            prompt_key=cfg.data.prompt_key,
+            response_key=cfg.data.response_key,
+            messages_key=cfg.data.messages_key,
+        )
+
+    def step(self, step: int) -> dict[str, Any]:
+        device, data, actor = self.ctx.device, self.data, self.actor
+        _sync(device)
+        t0 = time.perf_counter()
+        micro = data.next_global_batch()
+        loss, grad_norm = train_step(actor, micro, loss_tokens=data.last_step_loss_tokens, device=device,
+                                     vocab_size=self.ctx.facts.vocab_size)
+        _sync(device)
+        dt = time.perf_counter() - t0
+        return {
+            "step": step, "loss": loss, "lr": actor.lr(), "grad_norm": grad_norm,
+            "loss_tokens": data.last_step_loss_tokens, "tokens_per_s": data.tokens_per_step / dt,
+            "step_time_s": dt, "mem_peak_gib": peak_memory_gib(device),
+        }
+
+    def line(self, metrics: dict[str, Any]) -> list[str]:
+        return sft_line(metrics)
+
+    def summary(self, first: dict[str, Any], last: dict[str, Any]) -> str:
+        return (f"first loss {first['loss']:.4f} (step {first['step']}), "
+                f"last loss {last['loss']:.4f} (step {last['step']})")
+
+
+def train_step(actor: Any, micro_batches: list[dict[str, Any]], *, loss_tokens: int, device: torch.device,
+               vocab_size: int) -> tuple[float, float]:
+    """One optimizer step over this rank's micro batches; returns (global loss, grad norm) on every rank."""
+    from megatron.core import parallel_state as ps
+
+    scale = len(micro_batches) * ps.get_data_parallel_world_size() / max(loss_tokens, 1)
+    actor.advance_schedule()  # step k trains with the schedule's lr at k (warm-up starts above 0)
+    result = actor.train_batch(micro_batches, SFTLoss(device, scale, vocab_size))
+    # The loss exists on the last pipeline stage; count each DP replica once (TP rank 0).
+    local = torch.zeros(1, dtype=torch.float64, device=device)
+    if ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0:
+        local += sum(float(o["loss_sum"]) for o in result.outputs)
+    torch.distributed.all_reduce(local)
+    return float(local.item()) / max(loss_tokens, 1), result.grad_norm
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
