@@ -14,6 +14,7 @@ from pathlib import Path
 
 from trinity.config.megatron import MegatronConfig, RecomputeGranularity, RecomputeMethod, RecomputeModule
 from trinity.config.schema import AlgorithmName, JobConfig
+from trinity.distributed.layout import differing_sizes, layout_problems, rollout_problems
 from trinity.errors import UserError
 from trinity.models.facts import ModelFacts
 
@@ -63,12 +64,6 @@ def _check_roles_exist(cfg: JobConfig, problems: list[str]) -> None:
                 )
 
 
-LAYOUT_FIELDS = (
-    "tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
-    "context_parallel_size", "expert_model_parallel_size", "expert_tensor_parallel_size",
-)
-
-
 def _check_rl_roles(cfg: JobConfig, problems: list[str]) -> None:
     """What the RL loop cannot do yet: rollout over virtual pipeline stages or with sequence parallel,
     and roles of different layouts (which would need resharding weights between them)."""
@@ -77,20 +72,14 @@ def _check_rl_roles(cfg: JobConfig, problems: list[str]) -> None:
     roles = cfg.roles()
     actor = roles.pop("actor_rollout_ref.actor")
     a = "actor_rollout_ref.actor.megatron"
-    if actor.pipeline_model_parallel_size > 1 and (actor.virtual_pipeline_model_parallel_size or 1) > 1:
-        problems.append(
-            f"{a}.virtual_pipeline_model_parallel_size: rollout runs one model chunk per pipeline stage; "
-            "unset it (plain PP is supported)"
-        )
-    if actor.sequence_parallel:
-        problems.append(f"{a}.sequence_parallel: rollout with sequence parallel is not supported yet; set it to false")
+    for field, text in rollout_problems(actor.layout(), sequence_parallel=actor.sequence_parallel):
+        problems.append(f"{a}.{field}: {text}")
     for path, m in roles.items():
-        for name in LAYOUT_FIELDS:
-            if getattr(m, name) != getattr(actor, name):
-                problems.append(
-                    f"{path}.megatron.{name}: {getattr(m, name)} differs from the actor's {getattr(actor, name)}; "
-                    "roles share the GPUs with one layout (resharding between roles is out of scope)"
-                )
+        for field, value, actor_value in differing_sizes(m.layout(), actor.layout()):
+            problems.append(
+                f"{path}.megatron.{field}: {value} differs from the actor's {actor_value}; "
+                "roles share the GPUs with one layout (resharding between roles is out of scope)"
+            )
         if m.sequence_parallel != actor.sequence_parallel:
             problems.append(f"{path}.megatron.sequence_parallel: must equal the actor's ({actor.sequence_parallel})")
     if cfg.critic is not None and cfg.critic.megatron.use_mbridge:
@@ -109,20 +98,10 @@ def _check_megatron(
     world = cfg.cluster.world_size
     lay = m.layout()
     world_desc = f"world size {world} (cluster.nnodes {cfg.cluster.nnodes} x cluster.nproc_per_node {cfg.cluster.nproc_per_node})"
-    if world % lay.model_parallel_size:
-        problems.append(
-            f"{p}.tensor_model_parallel_size: {world_desc} is not divisible by TP x PP x CP = "
-            f"{lay.tp} x {lay.pp} x {lay.cp} = {lay.model_parallel_size}; pick sizes whose product divides {world}"
-        )
-    elif (world // lay.pp) % (lay.ep * lay.expert_tp):
-        problems.append(
-            f"{p}.expert_model_parallel_size: EP x ETP = {lay.ep} x {lay.expert_tp} must divide world/PP = "
-            f"{world // lay.pp}; lower expert_model_parallel_size or expert_tensor_parallel_size"
-        )
-    if lay.vpp is not None and lay.pp == 1:
-        problems.append(
-            f"{p}.virtual_pipeline_model_parallel_size: needs pipeline_model_parallel_size > 1; unset it or raise PP"
-        )
+    # The layout's own rules (trinity.distributed.layout.layout_problems); the model's come in
+    # _check_against_model, the rollout's in _check_rl_roles.
+    for field, text in layout_problems(lay, world_size=world, world_desc=world_desc):
+        problems.append(f"{p}.{field}: {text}")
     if m.sequence_parallel and lay.tp == 1:
         m.sequence_parallel = False
         warnings.append(f"{p}.sequence_parallel: has no effect with TP=1; disabled (as megatron-core does)")
@@ -161,31 +140,8 @@ def _check_megatron(
 
 
 def _check_against_model(p: str, m: MegatronConfig, f: ModelFacts, problems: list[str], warnings: list[str]) -> None:
-    lay = m.layout()
-    if f.num_attention_heads % lay.tp:
-        problems.append(
-            f"{p}.tensor_model_parallel_size: {f.num_attention_heads} attention heads are not divisible by TP={lay.tp}"
-        )
-    if f.num_query_groups % lay.tp:
-        problems.append(
-            f"{p}.tensor_model_parallel_size: {f.num_query_groups} key/value heads are not divisible by TP={lay.tp}; "
-            f"use a TP that divides {f.num_query_groups}"
-        )
-    stages = lay.pp * (lay.vpp or 1)
-    if f.num_layers % stages:
-        what = f"PP x VPP = {lay.pp} x {lay.vpp}" if lay.vpp else f"PP={lay.pp}"
-        problems.append(f"{p}.pipeline_model_parallel_size: {f.num_layers} layers are not divisible by {what}")
-    if m.use_mbridge and f.is_moe:
-        problems.append(
-            f"{p}.use_mbridge: mbridge cannot load the MoE {f.architecture} (it maps experts only onto "
-            "TransformerEngine grouped experts); set it to false to convert with the builtin converter"
-        )
-    if lay.ep > 1 and not f.is_moe:
-        problems.append(f"{p}.expert_model_parallel_size: EP={lay.ep} needs an MoE model, but {f.architecture} is dense; set it to 1")
-    if f.is_moe and f.num_experts % lay.ep:
-        problems.append(f"{p}.expert_model_parallel_size: {f.num_experts} experts are not divisible by EP={lay.ep}")
-    if f.is_moe and lay.ep > 1 and lay.tp > 1 and not m.sequence_parallel:
-        problems.append(f"{p}.sequence_parallel: megatron-core needs sequence_parallel with both TP>1 and EP>1; set it to true")
+    for field, text in layout_problems(m.layout(), f, use_mbridge=m.use_mbridge, sequence_parallel=m.sequence_parallel):
+        problems.append(f"{p}.{field}: {text}")
     if f.is_moe and m.moe_grouped_gemm and not any(
         importlib.util.find_spec(mod) for mod in ("grouped_gemm", "transformer_engine")
     ):
