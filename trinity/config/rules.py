@@ -140,8 +140,13 @@ def _check_megatron(
 
 
 def _check_against_model(p: str, m: MegatronConfig, f: ModelFacts, problems: list[str], warnings: list[str]) -> None:
-    for field, text in layout_problems(m.layout(), f, use_mbridge=m.use_mbridge, sequence_parallel=m.sequence_parallel):
+    for field, text in layout_problems(m.layout(), f, sequence_parallel=m.sequence_parallel):
         problems.append(f"{p}.{field}: {text}")
+    if m.use_mbridge and f.is_moe:
+        problems.append(
+            f"{p}.use_mbridge: mbridge cannot load the MoE {f.architecture} (it maps experts only onto "
+            "TransformerEngine grouped experts); set it to false to convert with the builtin converter"
+        )
     if f.is_moe and m.moe_grouped_gemm and not any(
         importlib.util.find_spec(mod) for mod in ("grouped_gemm", "transformer_engine")
     ):

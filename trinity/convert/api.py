@@ -20,7 +20,6 @@ from typing import Any
 
 from trinity.convert.hf_io import HFCheckpoint
 from trinity.convert.outdir import check_output
-from trinity.distributed.layout import USE_BUILTIN
 from trinity.errors import UserError
 from trinity.models.facts import ModelFacts
 
@@ -104,8 +103,7 @@ def megatron_config(*, tp: int = 1, pp: int = 1, vpp: int | None = None, ep: int
 # How the conversion CLI spells the layout fields (trinity.distributed.layout.layout_problems names them).
 FLAGS = {"tensor_model_parallel_size": "--tp", "pipeline_model_parallel_size": "--pp",
          "virtual_pipeline_model_parallel_size": "--vpp", "expert_model_parallel_size": "--ep",
-         "expert_tensor_parallel_size": "--ep", "use_mbridge": "--backend mbridge",
-         USE_BUILTIN: "use --backend builtin"}
+         "expert_tensor_parallel_size": "--ep"}
 
 
 def check_layout(facts: ModelFacts, *, tp: int, pp: int, vpp: int | None, ep: int, backend: str, device: str) -> None:
@@ -115,10 +113,15 @@ def check_layout(facts: ModelFacts, *, tp: int, pp: int, vpp: int | None, ep: in
     from trinity.distributed.layout import ParallelLayout, layout_problems
 
     lay = ParallelLayout(tp=tp, pp=pp, vpp=vpp, ep=ep)
-    problems = layout_problems(lay, facts, name=lambda f: FLAGS.get(f, f), use_mbridge=backend == "mbridge")
+    problems = layout_problems(lay, facts, name=lambda f: FLAGS.get(f, f))
     if problems:
         field, text = problems[0]
         raise UserError(f"{FLAGS.get(field, field)}: {text}")
+    if backend == "mbridge" and facts.is_moe:
+        raise UserError(
+            f"--backend mbridge: needs TransformerEngine grouped experts for MoE ({facts.architecture}); "
+            "use --backend builtin"
+        )
     world = tp * pp * ep
     if device == "cuda" and world > 1:
         import torch

@@ -77,8 +77,6 @@ FIELDS = {
     "vpp": "virtual_pipeline_model_parallel_size", "cp": "context_parallel_size",
     "ep": "expert_model_parallel_size", "etp": "expert_tensor_parallel_size",
 }
-# The fix "load without mbridge", as each caller's `name` spells it.
-USE_BUILTIN = "set it to false to convert with the builtin converter"
 # The sizes every role of an RL job shares (one parallel state; no resharding between roles).
 LAYOUT_FIELDS = tuple(FIELDS.values())
 
@@ -95,7 +93,6 @@ def layout_problems(
     name: Callable[[str], str] = lambda field: field,
     world_size: int | None = None,
     world_desc: str | None = None,
-    use_mbridge: bool = False,
     sequence_parallel: bool | None = None,
     rollout: bool = False,
 ) -> list[tuple[str, str]]:
@@ -105,7 +102,7 @@ def layout_problems(
     (`trinity.convert.api.check_layout`) render the same rules; nothing re-checks them at run time.
 
     facts: the model (a trinity.models.facts.ModelFacts) when known; world_size: when the job's size is
-    known; use_mbridge / sequence_parallel: the role's flags when it has them; rollout: the actor of
+    known; sequence_parallel: the role's flag when it has one; rollout: the actor of
     an RL job, which also generates."""
     n = name
     out: list[tuple[str, str]] = []
@@ -144,9 +141,6 @@ def layout_problems(
             out.append((FIELDS["ep"], f"{f.num_experts} experts are not divisible by EP={lay.ep}"))
         if f.is_moe and lay.ep > 1 and lay.tp > 1 and sequence_parallel is False:
             out.append(("sequence_parallel", "megatron-core needs sequence_parallel with both TP>1 and EP>1; set it to true"))
-        if use_mbridge and f.is_moe:
-            out.append(("use_mbridge", f"mbridge cannot load the MoE {f.architecture} (it maps experts only onto "
-                                       f"TransformerEngine grouped experts); {n(USE_BUILTIN)}"))
     if rollout:
         out.extend(rollout_problems(lay, sequence_parallel=bool(sequence_parallel)))
     return out
