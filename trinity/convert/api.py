@@ -171,7 +171,7 @@ def hf_to_mcore(
     device = _device(device)
     check_layout(facts, tp=tp, pp=pp, vpp=vpp, ep=ep, backend=backend, device=device)
     HFCheckpoint(hf_path)  # validates index and shards before any process starts
-    check_output(output, force)
+    check_output(output, force, sources=(hf_path,))
     args = dict(hf_path=str(Path(hf_path).resolve()), output=str(Path(output).resolve()), tp=tp, pp=pp,
                 vpp=vpp, ep=ep, backend=backend, dtype=dtype, force=force, device=device)
     start = time.perf_counter()
@@ -211,7 +211,7 @@ def mcore_to_hf(
     meta = read_meta(mcore_path)
     if dtype is not None:
         torch_dtype(dtype)
-    check_output(output, force)
+    check_output(output, force, sources=(mcore_path,))
     from trinity.convert.jobs import run_mcore_to_hf
 
     return run_mcore_to_hf(
