@@ -287,7 +287,7 @@ def run_rl(ctx: WorkerContext) -> None:
         ctx.output_dir, enabled=ctx.is_rank0, total_steps=job.total_steps, start_step=start,
         log_interval=cfg.trainer.log_interval, tensorboard=cfg.trainer.tensorboard,
     )
-    profiler = StepProfiler(cfg.trainer.profile_step, ctx.output_dir, ctx.rank, ctx.device)
+    profiler = StepProfiler.from_config(cfg, ctx.output_dir, ctx.rank, ctx.device)
     try:
         for step in range(start + 1, job.total_steps + 1):
             with profiler.step(step):

@@ -149,7 +149,7 @@ def run_sft(ctx: WorkerContext) -> None:
         log_interval=cfg.trainer.log_interval, tensorboard=cfg.trainer.tensorboard,
     )
     save_every = cfg.trainer.save_interval
-    profiler = StepProfiler(cfg.trainer.profile_step, ctx.output_dir, ctx.rank, ctx.device)
+    profiler = StepProfiler.from_config(cfg, ctx.output_dir, ctx.rank, ctx.device)
     try:
         for step in range(start + 1, steps + 1):
             _sync(ctx.device)
