@@ -67,6 +67,7 @@ class JobPlan:
     roles: list[RolePlan]
     peak_per_gpu: int
     warnings: list[str]
+    data: dict | None = None  # pt: tokens, rows and steps per epoch (trinity.data.pretrain.PTData.describe)
 
     def to_dict(self) -> dict:
         out = asdict(self)
@@ -174,10 +175,15 @@ def build_plan(cfg: JobConfig, facts: ModelFacts, warnings: list[str]) -> JobPla
         roles.append(RolePlan(path=path, layout=lay.describe(world), dp=dp, microbatches=mbs, memory=mem))
     # Roles share the GPUs: the peak is one role active while the others keep what is not offloaded.
     peak = max(r.memory.active + sum(o.memory.idle for o in roles if o is not r) for r in roles)
+    data = None
+    if cfg.algorithm.name.value == "pt":
+        from trinity.data.pretrain import plan_data  # reads (and tokenises) the data, as each rank will
+
+        data = plan_data(cfg)
     return JobPlan(
         algorithm=cfg.algorithm.name.value, device=cfg.cluster.device, world_size=world,
         model=f"{facts.architecture} ({cfg.model.path})", num_parameters=facts.num_parameters(),
-        roles=roles, peak_per_gpu=peak, warnings=list(warnings),
+        roles=roles, peak_per_gpu=peak, warnings=list(warnings), data=data,
     )
 
 
@@ -200,5 +206,13 @@ def render_plan(plan: JobPlan) -> str:
         lines.append(f"  activations {g(m.activations)}   logits {g(m.logits)}   active {g(m.active)}   idle {g(m.idle)}"
                      + (f"   (offload: {', '.join(m.offloaded)})" if m.offloaded else ""))
     lines.append(f"estimated peak per GPU: {g(plan.peak_per_gpu)} (formula: docs/memory-estimate.md)")
+    if plan.data is not None:
+        d = plan.data
+        lines.append(
+            f"data: {d['tokens']:,} tokens in {d['documents']:,} documents from {len(d['sources'])} source(s) -> "
+            f"{d['rows_per_epoch']:,} rows of {d['seq_length']} tokens per epoch "
+            f"({'packed per document' if d['packing'] else 'concatenated'}), {d['steps_per_epoch']:,} steps per epoch, "
+            f"{d['total_steps']:,} steps in total"
+        )
     lines += [f"warning: {w}" for w in plan.warnings]
     return "\n".join(lines)

@@ -19,6 +19,7 @@ from trinity.errors import UserError
 
 LOOPS: dict[str, str] = {
     "sft": "trinity.trainer.sft:run_sft",
+    "pt": "trinity.data.pretrain:run_pt",  # the SFT loop on pre-training data
     "grpo": "trinity.trainer.rl:run_rl",
     "ppo": "trinity.trainer.rl:run_rl",
 }
