@@ -113,6 +113,9 @@ class Source:
     tokens: np.ndarray  # 1-D integer array (a memory map for indexed datasets when possible)
     doc_starts: np.ndarray  # int64, len documents + 1: document d is tokens[doc_starts[d]:doc_starts[d + 1]]
     skipped: int = 0  # empty documents left out
+    # The IndexedDataset whose memory map `tokens` views: megatron closes the map when that object is
+    # collected, and reading the view after that crashes the process, so the source holds it.
+    dataset: Any = None
 
     @property
     def num_docs(self) -> int:
@@ -182,7 +185,7 @@ def read_indexed(path: str, eos: int, vocab_size: int) -> Source:
     ends = doc_starts[1:] - 1
     missing = np.flatnonzero(raw[ends] != eos)
     if not len(missing):
-        return Source(path, SourceKind.indexed, raw, doc_starts)
+        return Source(path, SourceKind.indexed, raw, doc_starts, dataset=ds)
     # Documents without a trailing EOS (preprocessed without --append-eod): insert one after each
     # (in memory; uint16 data widens when the EOS id does not fit).
     dtype = raw.dtype if eos <= np.iinfo(raw.dtype).max else np.int32
@@ -191,7 +194,7 @@ def read_indexed(path: str, eos: int, vocab_size: int) -> Source:
     flags = np.zeros(len(doc_starts) - 1, dtype=np.int64)
     flags[missing] = 1
     np.cumsum(flags, out=shift[1:])
-    return Source(path, SourceKind.indexed, tokens, doc_starts + shift)
+    return Source(path, SourceKind.indexed, tokens, doc_starts + shift, dataset=ds)
 
 
 def read_source(path: str, tokenizer: Any, *, eos: int, text_key: str) -> Source:
