@@ -180,6 +180,13 @@ def _check_megatron(
             )
         elif check_paths and not Path(ckpt).is_dir():
             problems.append(f"{p}.dist_checkpointing_path: {ckpt} does not exist; run `trinity convert hf-to-mcore` first")
+        elif check_paths and not (Path(ckpt) / ".metadata").is_file():
+            # Any megatron-core torch_dist checkpoint loads (trinity's or e.g. verl's converter's); all
+            # of them have torch's index file. Keys and shapes are checked against the model at load.
+            problems.append(
+                f"{p}.dist_checkpointing_path: {ckpt} is not a megatron-core dist checkpoint (no .metadata in it); "
+                "point it at the output of `trinity convert hf-to-mcore` (or of another megatron-core converter)"
+            )
     if facts is not None:
         _check_against_model(p, m, facts, problems, warnings)
     _check_recompute(p, m, facts, problems)
@@ -219,14 +226,25 @@ def _check_against_model(p: str, m: MegatronConfig, f: ModelFacts, problems: lis
             f"{p}.moe_grouped_gemm: needs the grouped_gemm package or TransformerEngine, neither is installed; "
             "set it to false or use the Docker image (scripts/docker_for_megatron)"
         )
-    if not f.is_moe and (m.moe_grouped_gemm or m.moe_layer_recompute):
-        warnings.append(f"{p}: moe_grouped_gemm/moe_layer_recompute have no effect on the dense {f.architecture}")
+    if not f.is_moe:
+        # Refused, not warned about: on a dense model these options would be accepted and ignored.
+        set_moe = [k for k in ("moe_grouped_gemm", "moe_layer_recompute") if getattr(m, k)]
+        set_moe += ["moe_token_dispatcher_type"] if "moe_token_dispatcher_type" in m.model_fields_set else []
+        for key in set_moe:
+            problems.append(f"{p}.{key}: has no effect on the dense {f.architecture} (it has no MoE layers); remove it")
 
 
 def _check_recompute(p: str, m: MegatronConfig, f: ModelFacts | None, problems: list[str]) -> None:
     o = m.override_transformer_config
     q = f"{p}.override_transformer_config"
     full = o.recompute_granularity == RecomputeGranularity.full
+    if m.moe_layer_recompute and full:
+        # megatron-core turns moe_layer_recompute into selective recompute of the MoE layers and raises
+        # on a full granularity (TransformerConfig.__post_init__).
+        problems.append(
+            f"{p}.moe_layer_recompute: megatron-core refuses it with override_transformer_config."
+            "recompute_granularity: full, which already recomputes whole layers; remove one of the two"
+        )
     if not full:
         for name in ("recompute_method", "recompute_num_layers"):
             if getattr(o, name) is not None:
