@@ -8,9 +8,11 @@ Built-ins (`BUILTIN_REWARDS`):
                     Extractors: last_number, boxed (last \\boxed{...}, nested braces allowed),
                     after_marker (what follows the last marker, GSM8K's "####").
   format            1.0 when the whole response matches `format_pattern` (re.fullmatch, DOTALL).
-User functions are imported when the job starts (`load_reward_fn`), so a typo fails before any GPU
-work; `module.path` may also be a `path/to/file.py`. Their failures become `UserError`s that name the
-function, the failing sample's index and the start of its response.
+User functions are found by `trinity validate` without running them (`reward_problems` parses the
+file for the function) and imported when the job starts (`load_reward_fn`), so a typo fails before any
+GPU work; `module.path` may also be a `path/to/file.py`. They run with the job's rights (docs/rl.md).
+Their failures become `UserError`s that name the function, the failing sample's index and the start of
+its response.
 """
 
 from __future__ import annotations
