@@ -279,6 +279,7 @@ def _find_module_file(module_name: str, cwd: Path) -> tuple[Path | None, bool]:
     from importlib.machinery import PathFinder
 
     parts = module_name.split(".")
+    importlib.invalidate_caches()  # a file written since the last lookup in its folder must be seen
     added = str(cwd) not in sys.path
     if added:
         sys.path.insert(0, str(cwd))
