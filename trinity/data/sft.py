@@ -180,15 +180,18 @@ def tokenize_sft(
     A record that tokenises to nothing to train on is an error naming it (the tokenizer dropped its
     text); a sample with no trained label left within `max_seq_len` is dropped as too long.
     """
-    records = list(records)
-    per_record = [record_segments(r, tokenizer, keys) for r in records]
+    per_record: list[list[Segment]] = []
+    wheres: list[str] = []  # file:line of each record (not the records: their rows can be large)
+    for r in records:
+        per_record.append(record_segments(r, tokenizer, keys))
+        wheres.append(r.where)
     flat = [text for segments in per_record for text, _ in segments]
     flat_ids = tokenize_texts(tokenizer, flat)
 
     stats = SFTStats()
     samples: list[Sample] = []
     k = 0
-    for record, segments in zip(records, per_record):
+    for where, segments in zip(wheres, per_record):
         stats.records += 1
         ids: list[int] = []
         mask: list[int] = []
@@ -197,9 +200,9 @@ def tokenize_sft(
             mask += [int(is_loss)] * len(flat_ids[k])
             k += 1
         if not trained_labels(mask):
-            raise record.error(
-                f"nothing to train on: the sample tokenises to {len(ids)} token(s) with no response token "
-                "after the first; the tokenizer drops its text (is it this model's tokenizer?)"
+            raise UserError(
+                f"{where}: nothing to train on: the sample tokenises to {len(ids)} token(s) with no response "
+                "token after the first; the tokenizer drops its text (is it this model's tokenizer?)"
             )
         if len(ids) > max_seq_len:
             if overlength is Overlength.drop or not trained_labels(mask[:max_seq_len]):
