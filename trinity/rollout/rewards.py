@@ -7,6 +7,9 @@ Built-ins (`BUILTIN_REWARDS`):
                     number normalisation ("19", "19.0", " 19 ", "1,000", "3/2" == "1.5"), else 0.0.
                     Extractors: last_number, boxed (last \\boxed{...}, nested braces allowed),
                     after_marker (what follows the last marker, GSM8K's "####").
+  math_verify       1.0 when the extracted answer is mathematically equivalent to the reference
+                    ("\\frac{1}{2}" == "0.5", "(x+1)^2" == "x^2+2x+1"), on the math-verify package:
+                    trinity.rollout.math_verify_reward.
   format            1.0 when the whole response matches `format_pattern` (re.fullmatch, DOTALL).
 User functions are found by `trinity validate` without running them (`reward_problems` parses the
 file for the function) and imported when the job starts (`load_reward_fn`), so a typo fails before any
@@ -143,8 +146,17 @@ def _build_format(extractor: str, marker: str, format_pattern: str | None) -> Re
     return FormatReward(format_pattern)
 
 
+def _build_math_verify(extractor: str, marker: str, format_pattern: str | None) -> RewardFn:
+    # Imported here: math_verify_reward imports this module's extractors, and math-verify (sympy) is
+    # only loaded by jobs that use it.
+    from trinity.rollout.math_verify_reward import build
+
+    return build(extractor, marker, format_pattern)
+
+
 BUILTIN_REWARDS: dict[str, Callable[[str, str, str | None], RewardFn]] = {
     "math_exact_match": _build_math,
+    "math_verify": _build_math_verify,
     "format": _build_format,
 }
 
