@@ -129,6 +129,16 @@ def test_empty_tokenizer_is_refused_before_any_sample(tmp_path):
         build_prompt_data([FIXTURES / "data" / "prompts.jsonl"], empty, batch_size=1, max_prompt_length=32, seed=0)
 
 
+def test_damaged_tokenizer_file_is_one_line(tmp_path):
+    from trinity.data.loader import load_tokenizer
+
+    folder = config_only_model(tmp_path)
+    (folder / "tokenizer.json").write_text("{")  # a download cut short
+    with pytest.raises(UserError, match=rf"^{folder}: cannot load the tokenizer \(JSONDecodeError: .*\); its files are "
+                                        "damaged or from another model"):
+        load_tokenizer(folder)
+
+
 @pytest.fixture(scope="module")
 def lossy_tokenizer():
     """A real BPE tokenizer over a few ASCII characters and no unknown token: other characters vanish,

@@ -219,7 +219,15 @@ def load_tokenizer(tokenizer: Any) -> Any:
         from transformers import AutoTokenizer
 
         check_tokenizer_folder(tokenizer)
-        tokenizer = AutoTokenizer.from_pretrained(str(tokenizer))
+        folder = tokenizer
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(str(folder))
+        except (OSError, ValueError, KeyError, TypeError) as e:  # corrupt JSON is a ValueError
+            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            raise UserError(
+                f"{folder}: cannot load the tokenizer ({type(e).__name__}: {first}); its files are damaged or "
+                "from another model: copy them again from the original model folder"
+            ) from e
     check_tokenizer_encodes(tokenizer)
     return tokenizer
 
