@@ -110,19 +110,6 @@ def generate_answers(
     """One answer per prompt (the decoded response without its EOS). `chat=True` renders each prompt as
     one user turn with the tokenizer's chat template (as the RL data does); otherwise the text is the
     prompt as is. temperature 0 is greedy."""
-    import torch
-
-    from trinity.config.megatron import MegatronConfig
-    from trinity.convert.builtin import load_hf_weights
-    from trinity.convert.dist_ckpt import load_model_checkpoint
-    from trinity.data.loader import load_tokenizer, pad_token_id
-    from trinity.data.sft import has_chat_template, render_prompt, tokenize_texts
-    from trinity.distributed.layout import ParallelLayout
-    from trinity.distributed.parallel import destroy, init_parallel
-    from trinity.models.build import build_model
-    from trinity.models.facts import ModelFacts
-    from trinity.rollout.generate import SamplingParams, generate
-
     if not prompts:
         raise UserError("--prompt: give at least one prompt")
     if max_new_tokens < 1:
@@ -132,6 +119,19 @@ def generate_answers(
     if not 0 < top_p <= 1:
         raise UserError(f"--top-p: must be in (0, 1], got {top_p}")
     source = resolve_model(Path(model))
+    # Heavy imports after the cheap checks: a mistyped option fails at once.
+    import torch
+
+    from trinity.config.megatron import MegatronConfig
+    from trinity.convert.builtin import load_hf_weights
+    from trinity.convert.dist_ckpt import load_model_checkpoint
+    from trinity.data.loader import load_tokenizer, pad_token_id
+    from trinity.data.sft import has_chat_template, render_prompt, tokenize_texts
+    from trinity.distributed.parallel import destroy, init_parallel
+    from trinity.models.build import build_model
+    from trinity.models.facts import ModelFacts
+    from trinity.rollout.generate import SamplingParams, generate
+
     dev = _device(device)
     tokenizer = load_tokenizer(source.hf_dir)
     if chat and not has_chat_template(tokenizer):
