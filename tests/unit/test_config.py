@@ -136,8 +136,6 @@ CASES = [
     ({"algorithm.name": "grpo", "data.train_files": [str(FIXTURES / "data" / "prompts.jsonl")],
       "cluster.device": "cpu", f"{ACTOR}.context_parallel_size": 2},
      f"{ACTOR}.context_parallel_size: context parallelism is not supported", "set it to 1"),
-    ({"model.path": str(HF_CONFIGS / "qwen3_30b_a3b"), f"{ACTOR}.use_mbridge": True},
-     f"{ACTOR}.use_mbridge: mbridge cannot load the MoE Qwen3MoeForCausalLM", "set it to false"),
 ]
 
 

@@ -208,11 +208,6 @@ def _check_against_model(p: str, m: MegatronConfig, f: ModelFacts, problems: lis
     if f.num_layers % stages:
         what = f"PP x VPP = {lay.pp} x {lay.vpp}" if lay.vpp else f"PP={lay.pp}"
         problems.append(f"{p}.pipeline_model_parallel_size: {f.num_layers} layers are not divisible by {what}")
-    if m.use_mbridge and f.is_moe:
-        problems.append(
-            f"{p}.use_mbridge: mbridge cannot load the MoE {f.architecture} (it maps experts only onto "
-            "TransformerEngine grouped experts); set it to false to convert with the builtin converter"
-        )
     if lay.ep > 1 and not f.is_moe:
         problems.append(f"{p}.expert_model_parallel_size: EP={lay.ep} needs an MoE model, but {f.architecture} is dense; set it to 1")
     if f.is_moe and f.num_experts % lay.ep:

@@ -125,11 +125,6 @@ def check_layout(facts: ModelFacts, *, tp: int, pp: int, vpp: int | None, ep: in
         raise UserError(f"--ep: EP={ep} needs an MoE model, but {facts.architecture} is dense; drop --ep")
     if facts.is_moe and facts.num_experts % ep:
         raise UserError(f"--ep: {facts.num_experts} experts are not divisible by EP={ep}")
-    if backend == "mbridge" and facts.is_moe:
-        raise UserError(
-            f"--backend mbridge: needs TransformerEngine grouped experts for MoE ({facts.architecture}); "
-            "use --backend builtin"
-        )
     world = tp * pp * ep
     if device == "cuda" and world > 1:
         import torch
