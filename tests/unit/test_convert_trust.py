@@ -115,6 +115,8 @@ def test_cli_prints_one_error_line_and_exits_2(tiny, tmp_path):
 
 def test_force_into_the_source_is_refused_and_the_source_survives(tiny, tmp_path):
     hf = make_tiny_hf_model("qwen2", tmp_path / "m" / "hf")
+    (hf / "sub").mkdir()
+    (hf / "sub" / "notes.txt").write_text("part of the model folder")
     before = sorted(p.name for p in hf.iterdir())
     cases = [(hf, "is the source folder"), (tmp_path / "m", "contains the source folder"),
              (hf / "sub", "is inside the source folder")]
@@ -122,11 +124,23 @@ def test_force_into_the_source_is_refused_and_the_source_survives(tiny, tmp_path
         with pytest.raises(UserError, match=rf"{out}: the output {how} {hf}; choose an output folder outside the source"):
             hf_to_mcore(str(hf), str(out), force=True, device="cpu")
         assert sorted(p.name for p in hf.iterdir()) == before
+    assert (hf / "sub" / "notes.txt").is_file()
     ckpt = _copy(tiny[1], tmp_path)
     for out in (ckpt, ckpt.parent, ckpt / "hf"):
         with pytest.raises(UserError, match=rf"the output .* {ckpt}; choose an output folder outside the source"):
             mcore_to_hf(str(ckpt), str(out), force=True, device="cpu")
         assert (ckpt / ".metadata").is_file() and (ckpt / "hf" / "config.json").is_file()
+
+
+def test_a_new_folder_inside_the_source_deletes_nothing_and_is_allowed(tmp_path):
+    """`trinity run` converts into <output_dir>/mcore_cache/<new folder>, and output_dir may lie inside
+    the model folder: only an existing folder inside the source would be replaced."""
+    (tmp_path / "src").mkdir()
+    new = tmp_path / "src" / "run" / "mcore_cache" / "x"
+    assert check_output(new, True, sources=[tmp_path / "src"]) == new.resolve()
+    new.mkdir(parents=True)
+    with pytest.raises(UserError, match="is inside the source folder"):
+        check_output(new, True, sources=[tmp_path / "src"])
 
 
 def test_overlap_sees_through_symlinks(tmp_path):

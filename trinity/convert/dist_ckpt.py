@@ -182,7 +182,7 @@ def save_model_checkpoint(
     out = Path(ckpt_dir).resolve()
     tmp: Path | None = None
     if _rank() == 0:
-        check_output(out, force, sources=() if hf_dir is None else (hf_dir,))
+        check_output(out, force, sources=() if hf_dir is None else (hf_dir,), inside_ok=True)
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = temp_sibling(out)
         tmp.mkdir()

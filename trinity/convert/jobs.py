@@ -140,7 +140,7 @@ def save_hf_folder(
 
     src = Path(hf_config_dir)
     # The config/tokenizer folder is read while the output is written: --force must never replace it.
-    with atomic_dir(out_dir, force=force, sources=(src,)) as tmp:
+    with atomic_dir(out_dir, force=force, sources=(src,), inside_ok=True) as tmp:
         written, _ = write_shards(counted(tensors), tmp, dtype=dtype, on_tensor=on_tensor)
         copy_side_files(src, tmp, skip=("config.json",))
         cfg = json.loads((src / "config.json").read_text())
