@@ -99,3 +99,16 @@ def test_text_jsonl_job_learns_and_exports(assets, tmp_path):
     b = losses(out)
     assert b[12] < 0.6 * b[1], b
     assert (out / "hf" / "config.json").is_file()
+
+
+def test_the_example_config_validates(assets, monkeypatch, capsys):
+    """configs/pt_tiny_cpu.yaml (the repository's docs as a blend) with a model of its tokenizer."""
+    from trinity.cli.commands import validate
+
+    monkeypatch.chdir(Path(__file__).resolve().parents[2])
+    assert validate(Path("configs/pt_tiny_cpu.yaml"), [f"model.path={assets['model']}"], json_out=True) == 0
+    data = json.loads(capsys.readouterr().out)["data"]
+    assert [s["path"] for s in data["sources"]] == ["README.md", "docs/quickstart.md", "docs/parallelism.md"]
+    assert sum(s["rows_per_epoch"] for s in data["sources"]) == data["rows_per_epoch"]
+    assert [s["share"] for s in data["sources"]] == pytest.approx([0.25, 0.25, 0.5], abs=0.01)  # weights 1:1:2
+    assert data["packing"] is False and data["total_steps"] == 40
