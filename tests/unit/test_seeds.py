@@ -277,12 +277,11 @@ def test_moe_layer_recompute_with_full_recompute_is_refused_at_validate(tmp_path
 
 def test_moe_keys_on_a_dense_model_are_refused_not_ignored(tmp_path):
     job = _base("sft")
-    job["actor_rollout_ref"] = {"actor": {"megatron": {"moe_layer_recompute": True,
-                                                       "moe_token_dispatcher_type": "alltoall"}}}
+    job["actor_rollout_ref"] = {"actor": {"megatron": {"moe_layer_recompute": True, "moe_grouped_gemm": True}}}
     code, answer = _validate(job, tmp_path)
     assert code == 2 and answer["problems"] == [
         f"actor_rollout_ref.actor.megatron.{k}: has no effect on the dense Qwen2ForCausalLM (it has no MoE layers); "
-        "remove it" for k in ("moe_layer_recompute", "moe_token_dispatcher_type")], answer
+        "remove it" for k in ("moe_grouped_gemm", "moe_layer_recompute")], answer
 
 
 @pytest.mark.skipif(HAVE_GROUPED_GEMM, reason="grouped_gemm or TransformerEngine is installed here")

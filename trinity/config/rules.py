@@ -223,9 +223,9 @@ def _check_against_model(p: str, m: MegatronConfig, f: ModelFacts, problems: lis
         )
     if not f.is_moe:
         # Refused, not warned about: on a dense model these options would be accepted and ignored.
-        set_moe = [k for k in ("moe_grouped_gemm", "moe_layer_recompute") if getattr(m, k)]
-        set_moe += ["moe_token_dispatcher_type"] if "moe_token_dispatcher_type" in m.model_fields_set else []
-        for key in set_moe:
+        # (moe_token_dispatcher_type has a default value, so the resolved config a worker re-validates
+        # always carries it: it cannot be told apart from a user's setting and is not checked.)
+        for key in (k for k in ("moe_grouped_gemm", "moe_layer_recompute") if getattr(m, k)):
             problems.append(f"{p}.{key}: has no effect on the dense {f.architecture} (it has no MoE layers); remove it")
 
 

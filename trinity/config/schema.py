@@ -125,7 +125,10 @@ class DataConfig(StrictModel):
     """Local training data (jsonl or parquet)."""
 
     train_files: list[str] = Field(default_factory=list)
-    """Training files: SFT samples (prompt/response or messages) or RL prompts (prompt + answer). For pt:
+    """Training files: SFT samples (prompt/response or messages) or RL prompts (prompt + answer), as .jsonl,
+    .json (an array of objects; alpaca's instruction/input/output and ShareGPT's conversations are read as
+    prompt/response and messages), .parquet, or a Hugging Face `datasets` folder written by save_to_disk
+    (its train split; needs `pip install datasets`). For pt:
     text files (.jsonl/.json/.parquet with data.text_key, plain .txt/.md) and Megatron indexed datasets
     (their path prefix, without .bin/.idx); a blend is `[{path: a, weight: 0.3}, {path: b, weight: 0.7}]`
     or Megatron's `[0.3, a, 0.7, b]`: the weights move to data.train_weights."""
