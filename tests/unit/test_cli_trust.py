@@ -321,3 +321,29 @@ def test_quiet_filters_known_warnings_and_debug_keeps_them():
             warnings.warn("`torch.distributed.all_gather_into_tensor` is deprecated.", FutureWarning)
             warnings.warn("something else", UserWarning)
         assert len(seen) == expected + 1, [str(w.message) for w in seen]
+
+
+def test_worker_watchdog_stops_the_worker_when_the_cli_is_gone():
+    """torchrun killed with -9 too (or hung): each worker watches `trinity run`'s pid itself."""
+    import psutil
+
+    cli = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    code = ("import sys, time; from trinity.launch.child import start_watchdog; "
+            f"start_watchdog({{'TRINITY_CLI_PID': '{cli.pid}'}}); print('watching', flush=True); time.sleep(120)")
+    worker = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env={**os.environ, "RANK": "3"})
+    try:
+        assert worker.stdout.readline().strip() == "watching"
+        time.sleep(1)
+        assert worker.poll() is None  # the CLI is alive: the worker goes on
+        cli.kill()
+        cli.wait(timeout=30)
+        _, err = worker.communicate(timeout=10)
+        assert worker.returncode == 143
+        assert err.strip() == f"trinity run (pid {cli.pid}) is gone; rank 3 stops"
+    finally:
+        for p in (cli, worker):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert not psutil.pid_exists(worker.pid) or psutil.Process(worker.pid).status() == psutil.STATUS_ZOMBIE
