@@ -186,6 +186,8 @@ def test_verl_megatron_blocks_validate_unchanged(write_job):
         "expert_model_parallel_size": 1, "expert_tensor_parallel_size": None, "sequence_parallel": False,
         "use_distributed_optimizer": True, "use_mbridge": False,
         "use_dist_checkpointing": False, "dist_checkpointing_path": None, "seed": 42,
+        "overlap_grad_reduce": True, "moe_token_dispatcher_type": "alltoall", "moe_grouped_gemm": False,
+        "moe_layer_recompute": False,
     }
     actor = {**common, "param_offload": True, "grad_offload": True, "optimizer_offload": True,
              "override_transformer_config": {"recompute_granularity": "full", "recompute_method": "uniform",

@@ -166,7 +166,7 @@ def test_verl_offload_lines_are_refused_for_sft_not_ignored(tmp_path):
     code, answer = _validate(_base("sft"), tmp_path, _override_lines("verl_offload_actor_ref.txt"))
     assert code == 2
     refused = [m.group(1) for p in answer["problems"]
-               if (m := re.search(r"actor_rollout_ref\.actor\.megatron\.(\w+): not yet honoured for SFT", p))]
+               if (m := re.search(r"actor_rollout_ref\.actor\.megatron\.(\w+): not yet honoured for sft jobs", p))]
     assert refused == ["param_offload", "grad_offload", "optimizer_offload"], answer
     assert any("actor_rollout_ref.ref.megatron.param_offload: the ref role does not exist" in p
                for p in answer["problems"]), answer

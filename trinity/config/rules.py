@@ -89,11 +89,12 @@ def _check_sft_offload(cfg: JobConfig, problems: list[str]) -> None:
     if cfg.is_rl:
         return
     actor = cfg.actor_rollout_ref.actor.megatron
+    algo = cfg.algorithm.name.value
     for flag in OFFLOAD_FLAGS:
         if getattr(actor, flag):
             problems.append(
-                f"actor_rollout_ref.actor.megatron.{flag}: not yet honoured for SFT (offload moves a role's "
-                "tensors between RL phases; an SFT step needs them all on the GPU); set it to false and lower "
+                f"actor_rollout_ref.actor.megatron.{flag}: not yet honoured for {algo} jobs (offload moves a role's "
+                f"tensors between RL phases; a {algo} step needs them all on the GPU); set it to false and lower "
                 "memory with recompute, use_distributed_optimizer, TP or PP (docs/parallelism.md)"
             )
 
