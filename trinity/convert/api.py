@@ -117,11 +117,6 @@ def check_layout(facts: ModelFacts, *, tp: int, pp: int, vpp: int | None, ep: in
     if problems:
         field, text = problems[0]
         raise UserError(f"{FLAGS.get(field, field)}: {text}")
-    if backend == "mbridge" and facts.is_moe:
-        raise UserError(
-            f"--backend mbridge: needs TransformerEngine grouped experts for MoE ({facts.architecture}); "
-            "use --backend builtin"
-        )
     world = tp * pp * ep
     if device == "cuda" and world > 1:
         import torch
@@ -163,7 +158,7 @@ def hf_to_mcore(
     device = _device(device)
     check_layout(facts, tp=tp, pp=pp, vpp=vpp, ep=ep, backend=backend, device=device)
     HFCheckpoint(hf_path)  # validates index and shards before any process starts
-    check_output(output, force)
+    check_output(output, force, sources=(hf_path,))
     args = dict(hf_path=str(Path(hf_path).resolve()), output=str(Path(output).resolve()), tp=tp, pp=pp,
                 vpp=vpp, ep=ep, backend=backend, dtype=dtype, force=force, device=device)
     start = time.perf_counter()
@@ -203,7 +198,7 @@ def mcore_to_hf(
     meta = read_meta(mcore_path)
     if dtype is not None:
         torch_dtype(dtype)
-    check_output(output, force)
+    check_output(output, force, sources=(mcore_path,))
     from trinity.convert.jobs import run_mcore_to_hf
 
     return run_mcore_to_hf(

@@ -34,7 +34,7 @@ def run(ctx: WorkerContext, recipe_cls: type[Recipe]) -> None:
         log_interval=cfg.trainer.log_interval, tensorboard=cfg.trainer.tensorboard, line=recipe.line,
     )
     save_every = cfg.trainer.save_interval
-    profiler = StepProfiler(cfg.trainer.profile_step, ctx.output_dir, ctx.rank, ctx.device)
+    profiler = StepProfiler.from_config(cfg, ctx.output_dir, ctx.rank, ctx.device)
     try:
         for step in range(start + 1, recipe.total_steps + 1):
             with profiler.step(step):
