@@ -168,3 +168,50 @@ def gae_advantages(
     if whiten:
         advantages = masked_whiten(advantages, mask, group=group)
     return advantages * mask, returns * mask
+
+
+def rloo_outcome_advantages(
+    scores: torch.Tensor, group_ids: torch.Tensor | Sequence[object], response_mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RLOO (REINFORCE leave-one-out, Ahmadian et al. 2024): adv_i = r_i - mean of the other n-1 rewards of
+    its group, which equals n / (n - 1) * (r_i - group mean) (verl's `rloo` computes it that way).
+
+    The baseline of a sample does not depend on its own reward, so the estimate stays unbiased. A group
+    of one sample keeps its raw score (no other sample to compare with; as in verl): trinity refuses
+    rollout.n < 2 for rloo before the job starts.
+
+    Returns (advantages, returns), both `[batch, response_len]`, equal, zero where the mask is 0.
+    """
+    scores = scores.float()
+    batch = scores.shape[0]
+    index = _group_index(group_ids, batch).to(scores.device)
+    num_groups = int(index.max().item()) + 1 if batch else 0
+    count = torch.zeros(num_groups, device=scores.device).index_add_(0, index, torch.ones_like(scores))
+    total = torch.zeros(num_groups, device=scores.device).index_add_(0, index, scores)
+    others = (count[index] - 1).clamp(min=1)
+    baseline = (total[index] - scores) / others
+    adv = torch.where(count[index] > 1, scores - baseline, scores)
+    adv = adv.unsqueeze(-1) * response_mask.to(adv.dtype)
+    return adv, adv
+
+
+def reinforce_plus_plus_advantages(
+    token_rewards: torch.Tensor, response_mask: torch.Tensor, gamma: float = 1.0, group: Any = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++ (Hu 2025, verl's `reinforce_plus_plus`): the return of each token is the discounted sum
+    of the token rewards from it to the end of its response (the outcome score on the last token minus
+    the per-token KL penalty when `use_kl_in_reward` is on), and the advantages are these returns whitened
+    over the whole batch: a global baseline, over every rank of `group` (the DP group) when one is given.
+
+    The running return restarts after a masked-out token, as in verl. Returns (advantages, returns).
+    """
+    token_rewards = token_rewards.float()
+    mask = response_mask.to(token_rewards.dtype)
+    returns = torch.zeros_like(token_rewards)
+    running = torch.zeros_like(token_rewards[:, 0])
+    for t in reversed(range(token_rewards.shape[1])):
+        running = token_rewards[:, t] + gamma * running
+        returns[:, t] = running
+        running = running * mask[:, t]
+    advantages = masked_whiten(returns, mask, group=group)
+    return advantages * mask, returns

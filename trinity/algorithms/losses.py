@@ -1,4 +1,4 @@
-"""PPO-clip policy loss (dual clip), entropy bonus, KL loss, clipped value loss, loss aggregation.
+"""PPO-clip policy loss (dual clip), GSPO's sequence-level variant, entropy bonus, KL loss, clipped value loss, loss aggregation.
 
 Token losses are `[batch, response_len]` matrices with a 0/1 response mask; `agg_loss` turns them into
 one number. Names follow verl (`clip_ratio_low`, `clip_ratio_high`, `clip_ratio_c`, `cliprange_value`,
@@ -146,6 +146,59 @@ def ppo_policy_loss(
     return loss, metrics
 
 
+def gspo_policy_loss(
+    old_logp: torch.Tensor,
+    logp: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    clip_ratio_low: float = 3e-4,
+    clip_ratio_high: float = 4e-4,
+    clip_ratio_c: float | None = 3.0,
+    loss_agg_mode: LossAggMode | str = LossAggMode.seq_mean_token_mean,
+    denominator: torch.Tensor | float | None = None,
+) -> tuple[torch.Tensor, PolicyLossMetrics]:
+    """GSPO (Zheng et al. 2025, verl's `policy_loss.loss_mode: gspo`): PPO-clip on the sequence-level ratio
+    s_i = exp(mean over the response of (logp - old_logp)), the geometric mean of the token ratios.
+
+    As in verl, every token of sequence i carries s_i,t = sg[s_i] * exp(logp_t - sg[logp_t]): its value is
+    s_i (so the clip is decided per sequence, with GSPO's small ranges, e.g. 3e-4 / 4e-4) and its gradient
+    is s_i * d logp_t, whose mean over the response is d s_i. log s_i is clamped at 10 as in verl. The dual
+    clip (`clip_ratio_c`) caps negative-advantage sequences as in `ppo_policy_loss` (verl's gspo has none:
+    `clip_ratio_c: null` gives its loss exactly).
+    """
+    mask = response_mask.to(torch.float32)
+    logp, old_logp, advantages = logp.float(), old_logp.float(), advantages.float()
+    log_ratio = logp - old_logp
+    seq_log_ratio = (log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+    log_s = torch.clamp(logp - logp.detach() + seq_log_ratio.detach().unsqueeze(-1), max=10.0)
+    ratio = torch.exp(log_s)
+    loss_unclipped = -advantages * ratio
+    loss_clipped = -advantages * torch.clamp(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+    loss_ppo = torch.maximum(loss_unclipped, loss_clipped)
+    clipfrac = masked_mean((loss_clipped > loss_unclipped).float(), mask)
+    if clip_ratio_c is not None:
+        if clip_ratio_c <= 1.0:
+            raise ValueError(f"clip_ratio_c must be > 1, got {clip_ratio_c}")
+        loss_cap = -advantages * clip_ratio_c
+        negative = advantages < 0
+        pg_losses = torch.where(negative, torch.minimum(loss_ppo, loss_cap), loss_ppo)
+        clipfrac_lower = masked_mean(((loss_ppo > loss_cap) & negative).float(), mask)
+    else:
+        pg_losses = loss_ppo
+        clipfrac_lower = torch.zeros((), device=mask.device)
+    loss = agg_loss(pg_losses, mask, loss_agg_mode, denominator)
+    metrics = PolicyLossMetrics(
+        pg_clipfrac=clipfrac.detach(),
+        ppo_kl=masked_mean(-log_ratio, mask).detach(),
+        pg_clipfrac_lower=clipfrac_lower.detach(),
+    )
+    return loss, metrics
+
+
+# actor_rollout_ref.actor.policy_loss.loss_mode -> policy loss (verl's register_policy_loss names)
+POLICY_LOSSES = {"vanilla": ppo_policy_loss, "gspo": gspo_policy_loss}
+
+
 def entropy_loss(
     entropy: torch.Tensor,
     response_mask: torch.Tensor,
@@ -181,7 +234,7 @@ def actor_loss(
     """pg_loss - entropy_coeff * entropy + kl_loss_coef * KL (when use_kl_loss), with the actor's
     settings; metrics (detached, verl's names) for logging."""
     mode = actor.loss_agg_mode
-    loss, pg = ppo_policy_loss(
+    loss, pg = POLICY_LOSSES[actor.policy_loss.loss_mode](
         old_logp, logp, advantages, response_mask, actor.clip_ratio_low, actor.clip_ratio_high,
         actor.clip_ratio_c, mode, denominator,
     )

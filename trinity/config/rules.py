@@ -43,6 +43,7 @@ def check_job(cfg: JobConfig, *, check_paths: bool = True) -> tuple[ModelFacts |
         _check_sequence_length(cfg, facts, problems)
     if cfg.is_rl:
         _check_reward(cfg, problems, check_paths)
+    _check_dapo(cfg, problems)
     _check_profile(cfg, problems)
     return facts, problems, warnings
 
@@ -282,8 +283,44 @@ def _check_batches(cfg: JobConfig, problems: list[str]) -> None:
             f"actor_rollout_ref.actor.ppo_mini_batch_size: {actor.ppo_mini_batch_size} prompts x rollout.n "
             f"{cfg.actor_rollout_ref.rollout.n} = {seqs} sequences are not divisible by trainer.micro_batch_size x DP = {micro} x {dp}"
         )
-    if cfg.algorithm.name == AlgorithmName.grpo and cfg.actor_rollout_ref.rollout.n < 2:
-        problems.append("actor_rollout_ref.rollout.n: GRPO compares responses within a group; use n >= 2")
+    name = cfg.algorithm.name
+    if name in GROUP_ALGORITHMS and cfg.actor_rollout_ref.rollout.n < 2:
+        problems.append(f"actor_rollout_ref.rollout.n: {GROUP_ALGORITHMS[name]} compares responses within a group; use n >= 2")
+
+
+# Algorithms whose baseline comes from the other responses to the same prompt (RLOO: the mean of the
+# other n - 1 rewards), so a group of one has none.
+GROUP_ALGORITHMS = {AlgorithmName.grpo: "GRPO", AlgorithmName.rloo: "RLOO", AlgorithmName.dapo: "DAPO"}
+
+
+def _check_dapo(cfg: JobConfig, problems: list[str]) -> None:
+    """DAPO's dynamic sampling and overlong shaping exist in the dapo recipe only, a policy loss in RL only:
+    refused elsewhere rather than accepted and ignored."""
+    name = cfg.algorithm.name
+    fg, ob = cfg.algorithm.filter_groups, cfg.reward_model.overlong_buffer
+    if not cfg.is_rl and cfg.actor_rollout_ref.actor.policy_loss.loss_mode != "vanilla":
+        problems.append(
+            f"actor_rollout_ref.actor.policy_loss.loss_mode: a policy loss applies to RL algorithms, not {name.value}; "
+            "remove the key"
+        )
+    if name != AlgorithmName.dapo:
+        if fg.enable:
+            problems.append(
+                f"algorithm.filter_groups.enable: dynamic sampling is part of the dapo recipe, not {name.value}; "
+                "set algorithm.name: dapo or remove the key"
+            )
+        if ob.enable:
+            problems.append(
+                f"reward_model.overlong_buffer.enable: overlong reward shaping is part of the dapo recipe, not "
+                f"{name.value}; set algorithm.name: dapo or remove the key"
+            )
+        return
+    limit = cfg.actor_rollout_ref.rollout.response_length
+    if ob.enable and not 0 < ob.len < limit:
+        problems.append(
+            f"reward_model.overlong_buffer.len: {ob.len} must be between 1 and actor_rollout_ref.rollout."
+            f"response_length - 1 ({limit - 1}): the penalty starts response_length - len tokens in"
+        )
 
 
 def _check_profile(cfg: JobConfig, problems: list[str]) -> None:

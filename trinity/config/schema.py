@@ -21,6 +21,9 @@ class AlgorithmName(str, enum.Enum):
     pt = "pt"  # continued pre-training (LLaMA-Factory's stage name; Megatron-LM's pretrain_gpt)
     grpo = "grpo"
     ppo = "ppo"
+    rloo = "rloo"  # verl's adv_estimator names
+    reinforce_plus_plus = "reinforce_plus_plus"
+    dapo = "dapo"  # verl's DAPO recipe: GRPO advantages + dynamic sampling + overlong shaping
 
 
 def split_train_files(value: Any) -> tuple[list[str], list[float] | None]:
@@ -90,14 +93,33 @@ class LossAggMode(str, enum.Enum):
     seq_mean_token_mean = "seq-mean-token-mean"
 
 
+class FilterGroupsConfig(StrictModel):
+    """DAPO's dynamic sampling (verl's `algorithm.filter_groups`)."""
+
+    enable: bool = False
+    """dapo: drop the prompt groups whose `metric` is equal for all rollout.n responses and draw more
+    prompts until data.train_batch_size groups are left (docs/rl.md)."""
+    metric: Literal["score", "seq_reward"] = "seq_reward"
+    """What must vary within a group: `score` (the reward function's value) or `seq_reward` (score plus the
+    overlong penalty). verl's `acc` (a reward returning an accuracy beside the score) and
+    `seq_final_reward` (after the in-reward KL penalty, known only after the ref forward) are not available."""
+    max_num_gen_batches: int = 10
+    """Most batches of data.train_batch_size prompts drawn for one step (<= 0: no limit, as in verl);
+    when they do not yield enough varied groups the step trains on the kept groups filled up with dropped
+    ones (equal rewards: zero advantage), and metrics.jsonl says so (dapo/filled_groups)."""
+
+
 class AlgorithmConfig(StrictModel):
     """Which fine-tuning algorithm runs, and its advantage / KL-in-reward settings."""
 
     name: AlgorithmName = AlgorithmName.sft
     """`sft` (supervised), `pt` (continued pre-training on raw text: loss on every token;
-    docs/pretraining.md), `grpo` (group-relative policy optimisation) or `ppo` (with a critic)."""
+    docs/pretraining.md), `grpo` (group-relative policy optimisation), `ppo` (with a critic), `rloo`
+    (leave-one-out baseline), `reinforce_plus_plus` (global baseline, KL in the reward) or `dapo` (GRPO with
+    dynamic sampling and overlong shaping); docs/rl.md. GSPO is a policy loss:
+    actor_rollout_ref.actor.policy_loss.loss_mode: gspo."""
     gamma: float = Field(default=1.0, ge=0.0, le=1.0)
-    """PPO: discount factor of GAE."""
+    """PPO: discount factor of GAE; reinforce_plus_plus: discount of the returns."""
     lam: float = Field(default=1.0, ge=0.0, le=1.0)
     """PPO: lambda of GAE."""
     norm_adv_by_std_in_grpo: bool = True
@@ -108,6 +130,8 @@ class AlgorithmConfig(StrictModel):
     """KL estimator used for the in-reward penalty."""
     kl_coef: float = Field(default=0.001, ge=0.0)
     """Coefficient of the in-reward KL penalty."""
+    filter_groups: FilterGroupsConfig = Field(default_factory=FilterGroupsConfig)
+    """dapo: dynamic sampling."""
 
 
 class ModelConfig(StrictModel):
@@ -303,6 +327,15 @@ class VerlProfilerConfig(StrictModel):
     """Folder of the traces and summaries; unset means <output_dir>/profile."""
 
 
+class PolicyLossConfig(StrictModel):
+    """Which policy loss the actor minimises (verl's `actor.policy_loss`)."""
+
+    loss_mode: Literal["vanilla", "gspo"] = "vanilla"
+    """`vanilla`: PPO-clip on token ratios (with dual clip); `gspo`: PPO-clip on the sequence-level ratio
+    (geometric mean of the token ratios). With gspo, unset clip_ratio_low / clip_ratio_high default to
+    GSPO's 3e-4 / 4e-4 and an unset loss_agg_mode to seq-mean-token-mean (docs/rl.md)."""
+
+
 class ActorConfig(StrictModel):
     """The trained policy."""
 
@@ -337,6 +370,21 @@ class ActorConfig(StrictModel):
     """RL: coefficient of the KL loss."""
     kl_loss_type: KLEstimator = KLEstimator.low_var_kl
     """RL: KL estimator of the KL loss."""
+    policy_loss: PolicyLossConfig = Field(default_factory=PolicyLossConfig)
+    """RL: the policy loss (vanilla PPO-clip or GSPO)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _gspo_defaults(cls, data: Any) -> Any:
+        """GSPO's clip ranges and sequence-level aggregation when policy_loss.loss_mode is gspo and they are
+        unset (the PPO defaults, 0.2 and token-mean, are not GSPO's); explicit values stand."""
+        if not isinstance(data, dict):
+            return data
+        loss = data.get("policy_loss")
+        if not (isinstance(loss, dict) and loss.get("loss_mode") == "gspo"):
+            return data
+        defaults = {"clip_ratio_low": 3e-4, "clip_ratio_high": 4e-4, "loss_agg_mode": "seq-mean-token-mean"}
+        return {**defaults, **data}
 
 
 class RefConfig(StrictModel):
@@ -406,6 +454,25 @@ class RewardConfig(StrictModel):
     """Regex for the `format` reward (full match scores 1)."""
 
 
+class OverlongBufferConfig(StrictModel):
+    """DAPO's soft overlong punishment (verl's `reward_model.overlong_buffer`)."""
+
+    enable: bool = False
+    """dapo: add a penalty to the score of responses longer than rollout.response_length - len tokens."""
+    len: int = Field(default=0, ge=0)
+    """Tokens of the buffer: the penalty grows linearly from 0 at response_length - len tokens to
+    penalty_factor at response_length; must be in [1, response_length) when enabled."""
+    penalty_factor: float = Field(default=1.0, ge=0)
+    """Penalty of a response of rollout.response_length tokens."""
+
+
+class RewardModelConfig(StrictModel):
+    """verl's `reward_model` block: here only DAPO's overlong reward shaping (the reward itself is `reward`)."""
+
+    overlong_buffer: OverlongBufferConfig = Field(default_factory=OverlongBufferConfig)
+    """dapo: overlong reward shaping."""
+
+
 class JobConfig(StrictModel):
     """A trinity job: what to train, on what data, where, with which parallel layout."""
 
@@ -425,6 +492,8 @@ class JobConfig(StrictModel):
     """PPO critic; required for ppo, not allowed for sft and grpo."""
     reward: RewardConfig = Field(default_factory=RewardConfig)
     """RL reward function."""
+    reward_model: RewardModelConfig = Field(default_factory=RewardModelConfig)
+    """dapo: overlong reward shaping (verl's reward_model.overlong_buffer)."""
 
     def roles(self) -> dict[str, MegatronConfig]:
         """Megatron blocks of the roles that exist in this job, keyed by their config path."""
@@ -445,6 +514,19 @@ class JobConfig(StrictModel):
         name = algo.get("name") if isinstance(algo, dict) else None
         if name in (AlgorithmName.pt, "pt") and (section is None or (isinstance(section, dict) and "packing" not in section)):
             data = {**data, "data": {**(section or {}), "packing": False}}
+        return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _reinforce_pp_kl_in_reward(cls, data: Any) -> Any:
+        """algorithm.use_kl_in_reward defaults to true for reinforce_plus_plus: the per-token KL penalty in
+        the reward is part of REINFORCE++ (the paper, and verl's example); an explicit value stands."""
+        if not isinstance(data, dict):
+            return data
+        algo = data.get("algorithm")
+        if isinstance(algo, dict) and algo.get("name") in (AlgorithmName.reinforce_plus_plus, "reinforce_plus_plus") \
+                and "use_kl_in_reward" not in algo:
+            data = {**data, "algorithm": {**algo, "use_kl_in_reward": True}}
         return data
 
     @property

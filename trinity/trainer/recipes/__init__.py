@@ -19,6 +19,9 @@ RECIPES: dict[str, str] = {
     "pt": "trinity.trainer.recipes.pt:PTRecipe",
     "grpo": "trinity.trainer.recipes.grpo:GRPORecipe",
     "ppo": "trinity.trainer.recipes.ppo:PPORecipe",
+    "rloo": "trinity.trainer.recipes.rloo:RLOORecipe",
+    "reinforce_plus_plus": "trinity.trainer.recipes.reinforce_plus_plus:ReinforcePlusPlusRecipe",
+    "dapo": "trinity.trainer.recipes.dapo:DAPORecipe",
 }
 
 

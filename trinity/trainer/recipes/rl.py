@@ -107,7 +107,8 @@ def _masked_stats(prefix: str, x: torch.Tensor, mask: torch.Tensor) -> dict[str,
 
 
 class RLRecipe(Recipe):
-    """GRPO / PPO. Subclasses set `advantages(...)` and, for a critic, `update_critic(...)`."""
+    """GRPO / PPO / RLOO / REINFORCE++ / DAPO. Subclasses set `advantages(...)`, for a critic
+    `update_critic(...)`, and may replace `sample(...)` (DAPO)."""
 
     def roles(self) -> list[Role]:
         return [Role.actor] + ([Role.ref] if self.cfg.needs_ref else [])
@@ -170,14 +171,35 @@ class RLRecipe(Recipe):
 
     # ---------------------------------------------------------------- one step
 
+    def sample(self, step: int, gen: torch.Generator) -> tuple[Any, torch.Tensor, list[int], dict[str, float]]:
+        """This step's rollout (rollout.n responses per prompt, a prompt's responses consecutive), their
+        scores, their group ids and extra metrics. DAPO's dynamic sampling overrides it."""
+        prompts = self.data.next_batch()
+        ro = self.generate(prompts, gen)
+        n = self.cfg.actor_rollout_ref.rollout.n
+        return ro, self.score(prompts, ro), [i for i in range(len(prompts)) for _ in range(n)], {}
+
+    def generate(self, prompts: list[Any], gen: torch.Generator) -> Any:
+        n = self.cfg.actor_rollout_ref.rollout.n
+        ids = [p.prompt_ids for p in prompts for _ in range(n)]
+        return self.phases.run("rollout", {"actor": {"params": True}}, lambda: self.rollout_engine.generate(ids, self.sampling, gen),
+                               tokens=lambda r: r.response_mask.sum())
+
+    def score(self, prompts: list[Any], ro: Any) -> torch.Tensor:
+        n = self.cfg.actor_rollout_ref.rollout.n
+        lengths = ro.response_mask.sum(-1)
+
+        def run() -> torch.Tensor:
+            texts = [self.tokenizer.decode(row[: int(k)].tolist(), skip_special_tokens=True) for row, k in zip(ro.responses, lengths)]
+            s = self.reward_fn([p.text for p in prompts for _ in range(n)], texts, [p.answer for p in prompts for _ in range(n)])
+            return torch.tensor(s, dtype=torch.float32, device=ro.tokens.device)
+
+        return self.phases.run("reward", {"actor": {"params": True}}, run)
+
     def step(self, step: int) -> dict[str, Any]:
         cfg = self.cfg
-        n = cfg.actor_rollout_ref.rollout.n
         micro = cfg.trainer.micro_batch_size
         dp_rank, _, _ = _dp_info()
-        prompts = self.data.next_batch()
-        ids = [p.prompt_ids for p in prompts for _ in range(n)]
-        groups = [i for i in range(len(prompts)) for _ in range(n)]
         # The generator lives on the model's device: a CPU generator makes every decode step copy the
         # [batch, vocab] probabilities to the host and draw there (measured on an H100, 0.5B shape, 64 x 128
         # tokens: 42.6 s of rollout, ~330 ms per step, against ~4.5 ms per decode step on the GPU).
@@ -186,17 +208,9 @@ class RLRecipe(Recipe):
         ph.metrics = {}
         actor = self.actor
 
-        ro = ph.run("rollout", {"actor": {"params": True}}, lambda: self.rollout_engine.generate(ids, self.sampling, gen),
-                    tokens=lambda r: r.response_mask.sum())
+        ro, scores, groups, sampled = self.sample(step, gen)
         mask = ro.response_mask.float()
         lengths = ro.response_mask.sum(-1)
-
-        def score() -> torch.Tensor:
-            texts = [self.tokenizer.decode(row[: int(k)].tolist(), skip_special_tokens=True) for row, k in zip(ro.responses, lengths)]
-            s = self.reward_fn([p.text for p in prompts for _ in range(n)], texts, [p.answer for p in prompts for _ in range(n)])
-            return torch.tensor(s, dtype=torch.float32, device=ro.tokens.device)
-
-        scores = ph.run("reward", {"actor": {"params": True}}, score)
         all_tokens = ro.tokens.numel()
         ref_logp = None
         if self.ref is not None:
@@ -232,6 +246,7 @@ class RLRecipe(Recipe):
         out.update(_masked_stats("advantages", exp.advantages, mask))
         out.update(_masked_stats("returns", exp.returns, mask))
         out.update(extra)
+        out.update(sampled)
         out.update(ph.metrics)
         out["step_time_s"] = sum(v for k, v in ph.metrics.items() if k.startswith("time/"))
         return out

@@ -1,0 +1,133 @@
+"""RLOO, REINFORCE++, GSPO and DAPO's pieces against values computed by hand."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from trinity.algorithms.advantages import reinforce_plus_plus_advantages, rloo_outcome_advantages
+from trinity.algorithms.dapo import overlong_penalty, varied_groups
+from trinity.algorithms.kl import apply_kl_penalty
+from trinity.algorithms.losses import actor_loss, gspo_policy_loss, ppo_policy_loss
+from trinity.config.schema import ActorConfig, LossAggMode
+
+
+def test_rloo_leave_one_out_baseline_by_hand():
+    # group a: rewards 1, 2, 6 -> baselines (2+6)/2, (1+6)/2, (1+2)/2; group b: 0.5, 0 -> 0, 0.5
+    scores = torch.tensor([1.0, 0.5, 2.0, 6.0, 0.0])
+    ids = ["a", "b", "a", "a", "b"]
+    mask = torch.tensor([[1, 1], [1, 0], [1, 1], [1, 1], [1, 1]])
+    adv, ret = rloo_outcome_advantages(scores, ids, mask)
+    expected = torch.tensor([-3.0, 0.5, -1.5, 4.5, -0.5])
+    assert torch.allclose(adv[:, 0], expected)
+    assert adv[1, 1] == 0 and torch.equal(adv, ret)
+    # n / (n - 1) * (r - group mean), verl's form, is the same number
+    assert math.isclose(3 / 2 * (6.0 - 3.0), 4.5)
+
+
+def test_rloo_singleton_keeps_raw_score():
+    adv, _ = rloo_outcome_advantages(torch.tensor([0.7, 1.0, 3.0]), [0, 1, 1], torch.ones(3, 1))
+    assert torch.allclose(adv[:, 0], torch.tensor([0.7, -2.0, 2.0]))
+
+
+def test_reinforce_plus_plus_returns_and_global_whitening_by_hand():
+    rewards = torch.tensor([[0.0, 0.0, 1.0], [0.0, 2.0, 0.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    adv, ret = reinforce_plus_plus_advantages(rewards, mask, gamma=1.0)
+    assert torch.allclose(ret, torch.tensor([[1.0, 1.0, 1.0], [2.0, 2.0, 0.0]]))
+    # masked returns 1,1,1,2,2: mean 1.4, unbiased var (3 * 0.16 + 2 * 0.36) / 4 = 0.3
+    std = math.sqrt(0.3 + 1e-8)
+    expected = torch.tensor([[-0.4, -0.4, -0.4], [0.6, 0.6, 0.0]]) / std
+    assert torch.allclose(adv, expected, atol=1e-6)
+    _, ret = reinforce_plus_plus_advantages(rewards, mask, gamma=0.5)
+    assert torch.allclose(ret, torch.tensor([[0.25, 0.5, 1.0], [1.0, 2.0, 0.0]]))
+
+
+def test_reinforce_plus_plus_with_kl_in_reward():
+    """The per-token KL penalty (k1, coef 0.5) enters every token's reward, so each return is the outcome
+    minus the KL still to come."""
+    scores = torch.tensor([[0.0, 0.0, 1.0]])
+    logp = torch.tensor([[-1.0, -1.0, -1.0]])
+    ref = logp - torch.tensor([[0.1, 0.2, 0.3]])
+    rewards = apply_kl_penalty(scores, logp, ref, 0.5, "kl", torch.ones(1, 3))
+    _, ret = reinforce_plus_plus_advantages(rewards, torch.ones(1, 3), gamma=1.0)
+    assert torch.allclose(ret, torch.tensor([[0.7, 0.75, 0.85]]))
+
+
+def test_gspo_sequence_ratio_and_clip_by_hand():
+    # seq 1: log ratios 0.1, 0.3 (third token masked) -> s = exp(0.2), A = 1: clipped at 1 + 4e-4
+    # seq 2: log ratios -0.1, 0, 0.1 -> s = 1, A = -2: loss 2 per token
+    old = torch.zeros(2, 3)
+    logp = torch.tensor([[0.1, 0.3, 5.0], [-0.1, 0.0, 0.1]])
+    adv = torch.tensor([[1.0, 1.0, 1.0], [-2.0, -2.0, -2.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    loss, m = gspo_policy_loss(old, logp, adv, mask, 3e-4, 4e-4, 3.0, LossAggMode.seq_mean_token_mean)
+    assert math.isclose(float(loss), (-1.0004 + 2.0) / 2, rel_tol=1e-6)
+    assert math.isclose(float(m.pg_clipfrac), 2 / 5, rel_tol=1e-6)  # seq 1's two tokens
+    assert math.isclose(float(m.ppo_kl), -(0.1 + 0.3 - 0.1 + 0.0 + 0.1) / 5, rel_tol=1e-5)
+    assert float(m.pg_clipfrac_lower) == 0.0
+
+
+def test_gspo_gradient_is_the_sequence_ratio_gradient():
+    """Unclipped, the loss of a sequence is -A * exp(mean(logp - old)): its gradient per token is
+    -A * s / |y| (seq-mean over 2 sequences halves it); masked tokens get none."""
+    old = torch.tensor([[-1.0, -2.0, -1.0], [-0.5, -0.5, -0.5]])
+    logp = torch.tensor([[-0.9, -1.7, -3.0], [-0.6, -0.5, -0.4]], requires_grad=True)
+    adv = torch.tensor([[1.0] * 3, [-0.5] * 3])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    loss, _ = gspo_policy_loss(old, logp, adv, mask, 0.5, 0.5, None, LossAggMode.seq_mean_token_mean)
+    loss.backward()
+    s1 = math.exp((0.1 + 0.3) / 2)
+    s2 = math.exp((-0.1 + 0.0 + 0.1) / 3)
+    expected = torch.tensor([[-s1 / 2 / 2, -s1 / 2 / 2, 0.0], [0.5 * s2 / 3 / 2] * 3])
+    assert torch.allclose(logp.grad, expected, atol=1e-6)
+    # the same value as the direct sequence-level objective
+    direct = (-1.0 * s1 + 0.5 * s2) / 2
+    assert math.isclose(float(loss), direct, rel_tol=1e-6)
+
+
+def test_gspo_differs_from_token_ratios():
+    """Token ratios 1.5 and 0.5 (geometric mean ~0.866): PPO clips each token, GSPO the sequence."""
+    old = torch.zeros(1, 2)
+    logp = torch.log(torch.tensor([[1.5, 0.5]]))
+    adv = torch.ones(1, 2)
+    mask = torch.ones(1, 2)
+    ppo, _ = ppo_policy_loss(old, logp, adv, mask, 0.2, 0.2, None, LossAggMode.token_mean)
+    gspo, _ = gspo_policy_loss(old, logp, adv, mask, 0.2, 0.2, None, LossAggMode.token_mean)
+    assert math.isclose(float(ppo), -(1.2 + 0.5) / 2, rel_tol=1e-6)
+    assert math.isclose(float(gspo), -math.sqrt(0.75), rel_tol=1e-6)
+
+
+def test_policy_loss_mode_selects_gspo_with_its_defaults():
+    actor = ActorConfig.model_validate({"policy_loss": {"loss_mode": "gspo"}})
+    assert (actor.clip_ratio_low, actor.clip_ratio_high, actor.loss_agg_mode) == (3e-4, 4e-4, LossAggMode.seq_mean_token_mean)
+    explicit = ActorConfig.model_validate({"policy_loss": {"loss_mode": "gspo"}, "clip_ratio_high": 0.01, "loss_agg_mode": "token-mean"})
+    assert (explicit.clip_ratio_low, explicit.clip_ratio_high, explicit.loss_agg_mode) == (3e-4, 0.01, LossAggMode.token_mean)
+    old = torch.zeros(2, 3)
+    logp = torch.tensor([[0.1, 0.3, 5.0], [-0.1, 0.0, 0.1]])
+    adv = torch.tensor([[1.0] * 3, [-2.0] * 3])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    loss, metrics = actor_loss(logp, old, adv, mask, actor)
+    direct, _ = gspo_policy_loss(old, logp, adv, mask, 3e-4, 4e-4, 3.0, LossAggMode.seq_mean_token_mean)
+    assert torch.equal(loss, direct) and torch.equal(metrics["actor/pg_loss"], direct)
+    vanilla, _ = actor_loss(logp, old, adv, mask, ActorConfig())
+    assert not torch.allclose(vanilla, direct)
+
+
+def test_overlong_penalty_by_hand():
+    # max 20 tokens, buffer 8: free up to 12, then -1/8 per token, -1 at 20
+    got = overlong_penalty(torch.tensor([10, 12, 14, 16, 20]), 20, 8, 1.0)
+    assert torch.allclose(got, torch.tensor([0.0, 0.0, -0.25, -0.5, -1.0]))
+    assert torch.allclose(overlong_penalty(torch.tensor([18]), 20, 4, 0.5), torch.tensor([-0.25]))
+    with pytest.raises(ValueError, match="buffer_len"):
+        overlong_penalty(torch.tensor([1]), 20, 0, 1.0)
+
+
+def test_varied_groups():
+    keep = varied_groups(torch.tensor([1.0, 1.0, 0.0, 1.0, 0.5, 0.5, 0.0, 0.0]), 2)
+    assert keep.tolist() == [False, True, False, False]
+    assert varied_groups(torch.tensor([0.3, 0.3]), 1).tolist() == [True, True]
+    with pytest.raises(ValueError, match="groups of 2"):
+        varied_groups(torch.ones(3), 2)
