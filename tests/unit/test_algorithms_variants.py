@@ -131,3 +131,17 @@ def test_varied_groups():
     assert varied_groups(torch.tensor([0.3, 0.3]), 1).tolist() == [True, True]
     with pytest.raises(ValueError, match="groups of 2"):
         varied_groups(torch.ones(3), 2)
+
+
+def test_concat_rollouts_pads_prompts_left_and_responses_right():
+    from trinity.rollout.types import Rollout
+    from trinity.trainer.recipes.dapo import concat_rollouts
+
+    a = Rollout(torch.tensor([[5, 6, 7, 8]]), torch.tensor([[1, 1]]), torch.tensor([[1, 1]]), torch.tensor([[-0.1, -0.2]]))
+    b = Rollout(torch.tensor([[9, 1, 2, 3, 4]]), torch.tensor([[1]]), torch.tensor([[1, 1, 0, 0]]),
+                torch.tensor([[-0.3, -0.4, 0.0, 0.0]]))
+    ro = concat_rollouts([a, b], pad_id=0)
+    assert ro.tokens.tolist() == [[5, 6, 7, 8, 0, 0], [0, 9, 1, 2, 3, 4]]
+    assert ro.prompt_mask.tolist() == [[1, 1], [0, 1]]
+    assert ro.response_mask.tolist() == [[1, 1, 0, 0], [1, 1, 0, 0]]
+    assert torch.allclose(ro.logprobs, torch.tensor([[-0.1, -0.2, 0.0, 0.0], [-0.3, -0.4, 0.0, 0.0]]))
