@@ -343,7 +343,13 @@ def read_extra(ckpt_dir: str | Path) -> dict[str, Any]:
     """The `extra_common` dict saved with the checkpoint (no model needed)."""
     from megatron.core import dist_checkpointing
 
-    return dict(dist_checkpointing.load_common_state_dict(str(ckpt_dir)).get("extra", {}))
+    failure: BaseException | None = None
+    try:
+        return dict(dist_checkpointing.load_common_state_dict(str(ckpt_dir)).get("extra", {}))
+    except Exception as exc:  # a cut common.pt raises RuntimeError, EOFError, pickle errors...
+        failure = exc
+    check_readable(ckpt_dir)  # names the missing or damaged file
+    raise UserError(f"{ckpt_dir}: cannot read the dist checkpoint's common.pt ({_short(failure)})")
 
 
 def load_model_checkpoint(
