@@ -166,7 +166,10 @@ def tiny_assets(output: Path) -> int:
     return 0
 
 
-def convert_hf_to_mcore(hf_path: Path, output: Path, **kwargs) -> int:
+def convert_hf_to_mcore(hf_path: Path, output: Path, *, debug: bool = False, **kwargs) -> int:
+    from trinity.launch import quiet
+
+    quiet.install(debug)  # before megatron-core is imported
     from trinity.convert.api import hf_to_mcore
 
     _require_dir(hf_path, "--hf-path")
@@ -175,7 +178,10 @@ def convert_hf_to_mcore(hf_path: Path, output: Path, **kwargs) -> int:
     return 0
 
 
-def convert_mcore_to_hf(mcore_path: Path, output: Path, **kwargs) -> int:
+def convert_mcore_to_hf(mcore_path: Path, output: Path, *, debug: bool = False, **kwargs) -> int:
+    from trinity.launch import quiet
+
+    quiet.install(debug)  # before megatron-core is imported
     from trinity.convert.api import mcore_to_hf
 
     _require_dir(mcore_path, "--mcore-path")
