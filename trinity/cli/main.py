@@ -110,7 +110,7 @@ def generate(
     from trinity.cli import generate as gen
 
     _guard(lambda: gen.run(model, prompt, chat=chat, max_new_tokens=max_new_tokens, temperature=temperature,
-                           top_p=top_p, seed=seed, device=device, json_out=json_out), debug)
+                           top_p=top_p, seed=seed, device=device, json_out=json_out, debug=debug), debug)
 
 
 @convert_app.command("hf-to-mcore")
