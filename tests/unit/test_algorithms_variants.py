@@ -145,3 +145,66 @@ def test_concat_rollouts_pads_prompts_left_and_responses_right():
     assert ro.prompt_mask.tolist() == [[1, 1], [0, 1]]
     assert ro.response_mask.tolist() == [[1, 1, 0, 0], [1, 1, 0, 0]]
     assert torch.allclose(ro.logprobs, torch.tensor([[-0.1, -0.2, 0.0, 0.0], [-0.3, -0.4, 0.0, 0.0]]))
+
+
+def _dapo_recipe(monkeypatch, draws: list[list[float]], lengths: list[list[int]], **algorithm):
+    """A DAPORecipe whose rollout returns responses of the given lengths and whose reward returns the given
+    scores, one list per draw (the real sampling loop, filter, overlong shaping and concatenation run)."""
+    from trinity.config.schema import JobConfig
+    from trinity.rollout.types import Rollout
+    from trinity.trainer.recipes import dapo
+    from trinity.trainer.recipes.rl import Phases
+
+    monkeypatch.setattr(dapo, "_dp_info", lambda: (0, 1, None))
+    cfg = JobConfig.model_validate({
+        "model": {"path": "unused"}, "algorithm": {"name": "dapo", **algorithm},
+        "data": {"train_batch_size": 2}, "reward_model": {"overlong_buffer": {"enable": True, "len": 2}},
+        "actor_rollout_ref": {"rollout": {"n": 2, "response_length": 4}},
+    })
+    scripted = iter(zip(draws, lengths))
+
+    class Recipe(dapo.DAPORecipe):
+        def generate(self, prompts, gen):
+            self.current = next(scripted)
+            lens = torch.tensor(self.current[1])
+            mask = (torch.arange(int(lens.max()))[None, :] < lens[:, None]).long()
+            tokens = torch.cat([torch.full((len(lens), 1), 7), mask * 3], dim=1)
+            return self.phases.run("rollout", {}, lambda: Rollout(tokens, torch.ones(len(lens), 1, dtype=torch.long), mask, -mask.float()))
+
+        def score(self, prompts, ro):
+            return self.phases.run("reward", {}, lambda: torch.tensor(self.current[0]))
+
+    recipe = Recipe.__new__(Recipe)
+    recipe.cfg, recipe.pad_id = cfg, 0
+    recipe.data = type("Data", (), {"next_batch": lambda self: ["p", "q"]})()
+    recipe.phases = Phases(torch.device("cpu"), {})
+    return recipe
+
+
+def test_dapo_draws_until_enough_varied_groups(monkeypatch):
+    # draw 1: groups (1, 1) equal, (0, 1) varied; draw 2: (0, 0) equal, (1, 0.5) varied -> batch full
+    recipe = _dapo_recipe(monkeypatch, [[1, 1, 0, 1], [0, 0, 1, 0.5]], [[1, 1, 2, 1], [1, 1, 3, 4]],
+                          filter_groups={"enable": True, "metric": "score"})
+    ro, scores, groups, m = recipe.sample(1, torch.Generator())
+    # overlong: free up to 2 tokens, -0.5 per token after: lengths 2, 1, 3, 4 -> 0, 0, -0.5, -1
+    assert torch.allclose(scores, torch.tensor([0.0, 1.0, 0.5, -0.5]))
+    assert ro.response_mask.sum(-1).tolist() == [2, 1, 3, 4] and ro.tokens.shape == (4, 5)
+    assert groups == [0, 0, 1, 1]
+    assert m["dapo/num_gen_batches"] == 2 and m["dapo/kept_groups"] == 2 and m["dapo/filled_groups"] == 0
+    assert math.isclose(m["dapo/score_mean"], 0.625) and math.isclose(m["dapo/overlong_penalty_mean"], -0.375)
+
+
+def test_dapo_fills_with_dropped_groups_at_max_num_gen_batches(monkeypatch):
+    recipe = _dapo_recipe(monkeypatch, [[1, 1, 0, 1], [0, 0, 1, 1]], [[1, 1, 1, 1], [1, 1, 1, 1]],
+                          filter_groups={"enable": True, "metric": "score", "max_num_gen_batches": 2})
+    _, scores, _, m = recipe.sample(1, torch.Generator())
+    assert scores.tolist() == [0.0, 1.0, 1.0, 1.0]  # the varied group, then the first dropped one
+    assert (m["dapo/num_gen_batches"], m["dapo/kept_groups"], m["dapo/filled_groups"]) == (2, 1, 1)
+
+
+def test_dapo_seq_reward_metric_sees_the_overlong_penalty(monkeypatch):
+    # equal scores, different lengths: seq_reward (score + penalty) varies, score does not
+    draws, lengths = [[1, 1, 1, 1]], [[1, 4, 1, 1]]
+    recipe = _dapo_recipe(monkeypatch, draws, lengths, filter_groups={"enable": True, "max_num_gen_batches": 1})
+    _, _, _, m = recipe.sample(1, torch.Generator())
+    assert (m["dapo/kept_groups"], m["dapo/filled_groups"]) == (1, 1)
