@@ -44,6 +44,7 @@ BLOCK_TIMEOUT_S = 600
 NUMBER_RTOL = 0.02
 NUMBER = r"-?\d+(?:\.\d+)?(?:e[-+]?\d+)?"
 # A number followed by one of these units, or preceded by one of these words, is not compared.
+CLOCK = r"\d+:\d\d:\d\d"  # h:mm:ss
 VOLATILE_AFTER = re.compile(r"\s*(tok/s|s/step|GiB)")
 VOLATILE_BEFORE = re.compile(r"(reward|len|pg_loss|ref_kl|steps)\s*$")
 # docs/quickstart.md states both margins in its prose.
@@ -66,11 +67,13 @@ def runnable(block: str) -> str:
 def line_pattern(doc_line: str) -> tuple[re.Pattern, list[bool]]:
     """A regex for one line the doc shows, and per number in it whether it is compared."""
     parts, compared, pos = [], [], 0
-    for m in re.finditer(rf"\.\.\.|<[A-Za-z_ -]+>|(?<![\w.]){NUMBER}(?![\w])", doc_line):
+    for m in re.finditer(rf"\.\.\.|<[A-Za-z_ -]+>|{CLOCK}|(?<![\w.]){NUMBER}(?![\w])", doc_line):
         parts.append(re.escape(doc_line[pos:m.start()]))
         token = m.group(0)
         if token == "...":
             parts.append(".*?")
+        elif re.fullmatch(CLOCK, token):  # elapsed / eta on a progress line: never compared
+            parts.append(CLOCK)
         elif token.startswith("<"):
             parts.append(r"\S+")
         else:
@@ -87,7 +90,7 @@ def matches(doc_line: str, out_line: str) -> bool:
     found = pattern.fullmatch(out_line.strip())
     if not found:
         return False
-    wanted = re.findall(rf"(?<![\w.]){NUMBER}(?![\w])", re.sub(r"<[A-Za-z_ -]+>", "", doc_line.strip()))
+    wanted = re.findall(rf"(?<![\w.]){NUMBER}(?![\w])", re.sub(rf"<[A-Za-z_ -]+>|{CLOCK}", "", doc_line.strip()))
     for want, got, check in zip(wanted, found.groups(), compared, strict=True):
         if check and abs(float(got) - float(want)) > NUMBER_RTOL * abs(float(want)):
             return False
@@ -117,6 +120,8 @@ def test_line_matching_rules():
     assert matches("command: <python> -m torch.distributed.run ... -m trinity.trainer.worker x.yaml",
                    "command: /usr/bin/python3 -m torch.distributed.run --nnodes 1 -m trinity.trainer.worker x.yaml")
     assert matches("step 2/50 | reward 0.446 | len 2.7", "step 2/50 | reward 0.112 | len 3.1")
+    assert matches("step 2/50 | loss 1.0 | elapsed 0:00:24 | eta 0:11:49", "step 2/50 | loss 1.0 | elapsed 0:01:02 | eta 1:05:00")
+    assert not matches("step 2/50 | loss 1.0 | elapsed 0:00:24", "step 2/50 | loss 1.5 | elapsed 0:00:24")
     assert not matches("step 2/50 | reward 0.446", "step 3/50 | reward 0.446")
     assert find_in_order("a 1\n...\nb 2\n", ["x", "a 1", "y", "b 2"], 0) == (4, None)
     assert find_in_order("b 2\na 1\n", ["a 1", "b 2"], 0) == (2, "a 1")
