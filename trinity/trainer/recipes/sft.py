@@ -54,6 +54,7 @@ class SFTLoss:
 
 class SFTRecipe(Recipe):
     flat_checkpoint = True  # step_N/ is the actor's dist checkpoint: `trinity convert mcore-to-hf` reads it
+    optimizer_on_host = True  # one phase: optimizer_offload = the optimizer steps in host memory
 
     def roles(self) -> list[Role]:
         return [Role.actor]
