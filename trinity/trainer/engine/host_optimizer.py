@@ -32,6 +32,7 @@ weights, and AdamW on the CPU's cores (torch's intra-op threads) per step.
 from __future__ import annotations
 
 import contextlib
+import math
 from functools import partial
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
@@ -172,11 +173,24 @@ class HostOptimizer:
         from megatron.core.optimizer import clip_grads
         from megatron.core.transformer.module import param_is_not_shared
 
-        tp_group = getattr(self.inners[0], "tp_group", None) or getattr(self.optimizer, "tp_group", None)
-        for_norm = [e.grad for e in self.entries if param_is_not_shared(e.master)
+        def for_norm(inner: Any) -> list[torch.Tensor]:
+            tp_group = getattr(inner, "tp_group", None) or getattr(self.optimizer, "tp_group", None)
+            return [e.grad for e in self.entries if e.opt is getattr(inner, "optimizer", None)
+                    and param_is_not_shared(e.master)
                     and tensor_parallel.param_is_not_tensor_parallel_duplicate(e.master, tp_group)]
-        # Looked up at call time: trinity's CPU shims and fused kernels patch the module attribute.
-        norm = clip_grads.get_grad_norm_fp32(for_norm, grad_stats_parallel_group=self.optimizer.get_grad_stats_parallel_group())
+
+        # As megatron-core's (chained) optimizer: one norm over every gradient when the optimizers reduce
+        # their statistics over the same group, else the root of the sum of each one's squared norm (MoE
+        # expert parameters under the distributed optimizer). Looked up at call time: trinity's CPU shims
+        # patch the module attribute.
+        groups = [inner.get_grad_stats_parallel_group() for inner in self.inners]
+        if all(g is groups[0] for g in groups):
+            grads = [g for inner in self.inners for g in for_norm(inner)]
+            norm = clip_grads.get_grad_norm_fp32(grads, grad_stats_parallel_group=groups[0])
+        else:
+            norms = [clip_grads.get_grad_norm_fp32(for_norm(inner), grad_stats_parallel_group=group)
+                     for inner, group in zip(self.inners, groups)]
+            norm = math.sqrt(sum(n**2 for n in norms if n))
         clip = self.inners[0].config.clip_grad
         coeff = clip / (norm + 1.0e-6) if clip > 0.0 else 1.0  # as clip_grad_by_total_norm_fp32
         for bucket in self.buckets:
