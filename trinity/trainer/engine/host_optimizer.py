@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 from functools import partial
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
@@ -131,6 +132,7 @@ class HostOptimizer:
         self._grad_stage = torch.empty(largest, dtype=torch.float32, pin_memory=self.pin)
         dtypes = {e.target.dtype for e in self.entries}
         self._param_stage = {d: torch.empty(largest, dtype=d, pin_memory=self.pin) for d in dtypes}
+        self.last_step_s = 0.0  # wall time of the last step() (the SFT metrics row shows it)
         self.relocate()
 
     # ------------------------------------------------------------------ where the tensors live
@@ -173,6 +175,8 @@ class HostOptimizer:
         from megatron.core.optimizer import clip_grads
         from megatron.core.transformer.module import param_is_not_shared
 
+        t0 = time.perf_counter()
+
         def for_norm(inner: Any) -> list[torch.Tensor]:
             tp_group = getattr(inner, "tp_group", None) or getattr(self.optimizer, "tp_group", None)
             return [e.grad for e in self.entries if e.opt is getattr(inner, "optimizer", None)
@@ -199,6 +203,8 @@ class HostOptimizer:
             if hasattr(inner, "model_param_gbuf_map") and not inner.ddp_config.overlap_param_gather:
                 for chunk in inner.model_chunks:
                     chunk.start_param_sync()
+        self._sync()
+        self.last_step_s = time.perf_counter() - t0
         return True, norm, None
 
     def _step_bucket(self, bucket: list[_Entry], coeff: float | None) -> None:
