@@ -199,3 +199,28 @@ def test_sft_optimizer_on_host_computes_the_same_update(facts_path, distributed,
     held = list(moved.host.host_tensors())
     assert len(held) == 4 * len(moved.host.entries)  # master, step, exp_avg, exp_avg_sq
     assert all(t.device.type == "cpu" and t.untyped_storage().data_ptr() not in model for t in held)
+
+
+def test_sft_optimizer_on_host_saves_and_resumes(facts_path, tmp_path):
+    """A checkpoint of the host optimizer loads into a fresh one (torch puts loaded states beside their
+    parameters: `relocate` brings them back to the host) and the next step equals the uninterrupted one."""
+    facts, path = facts_path
+    first = _sft_engine(facts, path, distributed=True, on_host=True)
+    _sft_run(first, facts, steps=2)
+    first.save(tmp_path / "ckpt", hf_dir=path, extra={"step": 2}, meta={"kind": "training", "role": "actor", "step": 2})
+    resumed = _sft_engine(facts, path, distributed=True, on_host=True)
+    assert resumed.load(tmp_path / "ckpt")["step"] == 2
+    model = {p.untyped_storage().data_ptr() for p in resumed.modules[0].parameters()}
+    held = list(resumed.host.host_tensors())
+    assert len(held) == 4 * len(resumed.host.entries)
+    assert all(t.device.type == "cpu" and t.untyped_storage().data_ptr() not in model for t in held)
+    for e_first, e_resumed in zip(first.host.entries, resumed.host.entries):
+        assert torch.equal(e_first.host, e_resumed.host)
+    from trinity.trainer.recipes.sft import train_step
+
+    resumed.scheduler.load_state_dict(first.scheduler.state_dict())  # the checkpoint manager's part
+    for step in (7, 8):  # the second loss depends on the first update: loaded moments and step counts
+        batch = _sft_batches(step, facts.vocab_size)
+        a = train_step(first, batch, loss_tokens=24, device=torch.device("cpu"), vocab_size=facts.vocab_size)
+        b = train_step(resumed, batch, loss_tokens=24, device=torch.device("cpu"), vocab_size=facts.vocab_size)
+        assert b == pytest.approx(a, rel=1e-6), step
