@@ -75,11 +75,19 @@ def _main_grad(param: torch.Tensor) -> torch.Tensor:
 def _entries(inner: Any) -> list[_Entry]:
     """The (master, grad, target) triples of one megatron-core optimizer, as its own step pairs them
     (`_copy_model_grads_to_main_grads` / `_copy_main_params_to_model_params`)."""
+    from megatron.core.optimizer import DistributedOptimizer, Float16OptimizerWithFloat16Params, FP32Optimizer
+
+    from trinity.distributed import patches
+
     opt = getattr(inner, "optimizer", None)
     if opt is None or getattr(inner, "is_stub_optimizer", False):
         return []
     out: list[_Entry] = []
-    if hasattr(inner, "model_param_gbuf_map"):  # DistributedOptimizer: this rank's shards
+    if isinstance(inner, DistributedOptimizer):  # this rank's shards
+        patches.require("host optimizer", DistributedOptimizer, "_get_model_param_range_map")
+        for name in ("model_param_gbuf_map", "buffers", "model_float16_groups", "shard_fp32_from_float16_groups",
+                     "model_fp32_groups", "shard_fp32_groups"):
+            patches.require("host optimizer", inner, name)
         def shards(model_groups: list, main_groups: list, swap: bool) -> None:
             for model_group, main_group in zip(model_groups, main_groups):
                 for model_param, main in zip(model_group, main_group):
@@ -92,15 +100,19 @@ def _entries(inner: Any) -> list[_Entry]:
 
         shards(inner.model_float16_groups, inner.shard_fp32_from_float16_groups, swap=False)
         shards(inner.model_fp32_groups, inner.shard_fp32_groups, swap=True)
-    elif hasattr(inner, "float16_groups"):  # Float16OptimizerWithFloat16Params
+    elif isinstance(inner, Float16OptimizerWithFloat16Params):
+        for name in ("float16_groups", "fp32_from_float16_groups", "fp32_from_fp32_groups"):
+            patches.require("host optimizer", inner, name)
         for model_group, main_group in zip(inner.float16_groups, inner.fp32_from_float16_groups):
             for model_param, main in zip(model_group, main_group):
                 out.append(_Entry(opt, main, partial(_main_grad, model_param), model_param.data, swap=False))
         for group in inner.fp32_from_fp32_groups:
             out.extend(_Entry(opt, p, partial(_main_grad, p), p.data, swap=True) for p in group)
-    else:  # FP32Optimizer: the model's fp32 parameters are the master weights
+    elif isinstance(inner, FP32Optimizer):  # the model's fp32 parameters are the master weights
         for group in opt.param_groups:
             out.extend(_Entry(opt, p, partial(_main_grad, p), p.data, swap=True) for p in group["params"])
+    else:
+        raise RuntimeError(f"optimizer_offload: no host step for megatron-core's {type(inner).__name__}")
     return out
 
 
@@ -257,8 +269,12 @@ def grad_buffers_released(model: list[Any]) -> Iterator[None]:
     the optimizer: its constructor makes the fp32 master weights on the GPU before `HostOptimizer`
     moves them to the host, and without this the build would peak at weights + grads + masters
     (16 bytes per parameter with bf16 weights) on the GPU."""
+    from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBuffer
+
+    from trinity.distributed import patches
     from trinity.trainer.engine.offload import _ddp_buffers
 
+    patches.require("host optimizer", _ParamAndGradBuffer, "offload_to_cpu", "reload_from_cpu")
     buffers = [b for b in _ddp_buffers(model) if b.grad_data is not None]
     for b in buffers:
         b.offload_to_cpu(move_params=False, move_grads=True)
