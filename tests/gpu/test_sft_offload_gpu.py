@@ -90,7 +90,8 @@ def test_sft_optimizer_offload_same_update_less_gpu_memory(setup, distributed):
         # fused AdamW on the CPU vs on the GPU: the same math, rounding differs (the loss of step 0 is exact)
         assert l1 == pytest.approx(l0, rel=2e-3) and g1 == pytest.approx(g0, rel=2e-2)
     assert plain[0][0] == moved[0][0] and plain[-1][0] < plain[0][0]
-    # the GPU keeps weights (2) + fp32 grads (4) per parameter, no fp32 master weights or Adam moments (12)
+    # the GPU keeps weights (2) + fp32 grads (4) per parameter, no fp32 master weights or Adam moments (12;
+    # measured on an H100: 12.0 without, 12.55 with the distributed optimizer, whose shards are padded)
     saved = held0 - held1
-    assert saved == pytest.approx(12 * params, rel=0.02), (saved, 12 * params)
+    assert 12 * params * 0.98 <= saved <= 13 * params, (saved, 12 * params)
     assert peak1 < peak0 - 10 * params
