@@ -111,10 +111,12 @@ def test_resume_applies_changed_lr_steps_layout_and_names_them(tmp_path):
         "resume: trainer.total_steps is 20 (the checkpoint had 10): applied",
     ]
     assert check_resume_config(ckpt, _Cfg(_tree())) == []
+    # a field another trinity version's schema added (at its default) is not a change the user made
+    assert check_resume_config(ckpt, _Cfg(_tree(trainer__new_field=None))) == []
 
 
 @pytest.mark.parametrize("key, value", [("model__path", "/other"), ("algorithm__name", "grpo"),
-                                        ("data__seq_length", 128), ("trainer__seed", 2)])
+                                        ("data__seq_length", 128), ("trainer__seed", 2), ("critic", {"optim": {}})])
 def test_resume_refuses_a_change_that_makes_it_another_job(tmp_path, key, value):
     from trinity.trainer.resume import check_resume_config
 
