@@ -6,6 +6,8 @@ metrics, next to `benchmarks/train_step.py`'s bare model step of the same shape.
     python benchmarks/sft_run.py --shape 0.5b --seq 4096 --mbs 2 --layouts 1gpu,dp2,tp2        # 2 GPUs
     python benchmarks/sft_run.py --shape 0.5b --layouts 1gpu,dp2 --megatron overlap_grad_reduce=true
     python benchmarks/sft_run.py --shape tiny --device cpu --seq 256 --mbs 2 --steps 3    # CPU smoke
+    python benchmarks/sft_run.py --shape 1.5b --seq 4096 --mbs 2 --optimizer-offload no,yes
+    python benchmarks/sft_run.py --shape 7b --seq 4096 --mbs 1 --steps 5 --optimizer-offload yes --no-final-checkpoint
 
 Each case is a real `trinity run` (validation, HF -> dist checkpoint cache, torchrun, the SFT loop with
 megatron-core's schedule, DDP and mixed-precision optimizer) on a random-weight Qwen2 of the shape
@@ -20,6 +22,9 @@ data-parallel rank training --mbs rows per step: efficiency = tokens/s per GPU a
 the trainer's own reducer and optimizer (fp32 grad buffer, distributed optimizer by default), where
 scaling.py times the bare model step. `--megatron KEY=VALUE` sets a field of the actor's `megatron:`
 block for every layout (overlap_grad_reduce, use_distributed_optimizer, sequence_parallel, ...).
+`--optimizer-offload no,yes` runs each layout without and with `optimizer_offload` (the optimizer in host
+memory, stepped on the CPU: trinity.trainer.engine.host_optimizer); "host optim s" is the part of the step
+spent in that host step (device -> host gradients, AdamW on the CPU, host -> device weights).
 """
 
 from __future__ import annotations
@@ -67,6 +72,11 @@ def main() -> None:
     ap.add_argument("--megatron", action="append", default=[], metavar="KEY=VALUE",
                     help="a field of the actor's megatron: block (YAML value), e.g. overlap_grad_reduce=true; "
                          "repeatable")
+    ap.add_argument("--optimizer-offload", default="no", help="comma list of no,yes: one run each, with "
+                    "actor_rollout_ref.actor.megatron.optimizer_offload off / on")
+    ap.add_argument("--no-final-checkpoint", action="store_true",
+                    help="stop each job once its last step's metrics are written, before the checkpoint every job "
+                         "saves at its end (7B: ~106 GB with the optimizer state, more than a lent machine's disk)")
     ap.add_argument("--compile", choices=["none", "layers", "model"], default="none", help="megatron.torch_compile")
     ap.add_argument("--timeout", type=int, default=500, help="seconds for each run")
     ap.add_argument("--profile-step", type=int, default=None,
@@ -85,7 +95,10 @@ def main() -> None:
         model = make_job_model(args.shape, root, args.device)
         hf = json.loads((model / "config.json").read_text())
         params = sum(p.numel() for p in _meta_model(model).parameters())
-        for layout in layouts:
+        cases = [(layout, off) for layout in layouts for off in args.optimizer_offload.split(",")]
+        for layout, off in cases:
+            if off not in ("no", "yes"):
+                ap.error(f"--optimizer-offload: {off!r} is not no or yes")
             gpus, tp = LAYOUTS[layout]
             dp = gpus // tp
             rows_per_step = args.mbs * dp  # every data-parallel rank gets --mbs rows, as scaling.py does
@@ -93,7 +106,7 @@ def main() -> None:
             # before --layouts, kept so that runs at seq 4096 train on the same data as before
             n_docs = max(args.steps * rows_per_step * args.seq // 1000, args.steps * rows_per_step * 3) + 16
             docs = write_documents(root / f"sft_{layout}.jsonl", n_docs, seed=0, seq=args.seq)
-            out = root / f"run_{layout}"
+            out = root / f"run_{layout}_offload-{off}"
             cfg = {
                 "algorithm": {"name": "sft"},
                 "model": {"path": str(model)},
@@ -104,32 +117,76 @@ def main() -> None:
                             "log_interval": 1, "tensorboard": False, "export_hf": False,
                             "profile_step": args.profile_step},
                 "actor_rollout_ref": {"actor": {"optim": {"lr": 1e-5, "weight_decay": 0.0},
-                                                "megatron": {**megatron, "tensor_model_parallel_size": tp}}},
+                                                "megatron": {**megatron, "tensor_model_parallel_size": tp,
+                                                             "optimizer_offload": off == "yes"}}},
             }
-            rows = run_case(cfg, root / f"job_{layout}.yaml", args.timeout)
+            job = root / f"job_{layout}_offload-{off}.yaml"
+            rows = (run_steps_only(cfg, job, args.timeout, args.steps) if args.no_final_checkpoint
+                    else run_case(cfg, job, args.timeout))
             if args.profile_step:
                 _show_profile(out, args.profile_step, args.profile_dir, layout)
             steady = [r for r in rows[2:] if not r.get("profiled")] or rows
             step_s = statistics.median(r["step_time_s"] for r in steady)
             tokens = args.seq * rows_per_step
             flops = step_flops(params, hf["num_hidden_layers"], hf["hidden_size"], args.seq, tokens)
-            results.append({"layout": layout, "gpus": gpus, "step_s": step_s, "tokens_per_s": tokens / step_s,
+            host_s = statistics.median(r.get("host_optimizer_s", 0.0) for r in steady)
+            results.append({"layout": layout, "offload": off, "host_s": host_s, "gpus": gpus, "step_s": step_s,
+                            "tokens_per_s": tokens / step_s,
                             "tflops_per_gpu": flops / step_s / 1e12 / gpus,
                             "peak_gib": max(r["mem_peak_gib"] for r in rows),
                             "loss": (rows[0]["loss"], rows[-1]["loss"])})
 
-    base = next((r["tokens_per_s"] for r in results if r["gpus"] == 1), None)
+    base = {off: next((r["tokens_per_s"] for r in results if r["gpus"] == 1 and r["offload"] == off), None)
+            for off in ("no", "yes")}
     where = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     extra = " ".join(args.megatron) or "defaults"
     print(f"\ntrinity run (SFT) on {where}, shape {args.shape}, seq {args.seq}, {args.mbs} rows per DP rank, "
           f"{args.steps} steps, torch_compile {args.compile}, megatron: {extra}, torch {torch.__version__}")
-    print("layout | gpus | step s | tokens/s | tokens/s per gpu | efficiency | TFLOP/s per gpu | peak GiB (rank 0) "
-          "| loss first -> last")
+    print("layout | optimizer offload | gpus | step s | host optim s | tokens/s | tokens/s per gpu | efficiency "
+          "| TFLOP/s per gpu | peak GiB (rank 0) | loss first -> last")
     for r in results:
         per_gpu = r["tokens_per_s"] / r["gpus"]
-        eff = f"{per_gpu / base:.2f}" if base else "-"
-        print(f"{r['layout']} | {r['gpus']} | {r['step_s']:.4f} | {r['tokens_per_s']:.0f} | {per_gpu:.0f} | {eff} | "
+        eff = f"{per_gpu / base[r['offload']]:.2f}" if base[r["offload"]] else "-"
+        print(f"{r['layout']} | {r['offload']} | {r['gpus']} | {r['step_s']:.4f} | {r['host_s']:.4f} | "
+              f"{r['tokens_per_s']:.0f} | {per_gpu:.0f} | {eff} | "
               f"{r['tflops_per_gpu']:.1f} | {r['peak_gib']:.2f} | {r['loss'][0]:.3f} -> {r['loss'][1]:.3f}")
+
+
+def run_steps_only(cfg: dict, path: Path, timeout: int, steps: int) -> list[dict]:
+    """`run_case` that ends the job (its whole process group: the CLI, torchrun and the workers) once
+    metrics.jsonl holds `steps` rows, i.e. before the final checkpoint is written."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    metrics = Path(cfg["trainer"]["output_dir"]) / "metrics.jsonl"
+    code = f"import sys; from trinity.cli.commands import run; sys.exit(run({str(path)!r}, []))"
+    log = path.with_suffix(".log")
+    with log.open("w") as out:
+        proc = subprocess.Popen([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1],
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + timeout
+        rows: list[dict] = []
+        try:
+            while time.monotonic() < deadline and proc.poll() is None:
+                if metrics.exists():
+                    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+                    if len(rows) >= steps:
+                        break
+                time.sleep(1)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+                try:
+                    proc.wait(60)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+    if len(rows) < steps:
+        print(log.read_text()[-3000:])
+        raise SystemExit(f"case {path.stem}: {len(rows)} of {steps} steps in {timeout} s (exit code {proc.returncode})")
+    return rows
 
 
 def _key_value(text: str, ap: argparse.ArgumentParser) -> tuple[str, object]:

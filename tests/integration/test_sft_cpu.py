@@ -350,3 +350,20 @@ def test_port_in_use_is_a_clean_error(assets, tmp_path):
         assert run_job(cfg, tmp_path / "job.yaml") != 0
     text = (tmp_path / "job.out").read_text()
     assert "cluster.master_port" in text and str(port) in text
+
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_optimizer_offload_at_dp2_gives_the_same_losses(assets, baseline, tmp_path):
+    """optimizer_offload (the optimizer in host memory, stepped there) at DP=2 under the distributed
+    optimizer (each rank steps its shard on the host, then the all-gather): the uninterrupted run's
+    losses. (Save and resume of the host optimizer: tests/unit/test_offload.py.)"""
+    out = tmp_path / "run"
+    cfg = job(assets, out, trainer={"total_steps": 3}, cluster={"nproc_per_node": 2},
+              megatron={"optimizer_offload": True, "use_distributed_optimizer": True})
+    assert run_job(cfg, tmp_path / "job.yaml") == 0
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3] and all(r["host_optimizer_s"] > 0 for r in rows)
+    for r in rows:
+        assert r["loss"] == pytest.approx(baseline[r["step"]], rel=1e-4), (r, baseline)

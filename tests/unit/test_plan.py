@@ -18,7 +18,7 @@ def _plan(write_job, rl: bool = False, **extra):
         "trainer": {"global_batch_size": 16, "micro_batch_size": 1},
         "actor_rollout_ref": {"actor": {"megatron": {"tensor_model_parallel_size": 2, "sequence_parallel": True, **extra}}},
     }
-    if rl:  # offload acts between RL phases (it is refused for SFT)
+    if rl:  # offload between RL phases (SFT: optimizer_offload only, the optimizer stays on the host)
         job["algorithm"] = {"name": "grpo"}
         job["data"] = {"train_files": [str(FIXTURES / "data" / "prompts.jsonl")]}
         job["actor_rollout_ref"]["actor"]["megatron"]["sequence_parallel"] = False
@@ -82,3 +82,31 @@ def test_layout_arithmetic():
     assert lay.layers_per_chunk(48) == 6
     assert lay.num_microbatches(128, 2, 32) == 16
     assert "TP=2 PP=4 VPP=2" in lay.describe(32)
+
+
+def test_sft_optimizer_offload_moves_the_optimizer_to_host_memory(write_job):
+    """Qwen2.5-7B full fine-tune on one GPU at seq 4096: the optimizer (12 bytes per parameter in bf16)
+    leaves the GPU estimate and is shown in host memory, which brings the estimate under 80 GB."""
+    def plan(offload: bool):
+        job = {
+            "model": {"path": str(HF_CONFIGS / "qwen2_5_7b")},
+            "data": {"train_files": [str(FIXTURES / "data" / "sft.jsonl")], "seq_length": 4096},
+            "cluster": {"device": "cuda", "nproc_per_node": 1},
+            "trainer": {"global_batch_size": 1, "micro_batch_size": 1},
+            "actor_rollout_ref": {"actor": {"megatron": {"optimizer_offload": offload, "override_transformer_config": {
+                "recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}}}},
+        }
+        loaded = load_config(write_job(job))
+        return build_plan(loaded.config, loaded.facts, loaded.warnings)
+
+    on, off = plan(True), plan(False)
+    m, base = on.roles[0].memory, off.roles[0].memory
+    params = m.params_per_gpu
+    assert params == base.params_per_gpu > 7e9
+    assert base.optimizer == 12 * params and base.host_optimizer == 0
+    assert m.optimizer == 0 and m.host_optimizer == 12 * params
+    assert (m.weights, m.grads, m.activations, m.logits) == (base.weights, base.grads, base.activations, base.logits)
+    assert off.peak_per_gpu - on.peak_per_gpu == 12 * params
+    assert on.peak_per_gpu < 78 * 2**30 < off.peak_per_gpu
+    text = render_plan(on)
+    assert f"optimizer 0 B (in host memory: {12 * params / 2**30:.2f} GiB per rank, optimizer_offload)" in text

@@ -160,16 +160,25 @@ def test_verl_offload_lines_validate_for_rl(tmp_path):
     assert c.param_offload and c.grad_offload and c.optimizer_offload
 
 
-def test_verl_offload_lines_are_refused_for_sft_not_ignored(tmp_path):
-    """The SFT loop does not offload: the actor's flags are refused with the reason (and the ref's,
-    a role SFT does not have)."""
+def test_verl_offload_lines_in_sft_optimizer_honoured_params_and_grads_refused(tmp_path):
+    """In SFT, optimizer_offload keeps the optimizer on the host (accepted); param_offload and grad_offload
+    cannot lower a single-phase step's memory and are refused with the reason (and the ref's flag: SFT
+    has no ref)."""
     code, answer = _validate(_base("sft"), tmp_path, _override_lines("verl_offload_actor_ref.txt"))
     assert code == 2
     refused = [m.group(1) for p in answer["problems"]
-               if (m := re.search(r"actor_rollout_ref\.actor\.megatron\.(\w+): not yet honoured for sft jobs", p))]
-    assert refused == ["param_offload", "grad_offload", "optimizer_offload"], answer
+               if (m := re.search(r"actor_rollout_ref\.actor\.megatron\.(\w+): cannot lower the GPU memory of a sft step", p))]
+    assert refused == ["param_offload", "grad_offload"], answer
+    assert not any(p.startswith("actor_rollout_ref.actor.megatron.optimizer_offload") for p in answer["problems"]), answer
     assert any("actor_rollout_ref.ref.megatron.param_offload: the ref role does not exist" in p
                for p in answer["problems"]), answer
+    # the actor's optimizer line alone validates
+    code, answer = _validate(_base("sft"), tmp_path, ["actor_rollout_ref.actor.megatron.optimizer_offload=True"])
+    assert code == 0, answer
+    code, answer = _validate(_base("sft"), tmp_path, ["actor_rollout_ref.actor.megatron.optimizer_offload=True",
+                                                      "model.dtype=fp16"])
+    assert code == 2 and any(p.startswith("actor_rollout_ref.actor.megatron.optimizer_offload: not available with "
+                                          "model.dtype fp16") for p in answer["problems"]), answer
 
 
 def test_verl_profiler_lines_validate_and_profile_the_first_step_on_rank_0(tmp_path):

@@ -103,13 +103,15 @@ class MegatronConfig(StrictModel):
     overlap_grad_reduce: bool = False
     """Overlap the data-parallel gradient reduction with the backward pass."""
     param_offload: bool = False
-    """RL: move this role's parameters to CPU memory while another role runs (refused for SFT, where
-    nothing else runs)."""
+    """RL: move this role's parameters to CPU memory while another role runs. Refused for sft/pt: their
+    one phase reads every parameter in each forward and backward pass."""
     grad_offload: bool = False
     """RL: move this role's gradient buffers to CPU memory while they are not needed (rollout, other
-    roles); refused for SFT."""
+    roles). Refused for sft/pt: the gradients accumulate on the GPU until the optimizer step."""
     optimizer_offload: bool = False
-    """RL: move this role's optimizer states to CPU memory while they are not needed; refused for SFT."""
+    """RL: move this role's optimizer states to CPU memory while they are not needed. sft/pt: keep the
+    fp32 master weights and Adam states in CPU memory for the whole run and run the optimizer step on the
+    CPU (12 bytes per parameter off the GPU, a slower step; docs/parallelism.md)."""
     use_mbridge: bool = False
     """Load the HF checkpoint directly through mbridge instead of a converted dist checkpoint."""
     use_dist_checkpointing: bool = False

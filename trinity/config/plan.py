@@ -35,6 +35,7 @@ class MemoryEstimate:
     logits: int
     trained: bool
     offloaded: list[str] = field(default_factory=list)
+    host_optimizer: int = 0  # bytes of optimizer state in host memory per rank (SFT optimizer_offload)
 
     @property
     def active(self) -> int:
@@ -87,8 +88,11 @@ def padded_vocab(vocab: int, tp: int, multiple: int = 128) -> int:
 
 def estimate_memory(
     f: ModelFacts, m: MegatronConfig, *, world: int, seq: int, micro: int, microbatches: int,
-    bytes_per_param: int, trained: bool, value_head: bool = False,
+    bytes_per_param: int, trained: bool, value_head: bool = False, optimizer_on_host: bool = False,
 ) -> MemoryEstimate:
+    """`optimizer_on_host`: the optimizer lives in host memory (SFT / pt `optimizer_offload`): its bytes
+    leave the GPU and are reported as `host_optimizer`, with the host copy of fp32 master weights
+    that fp32 training adds there."""
     lay = m.layout()
     tp, pp, cp, dp = lay.tp, lay.pp, lay.cp, lay.dp(world)
     h, L = f.hidden_size, f.num_layers
@@ -125,7 +129,11 @@ def estimate_memory(
     # bf16 logits + one fp32 copy for the loss; a critic's value head has one output per token.
     logits = (seq // cp) * micro * (1 if value_head else vocab // tp) * 6
     offloaded = [k for k in ("param_offload", "grad_offload", "optimizer_offload") if getattr(m, k)]
-    return MemoryEstimate(params, weights, grads, optimizer, acts, logits, trained, offloaded)
+    host = 0
+    if trained and optimizer_on_host:
+        host = optimizer * 12 // (12 if bytes_per_param < 4 else 8)  # + the fp32 masters' host copy
+        optimizer = 0
+    return MemoryEstimate(params, weights, grads, optimizer, acts, logits, trained, offloaded, host)
 
 
 def _activations(f: ModelFacts, m: MegatronConfig, s: int, b: int, layers: int, microbatches: int) -> int:
@@ -174,7 +182,8 @@ def build_plan(cfg: JobConfig, facts: ModelFacts, warnings: list[str]) -> JobPla
             mbs = lay.num_microbatches(cfg.trainer.global_batch_size, micro, world)
         trained = Role.from_path(path).trained
         mem = estimate_memory(facts, m, world=world, seq=seq, micro=micro, microbatches=mbs, bytes_per_param=bpp,
-                              trained=trained, value_head=path == "critic")
+                              trained=trained, value_head=path == "critic",
+                              optimizer_on_host=m.optimizer_offload and not cfg.is_rl)
         roles.append(RolePlan(path=path, layout=lay.describe(world), dp=dp, microbatches=mbs, memory=mem))
     # Roles share the GPUs: the peak is one role active while the others keep what is not offloaded.
     peak = max(r.memory.active + sum(o.memory.idle for o in roles if o is not r) for r in roles)
@@ -224,7 +233,8 @@ def render_plan(plan: JobPlan) -> str:
     for r in plan.roles:
         m = r.memory
         lines.append(f"{r.path}: {r.layout}, {r.microbatches} micro batches per step per DP rank")
-        lines.append(f"  params/GPU {m.params_per_gpu / 1e6:,.1f} M   weights {g(m.weights)}   grads {g(m.grads)}   optimizer {g(m.optimizer)}")
+        lines.append(f"  params/GPU {m.params_per_gpu / 1e6:,.1f} M   weights {g(m.weights)}   grads {g(m.grads)}   optimizer {g(m.optimizer)}"
+                     + (f" (in host memory: {g(m.host_optimizer)} per rank, optimizer_offload)" if m.host_optimizer else ""))
         lines.append(f"  activations {g(m.activations)}   logits {g(m.logits)}   active {g(m.active)}   idle {g(m.idle)}"
                      + (f"   (offload: {', '.join(m.offloaded)})" if m.offloaded else ""))
     lines.append(f"estimated peak per GPU: {g(plan.peak_per_gpu)} (formula: docs/memory-estimate.md)")

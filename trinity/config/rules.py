@@ -85,20 +85,35 @@ def _check_strategy(cfg: JobConfig, problems: list[str]) -> None:
             )
 
 
+# Why param_offload / grad_offload cannot lower the peak of a single-phase (sft, pt) step.
+SFT_OFFLOAD_REFUSALS = {
+    "param_offload": "every parameter is read by the forward and the backward pass of every micro batch and no "
+                     "other phase runs between steps, so offloaded parameters would have to come straight back",
+    "grad_offload": "the fp32 gradient buffer is written by every backward pass and accumulates over the micro "
+                    "batches until the optimizer step, so it is needed on the GPU for the whole step "
+                    "(optimizer_offload already copies the gradients to the host for the step)",
+}
+
+
 def _check_sft_offload(cfg: JobConfig, problems: list[str]) -> None:
-    """The SFT / pt recipes have no phases, so their engines never offload (trinity.trainer.engine.offload
-    serves the RL phases): refuse the flags rather than accept them and change nothing."""
+    """The SFT / pt recipes have one phase: `optimizer_offload` keeps the optimizer in host memory and
+    steps it there (trinity.trainer.engine.host_optimizer); the parameters and gradients are needed on
+    the GPU during the whole step, so their flags are refused with the reason rather than ignored."""
     if cfg.is_rl:
         return
     actor = cfg.actor_rollout_ref.actor.megatron
     algo = cfg.algorithm.name.value
-    for flag in OFFLOAD_FLAGS:
+    for flag, why in SFT_OFFLOAD_REFUSALS.items():
         if getattr(actor, flag):
             problems.append(
-                f"actor_rollout_ref.actor.megatron.{flag}: not yet honoured for {algo} jobs (offload moves a role's "
-                f"tensors between RL phases; a {algo} step needs them all on the GPU); set it to false and lower "
-                "memory with recompute, use_distributed_optimizer, TP or PP (docs/parallelism.md)"
+                f"actor_rollout_ref.actor.megatron.{flag}: cannot lower the GPU memory of a {algo} step ({why}); "
+                "set it to false and lower memory with optimizer_offload, recompute, TP or PP (docs/parallelism.md)"
             )
+    if actor.optimizer_offload and cfg.model.dtype == "fp16":
+        problems.append(
+            f"actor_rollout_ref.actor.megatron.optimizer_offload: not available with model.dtype fp16 in {algo} jobs "
+            "(the host optimizer step has no loss scaling); use model.dtype bf16 (or auto)"
+        )
 
 
 def _check_rl_roles(cfg: JobConfig, problems: list[str]) -> None:

@@ -8,6 +8,7 @@ enabled, at the start of the job.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 from trinity.errors import UserError
@@ -38,7 +39,8 @@ def require(patch: str, owner: Any, *names: str) -> None:
 def require_global(patch: str, function: Any, *names: str) -> None:
     """UserError unless `function`'s code still refers to each global name in `names` (the patch
     provides that global)."""
-    code = getattr(function, "__code__", None)
+    # megatron-core decorates some of them (custom_bwd on the GEMM backward): the code is the wrapped one's
+    code = getattr(inspect.unwrap(function), "__code__", None)
     missing = [n for n in names if code is None or n not in code.co_names]
     if missing:
         raise UserError(

@@ -42,7 +42,7 @@ class WorkerContext:
         if self.is_rank0:
             print(text, flush=True)
 
-    def build_engine(self, role: Role, total_steps: int) -> Any:
+    def build_engine(self, role: Role, total_steps: int, *, optimizer_on_host: bool = False) -> Any:
         """`role`'s engine: its chunks built, loaded from the job's weight source for it, and wrapped
         (DDP, optimizer and an LR schedule over `total_steps` when the role is trained)."""
         from trinity.config.weights import weight_source
@@ -51,5 +51,5 @@ class WorkerContext:
         cfg = self.config
         return RoleEngine.build(
             role, self.facts, role.megatron(cfg), role.optim(cfg), weight_source(cfg, role),
-            device=cfg.cluster.device, dtype=self.dtype, total_steps=total_steps,
+            device=cfg.cluster.device, dtype=self.dtype, total_steps=total_steps, optimizer_on_host=optimizer_on_host,
         )

@@ -48,10 +48,14 @@ class StepResult:
 
 class RoleEngine:
     def __init__(
-        self, role: Role, chunks: list[Any], megatron: Any, optim: Any | None, *, dtype: torch.dtype, total_steps: int
+        self, role: Role, chunks: list[Any], megatron: Any, optim: Any | None, *, dtype: torch.dtype, total_steps: int,
+        optimizer_on_host: bool = False,
     ):
+        """`optimizer_on_host`: `megatron.optimizer_offload` keeps the optimizer in host memory and steps it
+        there (single-phase recipes: `trinity.trainer.engine.host_optimizer`) instead of moving it
+        between phases (RL: `trinity.trainer.engine.offload`)."""
         self.role, self.megatron = role, megatron
-        self.optimizer = self.scheduler = None
+        self.optimizer = self.scheduler = self.host = None
         if optim is None:
             for chunk in chunks:
                 chunk.eval()
@@ -60,17 +64,19 @@ class RoleEngine:
         else:
             from trinity.trainer.engine.setup import build_train_state
 
-            state = build_train_state(chunks, megatron, optim, dtype=dtype, total_steps=total_steps)
-            self.model, self.optimizer, self.scheduler = state.model, state.optimizer, state.scheduler
+            host = optimizer_on_host and megatron.optimizer_offload
+            state = build_train_state(chunks, megatron, optim, dtype=dtype, total_steps=total_steps, host_optimizer=host)
+            self.model, self.optimizer, self.scheduler, self.host = state.model, state.optimizer, state.scheduler, state.host
         self.offloader = RoleOffloader(
             self.model, self.optimizer, param_offload=megatron.param_offload, grad_offload=megatron.grad_offload,
-            optimizer_offload=megatron.optimizer_offload,
+            optimizer_offload=megatron.optimizer_offload and self.host is None,
         )
 
     @classmethod
     def build(
         cls, role: Role, facts: Any, megatron: Any, optim: Any | None, source: WeightSource, *,
         device: str, dtype: torch.dtype, total_steps: int, chunks: list[Any] | None = None,
+        optimizer_on_host: bool = False,
     ) -> "RoleEngine":
         """Build the role's GPTModel chunks (value head for the critic), load `source` into them and wrap
         them; `chunks` are already built and loaded ones (the worker's actor)."""
@@ -80,7 +86,7 @@ class RoleEngine:
 
             chunks = build_model(facts, megatron, device=device, dtype=dtype, value_head=role.value_head)
             load_weights(chunks, source, facts, value_head=role.value_head)
-        return cls(role, chunks, megatron, optim, dtype=dtype, total_steps=total_steps)
+        return cls(role, chunks, megatron, optim, dtype=dtype, total_steps=total_steps, optimizer_on_host=optimizer_on_host)
 
     # ------------------------------------------------------------------ what recipes read
 
@@ -136,7 +142,7 @@ class RoleEngine:
             micro_batch_size=b,
             forward_only=False,
         )
-        ok, grad_norm, _ = self.optimizer.step()
+        ok, grad_norm, _ = (self.host or self.optimizer).step()
         if not ok:
             raise RuntimeError("optimizer step skipped (non-finite gradients)")
         return StepResult(list(outputs), float(grad_norm if grad_norm is not None else float("nan")))
@@ -170,9 +176,12 @@ class RoleEngine:
         from trinity.trainer.engine.optimizer_state import ReshardableOptimizer, keep_config_hyperparams
 
         with cpu_compat.checkpoint_io():
-            return keep_config_hyperparams(
+            extra = keep_config_hyperparams(
                 self.optimizer, lambda: load_model_checkpoint(self.model, path, optimizer=ReshardableOptimizer(self.optimizer))
             )
+        if self.host is not None:
+            self.host.relocate()  # the load put states beside their params, and fp32 masters are the model's
+        return extra
 
 
 def _tokens(micro: Any) -> torch.Tensor:

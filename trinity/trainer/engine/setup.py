@@ -33,6 +33,7 @@ class TrainState:
     model: list[Any]  # megatron DistributedDataParallel, one per VPP chunk
     optimizer: Any  # megatron MegatronOptimizer
     scheduler: Any  # megatron OptimizerParamScheduler
+    host: Any = None  # HostOptimizer when the optimizer lives and steps in host memory (SFT optimizer_offload)
 
     @property
     def config(self) -> Any:
@@ -135,10 +136,19 @@ def install_schedule_hooks(state: TrainState, megatron: MegatronConfig) -> None:
 
 
 def build_train_state(
-    chunks: list[Any], megatron: MegatronConfig, optim: OptimConfig, *, dtype: torch.dtype, total_steps: int
+    chunks: list[Any], megatron: MegatronConfig, optim: OptimConfig, *, dtype: torch.dtype, total_steps: int,
+    host_optimizer: bool = False,
 ) -> TrainState:
     model = wrap_ddp(chunks, megatron)
-    optimizer = build_optimizer(model, optim, megatron, dtype)
-    state = TrainState(model=model, optimizer=optimizer, scheduler=build_scheduler(optimizer, optim, total_steps))
+    host = None
+    if host_optimizer:  # trinity.trainer.engine.host_optimizer: masters and Adam states never stay on the GPU
+        from trinity.trainer.engine.host_optimizer import HostOptimizer, grad_buffers_released
+
+        with grad_buffers_released(model):
+            optimizer = build_optimizer(model, optim, megatron, dtype)
+            host = HostOptimizer(optimizer)
+    else:
+        optimizer = build_optimizer(model, optim, megatron, dtype)
+    state = TrainState(model=model, optimizer=optimizer, scheduler=build_scheduler(optimizer, optim, total_steps), host=host)
     install_schedule_hooks(state, megatron)
     return state

@@ -32,6 +32,9 @@ class Recipe:
 
     # The single trained role's checkpoint is the step folder itself (see trinity.trainer.checkpoint).
     flat_checkpoint: ClassVar[bool] = False
+    # `optimizer_offload` keeps the optimizer in host memory and steps it there (a recipe without phases,
+    # where moving it between phases would free nothing), instead of moving it off between phases.
+    optimizer_on_host: ClassVar[bool] = False
 
     def __init__(self, ctx: Any):
         self.ctx = ctx
@@ -71,7 +74,7 @@ class Recipe:
         t = self.cfg.trainer
         self.total_steps = t.total_steps if t.total_steps is not None else t.total_epochs * self.data.steps_per_epoch
         for role in self.roles():
-            self.engines[role.value] = self.ctx.build_engine(role, self.total_steps)
+            self.engines[role.value] = self.ctx.build_engine(role, self.total_steps, optimizer_on_host=self.optimizer_on_host)
         self.setup()
 
     def describe(self) -> str:

@@ -54,6 +54,7 @@ class SFTLoss:
 
 class SFTRecipe(Recipe):
     flat_checkpoint = True  # step_N/ is the actor's dist checkpoint: `trinity convert mcore-to-hf` reads it
+    optimizer_on_host = True  # one phase: optimizer_offload = the optimizer steps in host memory
 
     def roles(self) -> list[Role]:
         return [Role.actor]
@@ -91,11 +92,14 @@ class SFTRecipe(Recipe):
                                      vocab_size=self.ctx.facts.vocab_size)
         _sync(device)
         dt = time.perf_counter() - t0
-        return {
+        row = {
             "step": step, "loss": loss, "lr": actor.lr(), "grad_norm": grad_norm,
             "loss_tokens": data.last_step_loss_tokens, "tokens_per_s": data.tokens_per_step / dt,
             "step_time_s": dt, "mem_peak_gib": peak_memory_gib(device),
         }
+        if actor.host is not None:  # optimizer_offload: the part of step_time_s spent in the host optimizer step
+            row["host_optimizer_s"] = actor.host.last_step_s
+        return row
 
     def line(self, metrics: dict[str, Any]) -> list[str]:
         return sft_line(metrics)
