@@ -194,6 +194,9 @@ class RLRecipe(Recipe):
         def score() -> torch.Tensor:
             texts = [self.tokenizer.decode(row[: int(k)].tolist(), skip_special_tokens=True) for row, k in zip(ro.responses, lengths)]
             s = self.reward_fn([p.text for p in prompts for _ in range(n)], texts, [p.answer for p in prompts for _ in range(n)])
+            # what trainer.log_samples prints and writes (trinity.trainer.samples)
+            self.last_samples = [{"prompt": p.text, "response": t, "reward": float(r), "answer": p.answer, "source": p.source}
+                                 for p, t, r in zip([p for p in prompts for _ in range(n)], texts, s)]
             return torch.tensor(s, dtype=torch.float32, device=ro.tokens.device)
 
         scores = ph.run("reward", {"actor": {"params": True}}, score)

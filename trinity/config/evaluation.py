@@ -1,0 +1,40 @@
+"""Rules of the evaluation, samples and tracker options (data.val_files, trainer.val_interval,
+trainer.log_samples, trainer.logger), checked with the rest of the job before any process starts."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from trinity.config.schema import JobConfig
+
+# tracker -> (module that must import, pip command that installs it)
+TRACKER_PACKAGES = {
+    "tensorboard": ("tensorboard", "pip install tensorboard"),
+    "wandb": ("wandb", "pip install wandb"),
+    "mlflow": ("mlflow", "pip install mlflow-skinny"),
+}
+
+
+def check_evaluation(cfg: JobConfig, problems: list[str], check_paths: bool) -> None:
+    data, trainer = cfg.data, cfg.trainer
+    for i, f in enumerate(data.val_files):
+        if not f.endswith((".jsonl", ".json", ".parquet")):
+            problems.append(f"data.val_files.{i}: {f} is neither .jsonl nor .parquet")
+        elif check_paths and not Path(f).is_file():
+            problems.append(f"data.val_files.{i}: {f} does not exist")
+    if not data.val_files:
+        for key in ("val_interval", "val_before_train"):
+            if key in trainer.model_fields_set and getattr(trainer, key):
+                problems.append(f"trainer.{key}: there is nothing to evaluate without data.val_files; "
+                                "add data.val_files or remove the key")
+    if not cfg.is_rl and "log_samples" in trainer.model_fields_set and trainer.log_samples:
+        problems.append("trainer.log_samples: SFT generates no samples (it applies to grpo and ppo); remove the key")
+    if trainer.logger is not None and "tensorboard" in trainer.model_fields_set:
+        problems.append("trainer.tensorboard: set trainer.logger or trainer.tensorboard, not both; "
+                        "list tensorboard in trainer.logger (or leave it out) and remove trainer.tensorboard")
+    if trainer.logger is not None:
+        for name in trainer.trackers():
+            module, pip = TRACKER_PACKAGES[name]
+            if importlib.util.find_spec(module) is None:
+                problems.append(f"trainer.logger: {name} is not installed; run `{pip}` or remove {name} from trainer.logger")
