@@ -55,7 +55,7 @@ def test_log_samples_is_refused_for_sft(write_job, small_job):
     job["trainer"]["log_samples"] = 3
     assert any(p.startswith("trainer.log_samples: SFT generates no samples") for p in problems_of(write_job(job)))
     job = rl(job)
-    assert load_config(write_job(job)).config.trainer.log_samples == 3
+    assert load_config(write_job(job)).config.trainer.samples_per_step(True) == 3
 
 
 def test_tensorboard_and_logger_together_are_refused(write_job, small_job):

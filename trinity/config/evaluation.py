@@ -23,14 +23,13 @@ def check_evaluation(cfg: JobConfig, problems: list[str], check_paths: bool) -> 
             problems.append(f"data.val_files.{i}: {f} is neither .jsonl nor .parquet")
         elif check_paths and not Path(f).is_file():
             problems.append(f"data.val_files.{i}: {f} does not exist")
-    if not data.val_files:
-        for key in ("val_interval", "val_before_train"):
-            if key in trainer.model_fields_set and getattr(trainer, key):
-                problems.append(f"trainer.{key}: there is nothing to evaluate without data.val_files; "
-                                "add data.val_files or remove the key")
-    if not cfg.is_rl and "log_samples" in trainer.model_fields_set and trainer.log_samples:
+    # (rules on values, not on which keys were written: `trinity run` hands workers a full resolved config)
+    if not data.val_files and trainer.val_interval is not None:
+        problems.append("trainer.val_interval: there is nothing to evaluate without data.val_files; "
+                        "add data.val_files or remove the key")
+    if not cfg.is_rl and trainer.log_samples is not None:
         problems.append("trainer.log_samples: SFT generates no samples (it applies to grpo and ppo); remove the key")
-    if trainer.logger is not None and "tensorboard" in trainer.model_fields_set:
+    if trainer.logger is not None and trainer.tensorboard is not None:
         problems.append("trainer.tensorboard: set trainer.logger or trainer.tensorboard, not both; "
                         "list tensorboard in trainer.logger (or leave it out) and remove trainer.tensorboard")
     if trainer.logger is not None:

@@ -173,9 +173,9 @@ class TrainerConfig(StrictModel):
     """Print a step line every N steps (metrics.jsonl gets every step)."""
     seed: int = 1234
     """Seed of data order and sampling."""
-    tensorboard: bool = True
-    """Write TensorBoard events to <output_dir>/tensorboard when tensorboard is installed. The older
-    switch: with trainer.logger set, list `tensorboard` there instead."""
+    tensorboard: bool | None = None
+    """Write TensorBoard events to <output_dir>/tensorboard when tensorboard is installed (unset: true).
+    The older switch: with trainer.logger set, list `tensorboard` there instead."""
     logger: list[Literal["console", "jsonl", "tensorboard", "wandb", "mlflow"]] | None = None
     """Where metrics go (as verl's trainer.logger). The console line and <output_dir>/metrics.jsonl are
     always written; `tensorboard` writes <output_dir>/tensorboard, `wandb` a run named after output_dir
@@ -187,8 +187,8 @@ class TrainerConfig(StrictModel):
     step (trainer.val_before_train) and after the last."""
     val_before_train: bool = True
     """Evaluate on data.val_files before the first step (of this run: a resumed run evaluates at its start)."""
-    log_samples: int = Field(default=2, ge=0)
-    """RL: (prompt, response, reward) triples printed per step; every step's responses go to
+    log_samples: int | None = Field(default=None, ge=0)
+    """RL: (prompt, response, reward) triples printed per step (unset: 2); every step's responses go to
     <output_dir>/samples/step_N.jsonl (val ones to val_step_N.jsonl). 0 prints none and writes no files."""
     profile_step: int | None = Field(default=None, ge=1)
     """Profile this step with torch.profiler on every rank: a Chrome trace per rank in
@@ -198,8 +198,12 @@ class TrainerConfig(StrictModel):
     def trackers(self) -> list[str]:
         """The metric sinks beyond the console and metrics.jsonl that this job writes to."""
         if self.logger is None:
-            return ["tensorboard"] if self.tensorboard else []
+            return [] if self.tensorboard is False else ["tensorboard"]
         return [name for name in ("tensorboard", "wandb", "mlflow") if name in self.logger]
+
+    def samples_per_step(self, is_rl: bool) -> int:
+        """log_samples with its default: 2 for RL, none for SFT (which generates nothing)."""
+        return (2 if self.log_samples is None else self.log_samples) if is_rl else 0
 
 
 class ActorConfig(StrictModel):

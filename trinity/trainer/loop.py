@@ -39,7 +39,7 @@ def run(ctx: WorkerContext, recipe_cls: type[Recipe]) -> None:
         trackers=build_trackers(trackers, ctx.output_dir, cfg.model_dump(mode="json"), ctx.is_rank0),
     )
     evaluator = Evaluator.build(recipe)
-    samples = SampleLog(ctx.output_dir, cfg.trainer.log_samples if cfg.is_rl else 0, ctx.is_rank0)
+    samples = SampleLog(ctx.output_dir, cfg.trainer.samples_per_step(cfg.is_rl), ctx.is_rank0)
 
     def evaluate(step: int) -> None:
         metrics.log_val(evaluator.run(step))

@@ -36,7 +36,7 @@ class WandbTracker:
 
 
 class MlflowTracker:
-    """An MLflow run in MLFLOW_TRACKING_URI, default the file store <output_dir>/mlruns (experiment
+    """An MLflow run in MLFLOW_TRACKING_URI, default the file store file:<output_dir>/mlruns (experiment
     MLFLOW_EXPERIMENT_NAME, default trinity); the config as flattened params."""
 
     def __init__(self, output_dir: Path, config: dict[str, Any]):
@@ -44,6 +44,9 @@ class MlflowTracker:
 
         self._mlflow = mlflow
         if not os.environ.get("MLFLOW_TRACKING_URI"):
+            # A folder, like the rest of the run (no database server or SQLAlchemy needed); MLflow 3
+            # refuses new file stores unless told that this is wanted.
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
             mlflow.set_tracking_uri(f"file:{(output_dir / 'mlruns').resolve()}")
         mlflow.set_experiment(os.environ.get("MLFLOW_EXPERIMENT_NAME", "trinity"))
         self.run = mlflow.start_run(run_name=output_dir.resolve().name)
