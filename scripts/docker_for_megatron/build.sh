@@ -30,4 +30,4 @@ DOCKER_BUILDKIT=1 docker build \
     "$@" \
     "${root}"
 
-echo "built ${tag}; try: docker run --rm ${tag} --help"
+echo "built ${tag}; try: docker run --rm ${tag} trinity --help   (or docker run -it --rm ${tag} for a shell)"

@@ -331,7 +331,6 @@ def test_failed_verify_removes_mcore_to_hf_output(tmp_path, monkeypatch):
         ("qwen2", dict(tp=3), r"--tp: 4 attention heads are not divisible by TP=3"),
         ("qwen2", dict(tp=0), r"--tp: must be at least 1"),
         ("qwen3_moe", dict(ep=3), r"--ep: 4 experts are not divisible by EP=3"),
-        ("qwen3_moe", dict(backend="mbridge"), r"--backend mbridge: needs TransformerEngine grouped experts"),
     ],
 )
 def test_invalid_layout_flags_are_user_errors(tmp_path, family, kwargs, message):

@@ -123,7 +123,7 @@ def _instructions() -> list[tuple[str, str]]:
     return out
 
 
-def test_image_runs_as_non_root_with_trinity_entrypoint() -> None:
+def test_image_runs_as_non_root() -> None:
     instructions = _instructions()
     args = {}
     for name, rest in instructions:
@@ -135,9 +135,91 @@ def test_image_runs_as_non_root_with_trinity_entrypoint() -> None:
     user = re.sub(r"\$\{(\w+)\}|\$(\w+)", lambda m: args[m.group(1) or m.group(2)], users[-1]).split(":")[0]
     assert users[-1] == "${TRINITY_UID}" and user == "1000", users
     assert user not in ("root", "0")
-    entrypoints = [rest for name, rest in instructions if name == "ENTRYPOINT"]
-    assert entrypoints == ['["trinity"]'], entrypoints
-    assert json.loads(entrypoints[0]) == ["trinity"]
+
+
+NVIDIA_ENTRYPOINT = "/opt/nvidia/nvidia_entrypoint.sh"
+
+
+def test_image_opens_a_shell_in_workspace_and_runs_a_given_command() -> None:
+    """Trinity-RFT's `docker run -it --gpus all ... -v $PWD:/workspace IMAGE` must open a shell in
+    /workspace, and `docker run IMAGE trinity run --config ...` must run trinity. Docker runs
+    ENTRYPOINT + (the arguments after the image, else CMD); NVIDIA's entrypoint execs what follows it.
+    An ENTRYPOINT of `trinity` (as before) turned the guide's line into `trinity --help`."""
+    instructions = _instructions()
+    entrypoints = [json.loads(rest) for name, rest in instructions if name == "ENTRYPOINT"]
+    cmds = [json.loads(rest) for name, rest in instructions if name == "CMD"]
+    workdirs = [rest for name, rest in instructions if name == "WORKDIR"]
+    assert entrypoints == [[NVIDIA_ENTRYPOINT]], entrypoints
+    assert cmds == [["/bin/bash"]], cmds
+    assert workdirs[-1] == "/workspace", workdirs
+
+    def argv(after_image: list[str]) -> list[str]:
+        return entrypoints[-1] + (after_image or cmds[-1])
+
+    assert argv([]) == [NVIDIA_ENTRYPOINT, "/bin/bash"]
+    assert argv(["trinity", "run", "--config", "job.yaml"])[1:] == ["trinity", "run", "--config", "job.yaml"]
+    # trinity on the PATH of the final user, and the entrypoint present, are checked by the build itself
+    last_user = max(i for i, (name, _) in enumerate(instructions) if name == "USER")
+    checks = [rest for name, rest in instructions[last_user:] if name == "RUN"]
+    assert any("command -v trinity" in r and f"test -x {NVIDIA_ENTRYPOINT}" in r for r in checks), checks
+
+
+DOCKER_RUN_DOCS = [ROOT / "docs" / "docker.md", ROOT / "docs" / "multinode.md", ROOT / "README.md", DOCKER_DIR / "README.md"]
+
+
+def _docker_run_commands(text: str) -> list[list[str]]:
+    """Each `docker run ...` of the fenced shell blocks, continuation lines joined, split like a shell
+    (comments dropped)."""
+    import shlex
+
+    out = []
+    for block in re.findall(r"```(?:bash|sh)?\n(.*?)```", text, flags=re.S):
+        joined = re.sub(r"\\\n", " ", block)
+        for line in joined.splitlines():
+            line = line.strip()
+            if line.startswith("docker run"):
+                out.append(shlex.split(line.replace("<data>", "DATA"), comments=True))
+    return out
+
+
+def _after_image(words: list[str]) -> tuple[str, list[str]]:
+    """(image, the words after it) of `docker run [options] IMAGE [COMMAND...]`."""
+    takes_value = {"-v", "--volume", "-e", "--env", "--shm-size", "--ulimit", "--gpus", "--ipc", "--network",
+                   "--device", "--entrypoint", "--name", "-w", "--workdir", "-u", "--user"}
+    i = 2
+    while i < len(words) and words[i].startswith("-"):
+        i += 1 if "=" in words[i] or words[i] not in takes_value else 2
+    return words[i], words[i + 1:]
+
+
+def test_documented_docker_runs_name_a_command_or_open_a_shell() -> None:
+    """With NVIDIA's entrypoint, `IMAGE run --config ...` would try to execute `run`: every documented
+    `docker run` names the program after the image (trinity, python, bash) or nothing (a shell)."""
+    found = []
+    for doc in DOCKER_RUN_DOCS:
+        for words in _docker_run_commands(doc.read_text()):
+            image, rest = _after_image(words)
+            found.append((doc.name, image, rest[:1]))
+            assert not rest or rest[0] in ("trinity", "python", "bash"), f"{doc}: {' '.join(words)}"
+    assert ("docker.md", "trinity-mcore:0.1.0", []) in found, found  # the guide's shell line
+    assert sum(1 for _, _, first in found if first == ["trinity"]) >= 4, found
+    assert "--entrypoint" not in " ".join(" ".join(w) for d in DOCKER_RUN_DOCS for w in _docker_run_commands(d.read_text()))
+
+
+def test_build_script_suggests_a_working_command() -> None:
+    hint = [line for line in BUILD_SH.read_text().splitlines() if "try:" in line]
+    assert hint and "trinity --help" in hint[0] and "${tag} --help" not in hint[0], hint
+
+
+def test_extras_name_installable_packages_only() -> None:
+    """`pip install -e .[megatron]` (Trinity-RFT's guide) works and pins what the core pins; no extra
+    names PyPI's `apex` (an unrelated package) or a source build pip cannot do on its own."""
+    extras = tomllib.loads(PYPROJECT.read_text())["project"]["optional-dependencies"]
+    pins = _pyproject_pins()
+    assert sorted(extras["megatron"]) == sorted(f"{name}=={pins[name]}" for name in PINNED_IN_IMAGE)
+    named = {re.split(r"[\s\[<>=!~;]", dep, maxsplit=1)[0].lower() for deps in extras.values() for dep in deps}
+    assert not named & {"apex", "transformer-engine", "transformer_engine", "flash-attn", "flash_attn"}, named
+    assert "gpu" not in extras
 
 
 # --- lint and syntax ----------------------------------------------------------------------------

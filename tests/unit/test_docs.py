@@ -70,7 +70,7 @@ def test_extraction_finds_the_known_messages():
     texts = [text for _, text in error_messages()]
     assert len(texts) > 100
     assert ": an override must look like dotted.key=value" in texts
-    assert ".context_parallel_size: context parallelism needs GPUs; set it to 1 on cpu" in texts
+    assert "data.train_files: no training files given" in texts
     assert "data.train_files: SFT needs at least one training file" in texts
 
 

@@ -53,7 +53,7 @@ def test_missing_val_file_is_named(write_job, small_job, tmp_path):
 def test_log_samples_is_refused_for_sft(write_job, small_job):
     job = copy.deepcopy(small_job)
     job["trainer"]["log_samples"] = 3
-    assert any(p.startswith("trainer.log_samples: SFT generates no samples") for p in problems_of(write_job(job)))
+    assert any(p.startswith("trainer.log_samples: sft generates no samples") for p in problems_of(write_job(job)))
     job = rl(job)
     assert load_config(write_job(job)).config.trainer.samples_per_step(True) == 3
 

@@ -10,7 +10,7 @@ from trinity.config.plan import build_plan, render_plan
 from trinity.distributed.layout import ParallelLayout
 
 
-def _plan(write_job, **extra):
+def _plan(write_job, rl: bool = False, **extra):
     job = {
         "model": {"path": str(HF_CONFIGS / "qwen2_5_7b")},
         "data": {"train_files": [str(FIXTURES / "data" / "sft.jsonl")], "seq_length": 4096},
@@ -18,6 +18,10 @@ def _plan(write_job, **extra):
         "trainer": {"global_batch_size": 16, "micro_batch_size": 1},
         "actor_rollout_ref": {"actor": {"megatron": {"tensor_model_parallel_size": 2, "sequence_parallel": True, **extra}}},
     }
+    if rl:  # offload acts between RL phases (it is refused for SFT)
+        job["algorithm"] = {"name": "grpo"}
+        job["data"] = {"train_files": [str(FIXTURES / "data" / "prompts.jsonl")]}
+        job["actor_rollout_ref"]["actor"]["megatron"]["sequence_parallel"] = False
     loaded = load_config(write_job(job))
     return build_plan(loaded.config, loaded.facts, loaded.warnings)
 
@@ -49,7 +53,8 @@ def test_recompute_and_offload_shrink_the_estimate(write_job):
     sel = _plan(write_job, override_transformer_config={
         "recompute_granularity": "selective", "recompute_modules": ["mlp"]}).roles[0].memory
     assert sel.activations == 28 * 4096 * 3584 * (34 - 19) // 2
-    off = _plan(write_job, param_offload=True, grad_offload=True, optimizer_offload=True).roles[0].memory
+    base = _plan(write_job, rl=True).roles[0].memory
+    off = _plan(write_job, rl=True, param_offload=True, grad_offload=True, optimizer_offload=True).roles[0].memory
     assert off.active == base.active and off.idle == 0 and base.idle == base.weights + base.grads + base.optimizer
 
 
@@ -57,8 +62,8 @@ def test_recompute_and_offload_shrink_the_estimate(write_job):
     ("param_offload", "weights"), ("grad_offload", "grads"), ("optimizer_offload", "optimizer"),
 ])
 def test_each_offload_flag_moves_its_component_to_idle(write_job, flag, moved):
-    base = _plan(write_job).roles[0].memory
-    plan = _plan(write_job, **{flag: True})
+    base = _plan(write_job, rl=True).roles[0].memory
+    plan = _plan(write_job, rl=True, **{flag: True})
     off = plan.roles[0].memory
     assert off.offloaded == [flag]
     assert f"(offload: {flag})" in render_plan(plan)  # what `trinity validate` prints

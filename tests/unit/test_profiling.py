@@ -48,3 +48,44 @@ def test_step_profiler_traces_only_its_step(tmp_path):
     assert prof.summary[0] == f"profiled step 2: trace {trace_path(tmp_path, 2, 0)}"
     assert any(line.startswith("aten::mm |") for line in prof.summary)
     assert summary_path(tmp_path, 2, 0).read_text() == "\n".join(prof.summary) + "\n"
+
+
+def _job_cfg(write_job, small_job, profile_step=None, **actor):
+    from trinity.config.loader import load_config
+
+    job = {**small_job, "trainer": {**small_job["trainer"], "total_steps": 6, "profile_step": profile_step}}
+    job["actor_rollout_ref"] = {"actor": actor}
+    return load_config(write_job(job)).config
+
+
+def test_verl_profile_block_profiles_a_step_range_on_listed_ranks(tmp_path, write_job, small_job):
+    """verl's `actor.profile`: steps counted from 0, [step_start, step_end) -> trinity steps 3 and 4,
+    on ranks 0 and 2 only, into save_path, with the per-step summary beside each trace."""
+    save = tmp_path / "verl_prof"
+    cfg = _job_cfg(write_job, small_job, profile={"use_profile": True, "profile_ranks": [0, 2], "step_start": 2,
+                                                 "step_end": 4, "save_path": str(save)})
+    a = torch.randn(32, 32)
+    for rank in (0, 1, 2):
+        prof = StepProfiler.from_config(cfg, tmp_path / "out", rank, torch.device("cpu"))
+        marked = []
+        for step in range(1, 7):
+            with prof.step(step) as profiled:
+                (a @ a).sum()
+            marked.append(profiled)
+        assert marked == ([False, False, True, True, False, False] if rank != 1 else [False] * 6), rank
+    assert sorted(p.name for p in save.iterdir()) == sorted(
+        f"step_{s}.rank_{r}.{ext}" for s in (3, 4) for r in (0, 2) for ext in ("json.gz", "txt"))
+    assert not (tmp_path / "out").exists()
+    assert summary_path(tmp_path, 4, 2, save).read_text().startswith(f"profiled step 4: trace {save / 'step_4.rank_2.json.gz'}")
+
+
+def test_verl_profiler_block_and_short_form(tmp_path, write_job, small_job):
+    """verl's newer `actor.profiler` picks the ranks of trainer.profile_step; the short form alone
+    profiles that step on every rank into <output_dir>/profile."""
+    short = _job_cfg(write_job, small_job, profile_step=2)
+    assert all(StepProfiler.from_config(short, tmp_path, r, torch.device("cpu")).steps == {2} for r in (0, 5))
+    cfg = _job_cfg(write_job, small_job, profile_step=2, profiler={"enable": True, "ranks": [1], "tool": "torch"})
+    assert StepProfiler.from_config(cfg, tmp_path, 1, torch.device("cpu")).steps == {2}
+    assert StepProfiler.from_config(cfg, tmp_path, 0, torch.device("cpu")).steps == frozenset()
+    none = _job_cfg(write_job, small_job)
+    assert StepProfiler.from_config(none, tmp_path, 0, torch.device("cpu")).steps == frozenset()

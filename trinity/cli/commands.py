@@ -18,12 +18,20 @@ import yaml
 from trinity.config.loader import LoadedConfig, load_config
 from trinity.config.plan import build_plan, render_plan
 from trinity.config.schema import JobConfig
-from trinity.errors import UserError
+from trinity.errors import ConfigError, UserError
 
 
 def validate(config: Path, overrides: list[str], *, json_out: bool = False) -> int:
-    loaded = load_config(config, overrides)
-    plan = build_plan(loaded.config, loaded.facts, loaded.warnings)
+    try:
+        loaded = load_config(config, overrides)
+        plan = build_plan(loaded.config, loaded.facts, loaded.warnings)
+    except UserError as exc:
+        if not json_out:
+            raise
+        # --json is for programs: the answer is JSON whatever happened, the exit code says which.
+        problems = exc.problems if isinstance(exc, ConfigError) else [str(exc)]
+        print(json.dumps({"ok": False, "problems": problems}, indent=2))
+        return exc.exit_code
     print(json.dumps(plan.to_dict(), indent=2) if json_out else render_plan(plan))
     return 0
 
@@ -33,8 +41,11 @@ def schema() -> str:
 
 
 def run(config: Path, overrides: list[str], *, dry_run: bool = False, debug: bool = False) -> int:
+    from trinity.launch import quiet
+    from trinity.launch.lock import acquire, lock_name, prepare_output_dir
     from trinity.launch.torchrun import preflight, supervise, torchrun_command, worker_env
 
+    quiet.install(debug)  # before anything imports megatron-core (weight conversion below)
     loaded = load_config(config, overrides)
     cfg = loaded.config
     print(render_plan(build_plan(cfg, loaded.facts, loaded.warnings)))
@@ -45,14 +56,39 @@ def run(config: Path, overrides: list[str], *, dry_run: bool = False, debug: boo
         print("command: " + shlex.join(cmd))
         return 0
     preflight(cfg)
-    out.mkdir(parents=True, exist_ok=True)
-    prepare_weights(loaded, out)
-    write_resolved(cfg, resolved)
-    print("command: " + shlex.join(cmd), flush=True)
-    code = supervise(cmd, env=worker_env(os.environ, sys.stdout), debug=debug)
-    if code != 0:
+    # The job is accepted for its output folder only once it holds the folder's lock: nothing
+    # (resolved_config.yaml, mcore_cache, logs) may be written there before, or a job refused for a
+    # folder another job is using would still overwrite that job's files.
+    prepare_output_dir(out)
+    name = lock_name(cfg.cluster)
+    lock = acquire(out, name) if name else None
+    try:
+        prepare_weights(loaded, out)
+        write_resolved(cfg, resolved)
+        print("command: " + shlex.join(cmd), flush=True)
+        stopped: dict[str, int | None] = {}
+        code = supervise(cmd, env=worker_env(os.environ, sys.stdout, debug=debug), debug=debug,
+                         pass_fds=(lock.fd,) if lock else (), stopped=stopped)
+    finally:
+        if lock is not None:
+            lock.release()
+    if stopped.get("sig") is not None:
+        print(interrupted_message(out), flush=True)
+    elif code != 0:
         print(f"job failed with exit code {code}; every rank's log is under {out / 'logs'}")
     return code
+
+
+def interrupted_message(out: Path) -> str:
+    """What to tell a user who stopped the job: where it can go on from."""
+    from trinity.trainer.checkpoint import complete_checkpoints
+
+    found = complete_checkpoints(out / "checkpoints")
+    if not found:
+        return f"interrupted; no complete checkpoint in {out / 'checkpoints'} yet: a new run starts from step 0"
+    step, path = found[-1]
+    return (f"interrupted; the last complete checkpoint is {path} (step {step}): run again with "
+            f"trainer.resume=auto (the default) to continue from it")
 
 
 def write_resolved(cfg: JobConfig, path: Path) -> None:
@@ -100,8 +136,12 @@ def prepare_weights(loaded: LoadedConfig, out: Path) -> None:
 
 
 def tiny_assets(output: Path) -> int:
+    from trinity.config.loader import check_output_dir
     from trinity.testing.tiny_assets import make_quickstart_assets
 
+    problems = check_output_dir(output, "tiny-assets OUTPUT")
+    if problems:
+        raise UserError(problems[0])
     paths = make_quickstart_assets(output)
     for name, p in paths.items():
         print(f"{name}: {p}")

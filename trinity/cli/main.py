@@ -93,6 +93,26 @@ def tiny_assets(
     _guard(lambda: commands.tiny_assets(output), debug)
 
 
+@app.command()
+def generate(
+    model: Path = typer.Option(..., "--model", "-m", help="HF folder, dist checkpoint, checkpoints/step_N or a run's output_dir.", show_default=False),
+    prompt: list[str] = typer.Option(..., "--prompt", "-p", help="Prompt text; repeat for a batch.", show_default=False),
+    chat: bool = typer.Option(False, "--chat", help="Render each prompt as a user turn with the tokenizer's chat template."),
+    max_new_tokens: int = typer.Option(128, "--max-new-tokens", help="Most tokens to generate per prompt."),
+    temperature: float = typer.Option(0.0, "--temperature", help="Sampling temperature; 0 is greedy."),
+    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling threshold."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the sampling generator."),
+    device: str = typer.Option("auto", "--device", help="auto, cpu or cuda."),
+    json_out: bool = typer.Option(False, "--json", help="One JSON line {prompt, answer} per prompt."),
+    debug: bool = DebugOpt,
+) -> None:
+    """Answer prompts with a model (before or after training), with the rollout's generation engine."""
+    from trinity.cli import generate as gen
+
+    _guard(lambda: gen.run(model, prompt, chat=chat, max_new_tokens=max_new_tokens, temperature=temperature,
+                           top_p=top_p, seed=seed, device=device, json_out=json_out), debug)
+
+
 @convert_app.command("hf-to-mcore")
 def hf_to_mcore(
     hf_path: Path = typer.Option(..., "--hf-path", help="Hugging Face model folder.", show_default=False),

@@ -27,8 +27,12 @@ def check_evaluation(cfg: JobConfig, problems: list[str], check_paths: bool) -> 
     if not data.val_files and trainer.val_interval is not None:
         problems.append("trainer.val_interval: there is nothing to evaluate without data.val_files; "
                         "add data.val_files or remove the key")
+    algo = cfg.algorithm.name.value
+    if data.val_files and algo not in ("sft", "grpo", "ppo"):
+        problems.append(f"data.val_files: evaluation during training is not available for {algo} jobs yet "
+                        "(sft, grpo and ppo have it); remove data.val_files")
     if not cfg.is_rl and trainer.log_samples is not None:
-        problems.append("trainer.log_samples: SFT generates no samples (it applies to grpo and ppo); remove the key")
+        problems.append(f"trainer.log_samples: {algo} generates no samples (it applies to grpo and ppo); remove the key")
     if trainer.logger is not None and trainer.tensorboard is not None:
         problems.append("trainer.tensorboard: set trainer.logger or trainer.tensorboard, not both; "
                         "list tensorboard in trainer.logger (or leave it out) and remove trainer.tensorboard")

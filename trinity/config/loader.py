@@ -7,6 +7,7 @@ YAML scalar or list). Errors name the key path, and the YAML line when the key c
 from __future__ import annotations
 
 import difflib
+import os
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,15 +30,63 @@ class LoadedConfig:
     source: str = ""
 
 
+class DuplicateKeyError(yaml.YAMLError):
+    """A mapping names the same key twice; YAML's loaders would silently keep the last value."""
+
+    def __init__(self, key: str, first_line: int, second_line: int):
+        super().__init__(f"key {key!r} appears twice in one mapping (lines {first_line} and {second_line})")
+        self.key, self.first_line, self.second_line = key, first_line, second_line
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses duplicate keys: a job file where `lr:` appears twice must not
+    train with whichever came last."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor` may repeat keys on purpose
+                continue
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            try:
+                if key in seen:
+                    raise DuplicateKeyError(str(key), seen[key], line)
+                seen[key] = line
+            except TypeError:  # an unhashable key: SafeLoader reports it below
+                continue
+        return super().construct_mapping(node, deep=deep)
+
+
+def parse_yaml(text: str) -> Any:
+    """yaml.safe_load that refuses duplicate keys (DuplicateKeyError)."""
+    return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
+
+
 def read_yaml(path: str | Path) -> tuple[dict[str, Any], dict[str, int]]:
     """Parse a YAML job file; return the mapping and a `dotted.path -> line` index."""
     p = Path(path)
     if not p.is_file():
         raise UserError(f"{p}: config file not found")
-    text = p.read_text()
     try:
-        data = yaml.safe_load(text)
-        node = yaml.compose(text)
+        raw = p.read_bytes()
+    except OSError as exc:
+        raise UserError(f"{p}: cannot read the config file: {exc.strerror}") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw[: exc.start].count(b"\n") + 1
+        raise UserError(
+            f"{p}:{line}: the config file is not UTF-8 text (byte 0x{raw[exc.start]:02x}); save it as UTF-8"
+        ) from None
+    try:
+        data = parse_yaml(text)
+        node = yaml.compose(text, Loader=_StrictLoader)
+    except DuplicateKeyError as exc:
+        raise UserError(
+            f"{p}:{exc.second_line}: key {exc.key!r} appears twice in one mapping (lines {exc.first_line} and "
+            f"{exc.second_line}); keep one"
+        ) from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"{p}:{mark.line + 1}:{mark.column + 1}" if mark else str(p)
@@ -60,17 +109,24 @@ def _index_lines(node: Any, prefix: str, out: dict[str, int]) -> None:
             _index_lines(value_node, path, out)
 
 
-def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Set `dotted.key=value` pairs in a nested dict (values parsed as YAML)."""
+def apply_overrides(data: dict[str, Any], overrides: list[str], origins: dict[str, int] | None = None) -> dict[str, Any]:
+    """Set `dotted.key=value` pairs in a nested dict (values parsed as YAML).
+
+    `origins` receives `dotted.key -> n` (1-based position on the command line) so that a problem with
+    a value an override set is blamed on `<override n>`, not on the YAML line it replaced."""
     problems = []
-    for item in overrides:
+    origins = {} if origins is None else origins
+    for n, item in enumerate(overrides, start=1):
         key, sep, raw = item.partition("=")
         key = key.strip()
         if not sep or not key or any(not part for part in key.split(".")):
             problems.append(f"{item}: an override must look like dotted.key=value")
             continue
         try:
-            value = yaml.safe_load(raw) if raw.strip() else None
+            value = parse_yaml(raw) if raw.strip() else None
+        except DuplicateKeyError as exc:
+            problems.append(f"{key}: {exc}; keep one (<override {n}>: {item})")
+            continue
         except yaml.YAMLError:
             value = raw
         node = data
@@ -80,9 +136,19 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
                 node[part] = {}
             node = node[part]
         node[parts[-1]] = value
+        origins[key] = n
     if problems:
         raise ConfigError(problems)
     return data
+
+
+def _override_of(path: str, origins: dict[str, int]) -> int | None:
+    """The override that set `path` or one of its parents (the last one wins, as when applied)."""
+    found = None
+    for key, n in origins.items():
+        if path == key or path.startswith(key + "."):
+            found = n if found is None else max(found, n)
+    return found
 
 
 def _model_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:
@@ -110,12 +176,24 @@ def _unwrap_model(annotation: Any) -> type[BaseModel] | None:
     return None
 
 
-def format_validation_error(exc: ValidationError, lines: dict[str, int], source: str) -> list[str]:
+def format_validation_error(
+    exc: ValidationError, lines: dict[str, int], source: str, origins: dict[str, int] | None = None,
+    overrides: list[str] | None = None,
+) -> list[str]:
+    """One line per problem, keyed by its dotted path, ending with where the value came from: the
+    YAML line, or the command-line override that set it (`(<override 2>: trainer.total_steps=0)`)."""
     problems = []
+    origins = origins or {}
+    overrides = overrides or []
     for err in exc.errors():
         loc = tuple(err["loc"])
         path = ".".join(str(p) for p in loc)
-        where = f" ({source}:{lines[path]})" if path in lines else ""
+        # A value an override set is blamed on the override, not on the YAML line it replaced.
+        n = _override_of(path, origins)
+        if n is not None:
+            where = f" (<override {n}>: {overrides[n - 1]})"
+        else:
+            where = f" ({source}:{lines[path]})" if path in lines else ""
         if err["type"] == "extra_forbidden":
             owner = _model_at(loc[:-1])
             names = list(owner.model_fields) if owner else []
@@ -139,11 +217,13 @@ def load_config(
 
     data, lines = read_yaml(path) if path is not None else ({}, {})
     source = str(path) if path is not None else "<overrides>"
-    data = apply_overrides(data, list(overrides or []))
+    origins: dict[str, int] = {}
+    overrides = list(overrides or [])
+    data = apply_overrides(data, overrides, origins)
     try:
         cfg = JobConfig.model_validate(data)
     except ValidationError as exc:
-        problems = format_validation_error(exc, lines, source)
+        problems = format_validation_error(exc, lines, source, origins, overrides)
         # Report the cross-field problems of the rest of the config too: drop the invalid keys
         # (their defaults stand in) and check what remains.
         pruned = _prune(data, [tuple(e["loc"]) for e in exc.errors()])
@@ -152,8 +232,12 @@ def load_config(
         except ValidationError:
             raise ConfigError(problems) from None
         problems += check_job(rest, check_paths=check_paths)[1]
+        if check_paths:
+            problems += check_output_dir(rest.trainer.output_dir)
         raise ConfigError(problems) from None
     facts, problems, warnings = check_job(cfg, check_paths=check_paths)
+    if check_paths:
+        problems += check_output_dir(cfg.trainer.output_dir)
     if problems:
         raise ConfigError(problems)
     return LoadedConfig(config=cfg, facts=facts, warnings=warnings, source=source)
@@ -172,3 +256,30 @@ def _prune(data: dict[str, Any], locs: list[tuple[Any, ...]]) -> dict[str, Any]:
         if isinstance(node, dict) and keys:
             node.pop(keys[-1], None)
     return out
+
+
+def check_output_dir(output_dir: str | Path, key: str = "trainer.output_dir") -> list[str]:
+    """Whether `output_dir` is, or can be created as, a folder this process can write into; a problem
+    naming `key` otherwise. Nothing is created: `trinity validate` stays read-only."""
+    out = Path(output_dir)
+    if out.exists() and not out.is_dir():
+        return [f"{key}: {out} is a file, not a folder; choose a folder path"]
+    probe = out
+    while not probe.exists():  # the nearest existing ancestor is where a folder would be created
+        if probe.parent == probe:
+            break
+        probe = probe.parent
+    if not probe.is_dir():
+        return [f"{key}: cannot create {out}: {probe} is a file, not a folder; choose another path"]
+    if not os.access(probe, os.W_OK | os.X_OK):
+        if _read_only(probe):
+            return [f"{key}: {probe} is on a read-only file system; choose a folder on a writable disk"]
+        return [f"{key}: {probe} is not writable by this user; choose a folder you can write to"]
+    return []
+
+
+def _read_only(path: Path) -> bool:
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False

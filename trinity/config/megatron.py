@@ -90,7 +90,8 @@ class MegatronConfig(StrictModel):
     virtual_pipeline_model_parallel_size: int | None = Field(default=None, ge=1)
     """VPP: model chunks per pipeline stage (interleaved 1F1B); needs PP > 1."""
     context_parallel_size: int = Field(default=1, ge=1)
-    """CP: split each sequence across this many GPUs (needs TransformerEngine)."""
+    """CP: must be 1. Kept so that pasted configs validate; the training loops do not split sequences
+    across context-parallel ranks, so any other value is refused."""
     expert_model_parallel_size: int = Field(default=1, ge=1)
     """EP: split the experts of MoE layers across this many GPUs."""
     expert_tensor_parallel_size: int | None = Field(default=None, ge=1)
@@ -102,11 +103,13 @@ class MegatronConfig(StrictModel):
     overlap_grad_reduce: bool = False
     """Overlap the data-parallel gradient reduction with the backward pass."""
     param_offload: bool = False
-    """Move this role's parameters to CPU memory while another role runs."""
+    """RL: move this role's parameters to CPU memory while another role runs (refused for SFT, where
+    nothing else runs)."""
     grad_offload: bool = False
-    """Move this role's gradient buffers to CPU memory while they are not needed (rollout, other roles)."""
+    """RL: move this role's gradient buffers to CPU memory while they are not needed (rollout, other
+    roles); refused for SFT."""
     optimizer_offload: bool = False
-    """Move this role's optimizer states to CPU memory while they are not needed."""
+    """RL: move this role's optimizer states to CPU memory while they are not needed; refused for SFT."""
     use_mbridge: bool = False
     """Load the HF checkpoint directly through mbridge instead of a converted dist checkpoint."""
     use_dist_checkpointing: bool = False

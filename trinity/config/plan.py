@@ -8,6 +8,7 @@ busiest GPU (the first or last pipeline stage, whichever holds more).
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 from trinity.config.megatron import MegatronConfig, RecomputeGranularity, RecomputeMethod, RecomputeModule
 from trinity.config.roles import Role
@@ -68,6 +69,8 @@ class JobPlan:
     roles: list[RolePlan]
     peak_per_gpu: int
     warnings: list[str]
+    reward: str | None = None  # RL: the reward function, and for a user function the file of code it runs
+    data: dict | None = None  # pt: tokens, rows and steps per epoch (trinity.data.pretrain.PTData.describe)
 
     def to_dict(self) -> dict:
         out = asdict(self)
@@ -175,11 +178,35 @@ def build_plan(cfg: JobConfig, facts: ModelFacts, warnings: list[str]) -> JobPla
         roles.append(RolePlan(path=path, layout=lay.describe(world), dp=dp, microbatches=mbs, memory=mem))
     # Roles share the GPUs: the peak is one role active while the others keep what is not offloaded.
     peak = max(r.memory.active + sum(o.memory.idle for o in roles if o is not r) for r in roles)
+    reward = describe_reward(cfg) if cfg.is_rl else None
+    data = None
+    if cfg.algorithm.name.value == "pt":
+        from trinity.data.pretrain import plan_data  # reads (and tokenises) the data, as each rank will
+
+        data = plan_data(cfg)
     return JobPlan(
         algorithm=cfg.algorithm.name.value, device=cfg.cluster.device, world_size=world,
         model=f"{facts.architecture} ({cfg.model.path})", num_parameters=facts.num_parameters(),
-        roles=roles, peak_per_gpu=peak, warnings=list(warnings),
+        roles=roles, peak_per_gpu=peak, warnings=list(warnings), reward=reward, data=data,
     )
+
+
+def describe_reward(cfg: JobConfig) -> str:
+    """One line on the reward: a built-in, or the file of user code that every rank runs with the job's
+    rights (it can read, write and send whatever the job's user can), so that a config from someone
+    else is read before it runs."""
+    from trinity.rollout.rewards import reward_code_file
+
+    r = cfg.reward
+    code = reward_code_file(r.function)
+    if code is None:
+        extra = f", extractor {r.extractor}" if r.function == "math_exact_match" else ""
+        return f"built-in {r.function}{extra}"
+    fn = r.function.rpartition(":")[2]
+    package = Path(__file__).resolve().parents[1]
+    if Path(code).resolve().is_relative_to(package):
+        return f"{r.function} (shipped with trinity: {Path(code).resolve().relative_to(package.parent)})"
+    return f"runs code from {code} (function {fn}) with this job's rights; read it before running a config you did not write"
 
 
 def human_bytes(n: float) -> str:
@@ -201,5 +228,15 @@ def render_plan(plan: JobPlan) -> str:
         lines.append(f"  activations {g(m.activations)}   logits {g(m.logits)}   active {g(m.active)}   idle {g(m.idle)}"
                      + (f"   (offload: {', '.join(m.offloaded)})" if m.offloaded else ""))
     lines.append(f"estimated peak per GPU: {g(plan.peak_per_gpu)} (formula: docs/memory-estimate.md)")
+    if plan.reward is not None:
+        lines.append(f"reward: {plan.reward}")
+    if plan.data is not None:
+        d = plan.data
+        lines.append(
+            f"data: {d['tokens']:,} tokens in {d['documents']:,} documents from {len(d['sources'])} source(s) -> "
+            f"{d['rows_per_epoch']:,} rows of {d['seq_length']} tokens per epoch "
+            f"({'packed per document' if d['packing'] else 'concatenated'}), {d['steps_per_epoch']:,} steps per epoch, "
+            f"{d['total_steps']:,} steps in total"
+        )
     lines += [f"warning: {w}" for w in plan.warnings]
     return "\n".join(lines)

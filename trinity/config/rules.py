@@ -15,6 +15,7 @@ from pathlib import Path
 from trinity.config.megatron import MegatronConfig, RecomputeGranularity, RecomputeMethod, RecomputeModule
 from trinity.config.evaluation import check_evaluation
 from trinity.config.schema import AlgorithmName, JobConfig
+from trinity.distributed.layout import differing_sizes, layout_problems, rollout_problems
 from trinity.errors import UserError
 from trinity.models.facts import ModelFacts
 from trinity.models.hub import resolve_model_path
@@ -40,11 +41,17 @@ def check_job(cfg: JobConfig, *, check_paths: bool = True) -> tuple[ModelFacts |
             problems.append(f"model.tokenizer_path: {exc}")
 
     _check_roles_exist(cfg, problems)
+    _check_strategy(cfg, problems)
     for path, megatron in cfg.roles().items():
         _check_megatron(f"{path}.megatron", megatron, cfg, facts, problems, warnings, check_paths)
     _check_rl_roles(cfg, problems)
+    _check_sft_offload(cfg, problems)
     _check_batches(cfg, problems)
     _check_data(cfg, problems, check_paths)
+    if facts is not None:
+        _check_sequence_length(cfg, facts, problems)
+    if cfg.is_rl:
+        _check_reward(cfg, problems, check_paths)
     _check_profile(cfg, problems)
     check_evaluation(cfg, problems, check_paths)
     return facts, problems, warnings
@@ -61,8 +68,8 @@ def _check_roles_exist(cfg: JobConfig, problems: list[str]) -> None:
     if not cfg.needs_ref:
         ref = cfg.actor_rollout_ref.ref.megatron
         why = (
-            "sft has no reference model"
-            if algo == AlgorithmName.sft
+            f"{algo.value} has no reference model"
+            if not cfg.is_rl
             else "no KL is used (actor.use_kl_loss and algorithm.use_kl_in_reward are false)"
         )
         for flag in OFFLOAD_FLAGS:
@@ -73,10 +80,34 @@ def _check_roles_exist(cfg: JobConfig, problems: list[str]) -> None:
                 )
 
 
-LAYOUT_FIELDS = (
-    "tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
-    "context_parallel_size", "expert_model_parallel_size", "expert_tensor_parallel_size",
-)
+def _check_strategy(cfg: JobConfig, problems: list[str]) -> None:
+    """Trinity-RFT / verl name the backend per role; `megatron` is the only one here."""
+    arr = cfg.actor_rollout_ref
+    blocks = {"actor_rollout_ref.actor": arr.actor, "actor_rollout_ref.ref": arr.ref}
+    if cfg.critic is not None:
+        blocks["critic"] = cfg.critic
+    for path, block in blocks.items():
+        if block.strategy is not None and block.strategy != "megatron":
+            problems.append(
+                f"{path}.strategy: {block.strategy!r} is not available: this toolkit trains with megatron-core "
+                "only; set it to megatron or remove the key"
+            )
+
+
+def _check_sft_offload(cfg: JobConfig, problems: list[str]) -> None:
+    """The SFT / pt recipes have no phases, so their engines never offload (trinity.trainer.engine.offload
+    serves the RL phases): refuse the flags rather than accept them and change nothing."""
+    if cfg.is_rl:
+        return
+    actor = cfg.actor_rollout_ref.actor.megatron
+    algo = cfg.algorithm.name.value
+    for flag in OFFLOAD_FLAGS:
+        if getattr(actor, flag):
+            problems.append(
+                f"actor_rollout_ref.actor.megatron.{flag}: not yet honoured for {algo} jobs (offload moves a role's "
+                f"tensors between RL phases; a {algo} step needs them all on the GPU); set it to false and lower "
+                "memory with recompute, use_distributed_optimizer, TP or PP (docs/parallelism.md)"
+            )
 
 
 def _check_rl_roles(cfg: JobConfig, problems: list[str]) -> None:
@@ -87,20 +118,14 @@ def _check_rl_roles(cfg: JobConfig, problems: list[str]) -> None:
     roles = cfg.roles()
     actor = roles.pop("actor_rollout_ref.actor")
     a = "actor_rollout_ref.actor.megatron"
-    if actor.pipeline_model_parallel_size > 1 and (actor.virtual_pipeline_model_parallel_size or 1) > 1:
-        problems.append(
-            f"{a}.virtual_pipeline_model_parallel_size: rollout runs one model chunk per pipeline stage; "
-            "unset it (plain PP is supported)"
-        )
-    if actor.sequence_parallel:
-        problems.append(f"{a}.sequence_parallel: rollout with sequence parallel is not supported yet; set it to false")
+    for field, text in rollout_problems(actor.layout(), sequence_parallel=actor.sequence_parallel):
+        problems.append(f"{a}.{field}: {text}")
     for path, m in roles.items():
-        for name in LAYOUT_FIELDS:
-            if getattr(m, name) != getattr(actor, name):
-                problems.append(
-                    f"{path}.megatron.{name}: {getattr(m, name)} differs from the actor's {getattr(actor, name)}; "
-                    "roles share the GPUs with one layout (resharding between roles is out of scope)"
-                )
+        for field, value, actor_value in differing_sizes(m.layout(), actor.layout()):
+            problems.append(
+                f"{path}.megatron.{field}: {value} differs from the actor's {actor_value}; "
+                "roles share the GPUs with one layout (resharding between roles is out of scope)"
+            )
         if m.sequence_parallel != actor.sequence_parallel:
             problems.append(f"{path}.megatron.sequence_parallel: must equal the actor's ({actor.sequence_parallel})")
     if cfg.critic is not None and cfg.critic.megatron.use_mbridge:
@@ -119,35 +144,20 @@ def _check_megatron(
     world = cfg.cluster.world_size
     lay = m.layout()
     world_desc = f"world size {world} (cluster.nnodes {cfg.cluster.nnodes} x cluster.nproc_per_node {cfg.cluster.nproc_per_node})"
-    if world % lay.model_parallel_size:
-        problems.append(
-            f"{p}.tensor_model_parallel_size: {world_desc} is not divisible by TP x PP x CP = "
-            f"{lay.tp} x {lay.pp} x {lay.cp} = {lay.model_parallel_size}; pick sizes whose product divides {world}"
-        )
-    elif (world // lay.pp) % (lay.ep * lay.expert_tp):
-        problems.append(
-            f"{p}.expert_model_parallel_size: EP x ETP = {lay.ep} x {lay.expert_tp} must divide world/PP = "
-            f"{world // lay.pp}; lower expert_model_parallel_size or expert_tensor_parallel_size"
-        )
-    if lay.vpp is not None and lay.pp == 1:
-        problems.append(
-            f"{p}.virtual_pipeline_model_parallel_size: needs pipeline_model_parallel_size > 1; unset it or raise PP"
-        )
+    # The layout's own rules (trinity.distributed.layout.layout_problems); the model's come in
+    # _check_against_model, the rollout's in _check_rl_roles.
+    for field, text in layout_problems(lay, world_size=world, world_desc=world_desc):
+        problems.append(f"{p}.{field}: {text}")
     if m.sequence_parallel and lay.tp == 1:
         m.sequence_parallel = False
         warnings.append(f"{p}.sequence_parallel: has no effect with TP=1; disabled (as megatron-core does)")
     if lay.cp > 1:
-        if cfg.cluster.device == "cpu":
-            problems.append(f"{p}.context_parallel_size: context parallelism needs GPUs; set it to 1 on cpu")
-        elif importlib.util.find_spec("transformer_engine") is None:
-            problems.append(
-                f"{p}.context_parallel_size: context parallelism needs TransformerEngine, which is not "
-                "installed; set it to 1 or use the Docker image (scripts/docker_for_megatron)"
-            )
         # Neither training loop gives each CP rank its share of the sequence (megatron's
-        # get_batch_on_this_cp_rank); trinity.trainer.sft keeps a runtime guard.
+        # get_batch_on_this_cp_rank), on any device and with or without TransformerEngine; one message
+        # says so (validation is the only check: the recipes do not re-check it).
         problems.append(
-            f"{p}.context_parallel_size: the SFT and RL loops do not split sequences across CP ranks yet; set it to 1"
+            f"{p}.context_parallel_size: context parallelism is not supported: the SFT and RL loops do not "
+            "split sequences across CP ranks; set it to 1 (use recompute or TP/PP for long sequences)"
         )
     if m.use_mbridge and m.use_dist_checkpointing:
         problems.append(f"{p}.use_mbridge: cannot be combined with use_dist_checkpointing; choose one weight source")
@@ -160,42 +170,22 @@ def _check_megatron(
             )
         elif check_paths and not Path(ckpt).is_dir():
             problems.append(f"{p}.dist_checkpointing_path: {ckpt} does not exist; run `trinity convert hf-to-mcore` first")
+        elif check_paths and not (Path(ckpt) / ".metadata").is_file():
+            # Any megatron-core torch_dist checkpoint loads (trinity's or e.g. verl's converter's); all
+            # of them have torch's index file. Keys and shapes are checked against the model at load.
+            problems.append(
+                f"{p}.dist_checkpointing_path: {ckpt} is not a megatron-core dist checkpoint (no .metadata in it); "
+                "point it at the output of `trinity convert hf-to-mcore` (or of another megatron-core converter)"
+            )
     if facts is not None:
         _check_against_model(p, m, facts, problems, warnings)
     _check_recompute(p, m, facts, problems)
     _check_transformer_overrides(p, m, problems)
-    seq = cfg.data.seq_length if not cfg.is_rl else cfg.data.max_prompt_length + cfg.actor_rollout_ref.rollout.response_length
-    key = "data.seq_length" if not cfg.is_rl else "data.max_prompt_length"
-    if lay.cp > 1 and seq % (2 * lay.cp):
-        problems.append(f"{key}: sequence length {seq} must be divisible by 2 x CP = {2 * lay.cp} ({p}.context_parallel_size)")
 
 
 def _check_against_model(p: str, m: MegatronConfig, f: ModelFacts, problems: list[str], warnings: list[str]) -> None:
-    lay = m.layout()
-    if f.num_attention_heads % lay.tp:
-        problems.append(
-            f"{p}.tensor_model_parallel_size: {f.num_attention_heads} attention heads are not divisible by TP={lay.tp}"
-        )
-    if f.num_query_groups % lay.tp:
-        problems.append(
-            f"{p}.tensor_model_parallel_size: {f.num_query_groups} key/value heads are not divisible by TP={lay.tp}; "
-            f"use a TP that divides {f.num_query_groups}"
-        )
-    stages = lay.pp * (lay.vpp or 1)
-    if f.num_layers % stages:
-        what = f"PP x VPP = {lay.pp} x {lay.vpp}" if lay.vpp else f"PP={lay.pp}"
-        problems.append(f"{p}.pipeline_model_parallel_size: {f.num_layers} layers are not divisible by {what}")
-    if m.use_mbridge and f.is_moe:
-        problems.append(
-            f"{p}.use_mbridge: mbridge cannot load the MoE {f.architecture} (it maps experts only onto "
-            "TransformerEngine grouped experts); set it to false to convert with the builtin converter"
-        )
-    if lay.ep > 1 and not f.is_moe:
-        problems.append(f"{p}.expert_model_parallel_size: EP={lay.ep} needs an MoE model, but {f.architecture} is dense; set it to 1")
-    if f.is_moe and f.num_experts % lay.ep:
-        problems.append(f"{p}.expert_model_parallel_size: {f.num_experts} experts are not divisible by EP={lay.ep}")
-    if f.is_moe and lay.ep > 1 and lay.tp > 1 and not m.sequence_parallel:
-        problems.append(f"{p}.sequence_parallel: megatron-core needs sequence_parallel with both TP>1 and EP>1; set it to true")
+    for field, text in layout_problems(m.layout(), f, sequence_parallel=m.sequence_parallel):
+        problems.append(f"{p}.{field}: {text}")
     if f.is_moe and m.moe_grouped_gemm and not any(
         importlib.util.find_spec(mod) for mod in ("grouped_gemm", "transformer_engine")
     ):
@@ -203,14 +193,25 @@ def _check_against_model(p: str, m: MegatronConfig, f: ModelFacts, problems: lis
             f"{p}.moe_grouped_gemm: needs the grouped_gemm package or TransformerEngine, neither is installed; "
             "set it to false or use the Docker image (scripts/docker_for_megatron)"
         )
-    if not f.is_moe and (m.moe_grouped_gemm or m.moe_layer_recompute):
-        warnings.append(f"{p}: moe_grouped_gemm/moe_layer_recompute have no effect on the dense {f.architecture}")
+    if not f.is_moe:
+        # Refused, not warned about: on a dense model these options would be accepted and ignored.
+        # (moe_token_dispatcher_type has a default value, so the resolved config a worker re-validates
+        # always carries it: it cannot be told apart from a user's setting and is not checked.)
+        for key in (k for k in ("moe_grouped_gemm", "moe_layer_recompute") if getattr(m, k)):
+            problems.append(f"{p}.{key}: has no effect on the dense {f.architecture} (it has no MoE layers); remove it")
 
 
 def _check_recompute(p: str, m: MegatronConfig, f: ModelFacts | None, problems: list[str]) -> None:
     o = m.override_transformer_config
     q = f"{p}.override_transformer_config"
     full = o.recompute_granularity == RecomputeGranularity.full
+    if m.moe_layer_recompute and full:
+        # megatron-core turns moe_layer_recompute into selective recompute of the MoE layers and raises
+        # on a full granularity (TransformerConfig.__post_init__).
+        problems.append(
+            f"{p}.moe_layer_recompute: megatron-core refuses it with override_transformer_config."
+            "recompute_granularity: full, which already recomputes whole layers; remove one of the two"
+        )
     if not full:
         for name in ("recompute_method", "recompute_num_layers"):
             if getattr(o, name) is not None:
@@ -302,19 +303,135 @@ def _check_profile(cfg: JobConfig, problems: list[str]) -> None:
             f"trainer.profile_step: step {t.profile_step} comes after the last step (trainer.total_steps = "
             f"{t.total_steps}); pick a step from 2 to {t.total_steps}, or unset it"
         )
+    world = cfg.cluster.world_size
+    old, new = cfg.actor_rollout_ref.actor.profile, cfg.actor_rollout_ref.actor.profiler
+    p = "actor_rollout_ref.actor.profile"
+    if old.use_profile:
+        if new.enable:
+            problems.append(f"{p}.use_profile: cannot be combined with actor_rollout_ref.actor.profiler.enable; use one")
+        if t.profile_step is not None:
+            problems.append(
+                f"{p}.use_profile: cannot be combined with trainer.profile_step (its short form); unset one of them"
+            )
+        if old.step_start < 0:
+            problems.append(f"{p}.step_start: must be >= 0 with use_profile (steps count from 0, as in verl)")
+        if old.step_end <= old.step_start:
+            problems.append(
+                f"{p}.step_end: must be greater than step_start ({old.step_start}); the range "
+                "[step_start, step_end) is profiled"
+            )
+        elif t.total_steps is not None and old.step_end > t.total_steps:
+            problems.append(
+                f"{p}.step_end: {old.step_end} is past the last step (trainer.total_steps = {t.total_steps}, "
+                f"steps 0 to {t.total_steps - 1} counted from 0); lower it"
+            )
+        for r in old.profile_ranks or []:
+            if not 0 <= r < world:
+                problems.append(f"{p}.profile_ranks: rank {r} does not exist (world size {world}); list ranks 0 to {world - 1}")
+    q = "actor_rollout_ref.actor.profiler"
+    if new.tool not in (None, "torch"):
+        problems.append(
+            f"{q}.tool: {new.tool!r} is not available; only torch (torch.profiler) is, or leave it unset"
+        )
+    if new.enable:
+        if t.profile_step is None:
+            problems.append(
+                f"{q}.enable: needs trainer.profile_step, the step to profile (verl's global_profiler.steps); set it"
+            )
+        if not new.all_ranks and not new.ranks:
+            problems.append(f"{q}.ranks: empty and all_ranks is false, so no rank would profile; list ranks or set all_ranks: true")
+        for r in new.ranks:
+            if not 0 <= r < world:
+                problems.append(f"{q}.ranks: rank {r} does not exist (world size {world}); list ranks 0 to {world - 1}")
+
+
+def _check_sequence_length(cfg: JobConfig, facts: ModelFacts, problems: list[str]) -> None:
+    """Sequences longer than the model's context: RoPE positions it never saw in training (megatron-core
+    accepts them silently and the model degrades), so refuse them with the numbers."""
+    limit = facts.max_position_embeddings
+    where = facts.source or "config.json"
+    if not cfg.is_rl:
+        if cfg.data.seq_length > limit:
+            problems.append(
+                f"data.seq_length: {cfg.data.seq_length} tokens is more than the model's max_position_embeddings "
+                f"{limit} ({where}); use at most {limit}"
+            )
+        return
+    prompt, response = cfg.data.max_prompt_length, cfg.actor_rollout_ref.rollout.response_length
+    if prompt + response > limit:
+        problems.append(
+            f"data.max_prompt_length: {prompt} + actor_rollout_ref.rollout.response_length {response} = "
+            f"{prompt + response} tokens is more than the model's max_position_embeddings {limit} ({where}); "
+            f"lower either so that they sum to at most {limit}"
+        )
+
+
+def _check_reward(cfg: JobConfig, problems: list[str], check_paths: bool) -> None:
+    from trinity.rollout.rewards import BUILTIN_REWARDS, reward_problems
+
+    r = cfg.reward
+    if not check_paths and r.function not in BUILTIN_REWARDS:
+        return  # a user function's file is looked up on this machine: a path check
+    problems += reward_problems(r.function, r.format_pattern, r.extractor, r.marker)
+
+
+def _check_tokenizer_files(cfg: JobConfig, problems: list[str]) -> None:
+    from trinity.data.loader import missing_tokenizer_files
+
+    key = "model.tokenizer_path" if cfg.model.tokenizer_path else "model.path"
+    folder = cfg.model.tokenizer_path or cfg.model.path
+    if not Path(folder).is_dir():
+        return  # reported as a missing folder
+    missing = missing_tokenizer_files(folder)
+    if missing:
+        # Without them transformers loads a tokenizer that encodes every text to nothing, and the
+        # job "trains" at loss 0.
+        problems.append(
+            f"{key}: {folder} has no {missing}; copy them from the original model folder"
+            + ("" if cfg.model.tokenizer_path else ", or set model.tokenizer_path to a folder that has them")
+        )
 
 
 def _check_data(cfg: JobConfig, problems: list[str], check_paths: bool) -> None:
-    if not cfg.data.train_files:
-        problems.append("data.train_files: no training files; list at least one .jsonl or .parquet file")
-    for i, f in enumerate(cfg.data.train_files):
-        if not f.endswith((".jsonl", ".json", ".parquet")):
-            problems.append(f"data.train_files.{i}: {f} is neither .jsonl nor .parquet")
+    from trinity.data.readers import is_hf_dataset_dir
+
+    pt = cfg.algorithm.name == AlgorithmName.pt
+    if pt:  # text files and Megatron indexed datasets, with blend weights
+        from trinity.data.pretrain import source_problems
+
+        problems += source_problems(cfg.data.train_files, cfg.data.train_weights, check_paths=check_paths)
+    elif cfg.data.train_weights is not None:
+        problems.append(
+            f"data.train_weights: blend weights apply to algorithm.name pt only, not {cfg.algorithm.name.value}; "
+            "list plain paths in data.train_files"
+        )
+    if not cfg.data.train_files and not pt:
+        problems.append(
+            "data.train_files: no training files; list at least one .jsonl, .json or .parquet file or datasets folder"
+        )
+    for i, f in enumerate([] if pt else cfg.data.train_files):
+        if check_paths and is_hf_dataset_dir(Path(f)):
+            if importlib.util.find_spec("datasets") is None:
+                problems.append(
+                    f"data.train_files.{i}: {f} is a Hugging Face datasets folder; reading it needs the datasets "
+                    "package: pip install datasets"
+                )
+        elif check_paths and Path(f).is_dir():
+            problems.append(
+                f"data.train_files.{i}: {f} is a directory but not a datasets folder (save_to_disk); list the "
+                ".jsonl, .json or .parquet files in it (data.train_files takes files, e.g. "
+                "[dir/part-0.parquet, dir/part-1.parquet])"
+            )
+        elif not f.endswith((".jsonl", ".json", ".parquet")):
+            problems.append(f"data.train_files.{i}: {f} is not a .jsonl, .json or .parquet file or a datasets folder")
         elif check_paths and not Path(f).is_file():
             problems.append(f"data.train_files.{i}: {f} does not exist")
     tok = cfg.model.tokenizer_path
     if tok and check_paths and not Path(tok).is_dir():
-        problems.append(f"model.tokenizer_path: {tok} does not exist")
+        what = "is a file, not a folder" if Path(tok).is_file() else "does not exist"
+        problems.append(f"model.tokenizer_path: {tok} {what}; point it at the folder holding tokenizer.json")
+    if check_paths:
+        _check_tokenizer_files(cfg, problems)
     resume = cfg.trainer.resume
     if resume not in ("auto", "disable") and check_paths and not Path(resume).is_dir():
         problems.append(f"trainer.resume: {resume} is not a checkpoint folder; use auto, disable or an existing folder")

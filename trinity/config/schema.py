@@ -8,17 +8,71 @@ them) and the JSON Schema descriptions (`trinity schema`).
 from __future__ import annotations
 
 import enum
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from trinity.config.megatron import MegatronConfig, StrictModel
 
 
 class AlgorithmName(str, enum.Enum):
     sft = "sft"
+    pt = "pt"  # continued pre-training (LLaMA-Factory's stage name; Megatron-LM's pretrain_gpt)
     grpo = "grpo"
     ppo = "ppo"
+
+
+def split_train_files(value: Any) -> tuple[list[str], list[float] | None]:
+    """`data.train_files` in any accepted form -> (paths, blend weights or None). The one place the
+    forms are told apart:
+
+    - a list of paths (`[a.jsonl, b.jsonl]`), or one path as a string;
+    - a list of `{path, weight}` mappings (weight defaults to 1);
+    - Megatron-LM's `--data-path` form, `weight path weight path ...`, as a list (`[0.3, a, 0.7, b]`)
+      or one whitespace-separated string (`"0.3 a 0.7 b"`).
+
+    Raises ValueError with the fix when the value is none of these.
+    """
+
+    def number(x: Any) -> float | None:
+        if isinstance(x, bool):
+            return None
+        if isinstance(x, (int, float)):
+            return float(x)
+        if isinstance(x, str):
+            try:
+                return float(x)
+            except ValueError:
+                return None
+        return None
+
+    if isinstance(value, str):
+        value = value.split() if len(value.split()) > 1 and number(value.split()[0]) is not None else [value]
+    if not isinstance(value, (list, tuple)):
+        raise ValueError("must be a list of paths, of {path, weight} mappings, or Megatron's `weight path ...` pairs")
+    items = list(value)
+    if items and all(isinstance(x, dict) for x in items):
+        paths, weights = [], []
+        for i, x in enumerate(items):
+            if set(x) - {"path", "weight"} or not isinstance(x.get("path"), str):
+                raise ValueError(f"entry {i} must be a mapping of `path` (a string) and optional `weight`, got {x}")
+            w = number(x.get("weight", 1.0))
+            if w is None:
+                raise ValueError(f"entry {i} ({x['path']}): weight must be a number, got {x.get('weight')!r}")
+            paths.append(x["path"])
+            weights.append(w)
+        return paths, weights
+    if items and number(items[0]) is not None:
+        if len(items) % 2 or any(number(w) is None for w in items[::2]) or not all(isinstance(p, str) for p in items[1::2]):
+            raise ValueError(
+                "Megatron's form alternates weights and paths (`weight path weight path ...`); got an odd "
+                "number of entries or a weight that is not a number"
+            )
+        return [str(p) for p in items[1::2]], [number(w) for w in items[::2]]  # type: ignore[misc]
+    if not all(isinstance(x, str) for x in items):
+        raise ValueError("mixes paths and other entries; use only paths, only {path, weight} mappings, or `weight path` pairs")
+    return items, None
 
 
 class KLEstimator(str, enum.Enum):
@@ -40,7 +94,8 @@ class AlgorithmConfig(StrictModel):
     """Which fine-tuning algorithm runs, and its advantage / KL-in-reward settings."""
 
     name: AlgorithmName = AlgorithmName.sft
-    """`sft` (supervised), `grpo` (group-relative policy optimisation) or `ppo` (with a critic)."""
+    """`sft` (supervised), `pt` (continued pre-training on raw text: loss on every token;
+    docs/pretraining.md), `grpo` (group-relative policy optimisation) or `ppo` (with a critic)."""
     gamma: float = Field(default=1.0, ge=0.0, le=1.0)
     """PPO: discount factor of GAE."""
     lam: float = Field(default=1.0, ge=0.0, le=1.0)
@@ -72,7 +127,18 @@ class DataConfig(StrictModel):
     """Local training data (jsonl or parquet)."""
 
     train_files: list[str] = Field(default_factory=list)
-    """Training files: SFT samples (prompt/response or messages) or RL prompts (prompt + answer)."""
+    """Training files: SFT samples (prompt/response or messages) or RL prompts (prompt + answer), as .jsonl,
+    .json (an array of objects; alpaca's instruction/input/output and ShareGPT's conversations are read as
+    prompt/response and messages), .parquet, or a Hugging Face `datasets` folder written by save_to_disk
+    (its train split; needs `pip install datasets`). For pt:
+    text files (.jsonl/.json/.parquet with data.text_key, plain .txt/.md) and Megatron indexed datasets
+    (their path prefix, without .bin/.idx); a blend is `[{path: a, weight: 0.3}, {path: b, weight: 0.7}]`
+    or Megatron's `[0.3, a, 0.7, b]`: the weights move to data.train_weights."""
+    train_weights: list[float] | None = None
+    """pt: blend weights, one per train_files entry (normally written inline in train_files); each
+    epoch draws rows from the files in these proportions. Unset: every row of every file once per epoch."""
+    text_key: str = "text"
+    """pt: field holding a document's text in .jsonl/.json/.parquet files."""
     prompt_key: str = "prompt"
     """Field holding the prompt text."""
     response_key: str = "response"
@@ -87,17 +153,43 @@ class DataConfig(StrictModel):
     loss over all their samples (`val/loss`), RL the mean reward of one greedy response per prompt
     (`val/reward_mean`, pass@1). Empty: no evaluation."""
     seq_length: int = Field(default=1024, ge=8)
-    """SFT: tokens per training row (samples are packed into or padded to this length)."""
+    """SFT and pt: tokens per training row (samples are packed into or padded to this length)."""
     packing: bool = True
     """SFT: pack several samples per row with per-document attention masks instead of padding. On CUDA our
     layer spec runs flash attention over the document boundaries (no [b, 1, s, s] mask); TransformerEngine
-    and CPU layers use the dense block mask."""
+    and CPU layers use the dense block mask. pt: default false (documents concatenated with EOS and cut
+    into rows, attention across documents, no padding: Megatron-LM's default); true packs documents
+    whole (split at seq_length) with per-document attention."""
     shuffle: bool = True
     """Shuffle rows each epoch (deterministically from trainer.seed)."""
     max_prompt_length: int = Field(default=256, ge=1)
     """RL: prompts longer than this (in tokens) are truncated from the left."""
     train_batch_size: int = Field(default=8, ge=1)
     """RL: prompts per training step (each gets rollout.n responses)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _split_blend(cls, data: Any) -> Any:
+        """Weighted forms of train_files -> paths + train_weights (a malformed value is left for the
+        field check below, which names data.train_files)."""
+        if not isinstance(data, dict) or "train_files" not in data:
+            return data
+        try:
+            paths, weights = split_train_files(data["train_files"])
+        except ValueError:
+            return data
+        data = {**data, "train_files": paths}
+        if weights is not None:
+            data["train_weights"] = weights
+        return data
+
+    @field_validator("train_files", mode="before")
+    @classmethod
+    def _check_train_files(cls, value: Any) -> Any:
+        try:
+            return split_train_files(value)[0]
+        except ValueError as exc:
+            raise PydanticCustomError("train_files", str(exc)) from None
 
 
 class ClusterConfig(StrictModel):
@@ -156,7 +248,7 @@ class TrainerConfig(StrictModel):
     total_epochs: int = Field(default=1, ge=1)
     """Epochs over the data when total_steps is unset."""
     global_batch_size: int = Field(default=8, ge=1)
-    """SFT: rows per optimizer step across all data-parallel ranks."""
+    """SFT and pt: rows per optimizer step across all data-parallel ranks."""
     micro_batch_size: int = Field(default=1, ge=1)
     """Rows per forward pass on one GPU (gradient accumulation covers the rest)."""
     output_dir: str = "runs/job"
@@ -206,11 +298,55 @@ class TrainerConfig(StrictModel):
         return (2 if self.log_samples is None else self.log_samples) if is_rl else 0
 
 
+class VerlProfileConfig(StrictModel):
+    """verl's profiler block: torch.profiler over steps [step_start, step_end) on profile_ranks.
+
+    The same trace and per-kernel summary files as `trainer.profile_step`, one pair per step and rank."""
+
+    use_profile: bool = False
+    """Profile the steps [step_start, step_end) on the ranks in profile_ranks."""
+    profile_ranks: list[int] | None = None
+    """Global ranks that profile; unset means rank 0 (as in verl)."""
+    step_start: int = -1
+    """First profiled step, counted from 0 as in verl: 0 is the job's first optimizer step (trinity's
+    step 1). An RL step here is a whole training step (rollout and every update)."""
+    step_end: int = -1
+    """Profiling stops before this step (counted from 0, exclusive): step_start 0, step_end 1 profiles
+    the first step."""
+    save_path: str | None = None
+    """Folder of the traces and summaries (relative to where `trinity run` starts); unset means
+    <output_dir>/profile."""
+
+
+class VerlProfilerConfig(StrictModel):
+    """verl's newer profiler block: which ranks profile trainer.profile_step, and into which folder.
+
+    The step itself is `trainer.profile_step` (verl's `global_profiler.steps`)."""
+
+    enable: bool = False
+    """Profile `trainer.profile_step` on the ranks below."""
+    tool: str | None = None
+    """Only `torch` (torch.profiler); unset means torch. verl's nsys / npu / torch_memory are not available."""
+    all_ranks: bool = False
+    """Profile on every rank."""
+    ranks: list[int] = Field(default_factory=list)
+    """Global ranks that profile (when all_ranks is false)."""
+    save_path: str | None = None
+    """Folder of the traces and summaries; unset means <output_dir>/profile."""
+
+
 class ActorConfig(StrictModel):
     """The trained policy."""
 
+    strategy: str | None = None
+    """Training backend, kept so that Trinity-RFT / verl configs paste in unchanged: only `megatron` is
+    accepted (this toolkit trains with megatron-core only); unset means megatron."""
     megatron: MegatronConfig = Field(default_factory=MegatronConfig)
     """Parallelism and memory options of the actor."""
+    profile: VerlProfileConfig = Field(default_factory=VerlProfileConfig)
+    """verl's profiler block: a step range on listed ranks (see also trainer.profile_step)."""
+    profiler: VerlProfilerConfig = Field(default_factory=VerlProfilerConfig)
+    """verl's newer profiler block: ranks and folder for trainer.profile_step."""
     optim: OptimConfig = Field(default_factory=OptimConfig)
     """Optimizer of the actor."""
     ppo_mini_batch_size: int = Field(default=8, ge=1)
@@ -238,6 +374,9 @@ class ActorConfig(StrictModel):
 class RefConfig(StrictModel):
     """The frozen reference policy (forward only), used for KL."""
 
+    strategy: str | None = None
+    """Training backend, kept so that Trinity-RFT / verl configs paste in unchanged: only `megatron` is
+    accepted (this toolkit trains with megatron-core only); unset means megatron."""
     megatron: MegatronConfig = Field(default_factory=MegatronConfig)
     """Parallelism and memory options of the reference model."""
 
@@ -271,6 +410,9 @@ class ActorRolloutRefConfig(StrictModel):
 class CriticConfig(StrictModel):
     """The PPO value model (same backbone as the actor, scalar head)."""
 
+    strategy: str | None = None
+    """Training backend, kept so that Trinity-RFT / verl configs paste in unchanged: only `megatron` is
+    accepted (this toolkit trains with megatron-core only); unset means megatron."""
     megatron: MegatronConfig = Field(default_factory=MegatronConfig)
     """Parallelism and memory options of the critic."""
     optim: OptimConfig = Field(default_factory=OptimConfig)
@@ -325,13 +467,25 @@ class JobConfig(StrictModel):
             out["critic"] = self.critic.megatron
         return out
 
+    @model_validator(mode="before")
+    @classmethod
+    def _pt_concatenates(cls, data: Any) -> Any:
+        """data.packing defaults to false for pt (see its docstring); an explicit value stands."""
+        if not isinstance(data, dict):
+            return data
+        algo, section = data.get("algorithm"), data.get("data")
+        name = algo.get("name") if isinstance(algo, dict) else None
+        if name in (AlgorithmName.pt, "pt") and (section is None or (isinstance(section, dict) and "packing" not in section)):
+            data = {**data, "data": {**(section or {}), "packing": False}}
+        return data
+
     @property
     def needs_ref(self) -> bool:
         """The reference model exists only for RL jobs that use KL."""
-        return self.algorithm.name != AlgorithmName.sft and (
+        return self.is_rl and (
             self.actor_rollout_ref.actor.use_kl_loss or self.algorithm.use_kl_in_reward
         )
 
     @property
     def is_rl(self) -> bool:
-        return self.algorithm.name != AlgorithmName.sft
+        return self.algorithm.name not in (AlgorithmName.sft, AlgorithmName.pt)

@@ -100,36 +100,23 @@ def megatron_config(*, tp: int = 1, pp: int = 1, vpp: int | None = None, ep: int
     )
 
 
+# How the conversion CLI spells the layout fields (trinity.distributed.layout.layout_problems names them).
+FLAGS = {"tensor_model_parallel_size": "--tp", "pipeline_model_parallel_size": "--pp",
+         "virtual_pipeline_model_parallel_size": "--vpp", "expert_model_parallel_size": "--ep",
+         "expert_tensor_parallel_size": "--ep"}
+
+
 def check_layout(facts: ModelFacts, *, tp: int, pp: int, vpp: int | None, ep: int, backend: str, device: str) -> None:
     """Refuse flag combinations megatron-core cannot build, with a UserError naming the flag (before any
-    process starts: inside the job they would end as internal errors)."""
-    for flag, value in (("--tp", tp), ("--pp", pp), ("--ep", ep)):
-        if value < 1:
-            raise UserError(f"{flag}: must be at least 1 (got {value})")
-    if vpp is not None and vpp < 1:
-        raise UserError(f"--vpp: must be at least 1 (got {vpp})")
-    if vpp is not None and pp == 1:
-        raise UserError(f"--vpp: needs --pp > 1 (virtual stages split each pipeline rank's layers); drop --vpp or raise --pp")
-    if facts.num_attention_heads % tp:
-        raise UserError(f"--tp: {facts.num_attention_heads} attention heads are not divisible by TP={tp}")
-    if facts.num_query_groups % tp:
-        raise UserError(
-            f"--tp: {facts.num_query_groups} key/value heads are not divisible by TP={tp}; "
-            f"use a TP that divides {facts.num_query_groups}"
-        )
-    stages = pp * (vpp or 1)
-    if facts.num_layers % stages:
-        flag, what = ("--vpp", f"PP x VPP = {pp} x {vpp}") if vpp else ("--pp", f"PP={pp}")
-        raise UserError(f"{flag}: {facts.num_layers} layers are not divisible by {what}")
-    if ep > 1 and not facts.is_moe:
-        raise UserError(f"--ep: EP={ep} needs an MoE model, but {facts.architecture} is dense; drop --ep")
-    if facts.is_moe and facts.num_experts % ep:
-        raise UserError(f"--ep: {facts.num_experts} experts are not divisible by EP={ep}")
-    if backend == "mbridge" and facts.is_moe:
-        raise UserError(
-            f"--backend mbridge: needs TransformerEngine grouped experts for MoE ({facts.architecture}); "
-            "use --backend builtin"
-        )
+    process starts: inside the job they would end as internal errors). The rules are the job config's
+    (`layout_problems`); only the GPU count is the conversion's own."""
+    from trinity.distributed.layout import ParallelLayout, layout_problems
+
+    lay = ParallelLayout(tp=tp, pp=pp, vpp=vpp, ep=ep)
+    problems = layout_problems(lay, facts, name=lambda f: FLAGS.get(f, f))
+    if problems:
+        field, text = problems[0]
+        raise UserError(f"{FLAGS.get(field, field)}: {text}")
     world = tp * pp * ep
     if device == "cuda" and world > 1:
         import torch
@@ -171,7 +158,7 @@ def hf_to_mcore(
     device = _device(device)
     check_layout(facts, tp=tp, pp=pp, vpp=vpp, ep=ep, backend=backend, device=device)
     HFCheckpoint(hf_path)  # validates index and shards before any process starts
-    check_output(output, force)
+    check_output(output, force, sources=(hf_path,))
     args = dict(hf_path=str(Path(hf_path).resolve()), output=str(Path(output).resolve()), tp=tp, pp=pp,
                 vpp=vpp, ep=ep, backend=backend, dtype=dtype, force=force, device=device)
     start = time.perf_counter()
@@ -211,7 +198,7 @@ def mcore_to_hf(
     meta = read_meta(mcore_path)
     if dtype is not None:
         torch_dtype(dtype)
-    check_output(output, force)
+    check_output(output, force, sources=(mcore_path,))
     from trinity.convert.jobs import run_mcore_to_hf
 
     return run_mcore_to_hf(

@@ -182,7 +182,7 @@ def save_model_checkpoint(
     out = Path(ckpt_dir).resolve()
     tmp: Path | None = None
     if _rank() == 0:
-        check_output(out, force)
+        check_output(out, force, sources=() if hf_dir is None else (hf_dir,), inside_ok=True)
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = temp_sibling(out)
         tmp.mkdir()
@@ -243,6 +243,94 @@ def read_meta(ckpt_dir: str | Path) -> dict[str, Any]:
     return meta
 
 
+# What megatron-core's torch_dist format always writes besides the `*.distcp` data files.
+_DIST_FILES = ("metadata.json", ".metadata", "common.pt")
+
+
+def check_readable(ckpt_dir: str | Path) -> None:
+    """Cheap integrity check of a megatron-core torch_dist checkpoint folder (any writer, trinity's or
+    not), reading no tensor data: the folder and its `metadata.json`, `.metadata` (torch's index of
+    every stored item) and `common.pt` must exist and parse, and every `*.distcp` file the index
+    refers to must exist and be long enough for the items in it. A checkpoint cut by a crash, a full
+    disk or a partial copy fails here. Raises UserError naming the folder and the first bad file; the
+    trainer's resume uses it to skip to an older complete checkpoint.
+
+    Bytes garbled inside a data file are only found when read (`load_model_checkpoint` then names the
+    file too)."""
+    path = Path(ckpt_dir)
+    if not path.is_dir():
+        raise UserError(f"{path}: dist checkpoint folder does not exist")
+    for name in _DIST_FILES:
+        if not (path / name).is_file():
+            raise UserError(f"{path}: not a complete megatron-core dist checkpoint (no {name} in it)")
+    try:
+        config = json.loads((path / "metadata.json").read_text())
+        backend = config.get("sharded_backend")
+    except (OSError, ValueError, AttributeError) as exc:
+        raise UserError(f"{path}: corrupt or truncated dist checkpoint file metadata.json ({exc})") from None
+    if backend != "torch_dist":
+        raise UserError(f"{path}: dist checkpoint backend {backend!r} is not supported (only torch_dist)")
+    index = _read_index(path)
+    ends: dict[str, int] = {}
+    for info in index.storage_data.values():
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    for rel, end in sorted(ends.items()):
+        f = path / rel
+        if not f.is_file():
+            raise UserError(f"{path}: dist checkpoint file {rel} is missing")
+        size = f.stat().st_size
+        if size < end:
+            raise UserError(f"{path}: dist checkpoint file {rel} is truncated ({size} bytes, its items need {end})")
+    _check_zip(path, "common.pt", (path / "common.pt").read_bytes())
+
+
+def _read_index(path: Path) -> Any:
+    """torch's checkpoint index (`.metadata`, a pickle of what each `*.distcp` file holds where)."""
+    import pickle
+
+    try:
+        with open(path / ".metadata", "rb") as f:
+            index = pickle.load(f)
+        index.storage_data.items()
+    except Exception as exc:  # a cut pickle raises EOFError, UnpicklingError, AttributeError...
+        raise UserError(f"{path}: corrupt or truncated dist checkpoint file .metadata ({type(exc).__name__}: {exc})") from None
+    return index
+
+
+def _check_zip(path: Path, name: str, blob: bytes) -> None:
+    """`blob` (a torch.save archive from file `name`) must be a complete, CRC-correct zip."""
+    import io
+    import zipfile
+
+    try:
+        bad = zipfile.ZipFile(io.BytesIO(blob)).testzip()
+        bad = None if bad is None else f"bad checksum of {bad}"
+    except (zipfile.BadZipFile, EOFError, OSError, ValueError) as exc:
+        bad = str(exc)
+    if bad is not None:
+        raise UserError(f"{path}: corrupt or truncated dist checkpoint file {name} ({bad})")
+
+
+def _find_corrupt_file(path: Path) -> None:
+    """After a failed load: read every stored item and raise UserError naming the first file whose
+    bytes are not what torch.save wrote (slow, a full read: only used to explain a failure)."""
+    check_readable(path)
+    index = _read_index(path)
+    handles: dict[str, Any] = {}
+    try:
+        for info in sorted(index.storage_data.values(), key=lambda i: (i.relative_path, i.offset)):
+            f = handles.get(info.relative_path)
+            if f is None:
+                f = handles[info.relative_path] = open(path / info.relative_path, "rb")
+            f.seek(info.offset)
+            blob = f.read(info.length)
+            if blob[:2] == b"PK" or not getattr(info, "transform_descriptors", None):
+                _check_zip(path, info.relative_path, blob)
+    finally:
+        for f in handles.values():
+            f.close()
+
+
 def hf_dir_of(ckpt_dir: str | Path) -> Path:
     """The HF config/tokenizer folder saved inside a dist checkpoint."""
     path = Path(ckpt_dir) / HF_SUBDIR
@@ -264,27 +352,141 @@ def load_model_checkpoint(
     *,
     strict: bool = True,
     optimizer: Any = None,
+    exclude: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     """Load a dist checkpoint into built model chunks of any layout (resharding as needed), and the
-    optimizer state when `optimizer` is given. All ranks call. Returns the saved `extra_common`."""
+    optimizer state when `optimizer` is given. All ranks call. Returns the saved `extra_common` ({} for
+    a checkpoint trinity did not write).
+
+    Any megatron-core torch_dist checkpoint of the same model loads, trinity's or not (e.g. verl's
+    converter_hf_to_mcore.py): the tensors are addressed by GPTModel's sharded-state-dict keys, which
+    are the same for the local and the TransformerEngine layer specs. Before any data is read, the
+    checkpoint's keys and global shapes are compared with the model's (UserError naming the missing,
+    unexpected or mismatched keys). `exclude`: sharded keys not to load (a critic skips
+    `output_layer.weight`).
+    """
     from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+    from torch.distributed.checkpoint.api import CheckpointException
 
     path = Path(ckpt_dir)
-    read_meta(path)
+    check_readable(path)
+    if (path / META).exists():
+        read_meta(path)
+    stored = _stored_metadata(path)
     flat, back = _flat_sharded(models)
+    flat = {k: v for k, v in flat.items() if getattr(v, "key", None) not in exclude}
+    check_matches_model(path, models, stored, exclude=exclude)
+    # Per-layer `_extra_state` objects (TransformerEngine FP8 scales; empty for the local spec) are
+    # loaded when the checkpoint has them: writers differ there, and none of them carries weights.
+    flat = {k: v for k, v in flat.items() if not isinstance(v, ShardedObject) or v.unique_key in stored}
     request: dict[str, Any] = {"model": flat}
     if optimizer is not None:
         request["optimizer"] = optimizer.sharded_state_dict(flat, is_loading=True)
+    failure: BaseException | None = None
     try:
         loaded = dist_checkpointing.load(request, str(path), sharded_strategy=_load_strategy())
-    except (KeyError, ValueError, RuntimeError, FileNotFoundError) as exc:
-        raise UserError(f"{path}: cannot load the dist checkpoint into this model ({exc})") from None
+    except (KeyError, ValueError, RuntimeError, OSError, EOFError, CheckpointException) as exc:
+        failure = exc
+    if failure is not None:  # outside the except block: the one-line error has no chained traceback
+        _find_corrupt_file(path)  # raises UserError naming the file when its bytes are bad
+        raise UserError(f"{path}: cannot load the dist checkpoint into this model ({_short(failure)})")
     for chunk, local_to_key in zip(models, back):
-        sd = {local: loaded["model"][key] for local, key in local_to_key.items()}
+        sd = {local: loaded["model"][key] for local, key in local_to_key.items() if key in loaded["model"]}
         result = unwrap(chunk).load_state_dict(sd, strict=False)
-        missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
+        missing = [k for k in result.missing_keys if not k.endswith("_extra_state") and k not in _excluded(chunk, exclude)]
         if strict and missing:
             raise UserError(f"{path}: checkpoint has no value for model parameter {missing[0]!r}")
     if optimizer is not None:
         optimizer.load_state_dict(loaded["optimizer"])
     return read_extra(path)
+
+
+def _excluded(chunk: torch.nn.Module, exclude: tuple[str, ...]) -> set[str]:
+    """Local state-dict names of `chunk` whose sharded key is in `exclude`."""
+    if not exclude:
+        return set()
+    return {local for local, v in unwrap(chunk).sharded_state_dict().items() if getattr(v, "key", None) in exclude}
+
+
+def _short(exc: BaseException) -> str:
+    """One line of an exception: torch's CheckpointException holds per-rank tracebacks."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    if isinstance(exc, CheckpointException):
+        failures = getattr(exc, "failures", {}) or {}
+        exc = next(iter(failures.values()), exc)
+        if isinstance(exc, tuple):  # (exception, traceback frames) in recent torch
+            exc = exc[0]
+    text = " ".join(str(exc).split())
+    return text[:300] + ("..." if len(text) > 300 else "")
+
+
+def _stored_metadata(path: Path) -> dict[str, Any]:
+    """The checkpoint's sharded keys (ShardedObjects by `unique_key`) -> metadata with global shapes."""
+    from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
+
+    try:
+        return dict(load_sharded_metadata(str(path)))
+    except Exception as exc:  # megatron wraps reader errors in several types
+        raise UserError(f"{path}: cannot read the dist checkpoint's metadata ({_short(exc)})") from None
+
+
+def _model_tensors(models: list[torch.nn.Module]) -> dict[str, Any]:
+    """Sharded key -> ShardedTensor (factories applied, as megatron does before loading) of the model."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
+
+    flat, _ = _flat_sharded(models)  # a fresh dict: apply_factories replaces its values in place
+    apply_factories(flat)
+    return {t.key: t for t in nested_values(flat) if isinstance(t, ShardedTensor)}
+
+
+def check_matches_model(
+    ckpt_dir: str | Path, models: list[torch.nn.Module], stored: dict[str, Any] | None = None, *,
+    exclude: tuple[str, ...] = (),
+) -> None:
+    """The checkpoint's tensors are this model's: every model key is stored with the model's global
+    shape, and no other model tensor is stored (optimizer state of a training checkpoint is allowed).
+    The vocabulary-padded embedding and output layer may differ in rows: megatron-core pads or trims
+    them on load. UserError naming the first few offending keys and their count."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    path = Path(ckpt_dir)
+    if stored is None:
+        stored = _stored_metadata(path)
+    ours = {k: t for k, t in _model_tensors(models).items() if k not in exclude}
+    theirs = {k: v for k, v in stored.items() if isinstance(v, ShardedTensor)}
+    # Only the model's own chunks are known here: with PP/VPP each rank checks its layers, and keys of
+    # other ranks' layers are in the checkpoint. Layers are stacked along one axis per key, so only a
+    # key no rank can have counts as unexpected: checked by name family below.
+    missing = sorted(k for k in ours if k not in theirs)
+    shapes = sorted(
+        f"{k} {list(theirs[k].global_shape)} vs model {list(t.global_shape)}"
+        for k, t in ours.items()
+        if k in theirs and tuple(theirs[k].global_shape) != tuple(t.global_shape) and not t.allow_shape_mismatch
+    )
+    unexpected = sorted(k for k in theirs if k not in ours and not k.startswith("optimizer.") and not _other_stage_key(k, ours))
+    problems = []
+    for what, keys in (("missing from the checkpoint", missing), ("shape differs", shapes),
+                       ("not in the model", unexpected)):
+        if keys:
+            more = f" and {len(keys) - 3} more" if len(keys) > 3 else ""
+            problems.append(f"{len(keys)} {what}: {', '.join(keys[:3])}{more}")
+    if problems:
+        raise UserError(
+            f"{path}: the dist checkpoint does not match the model ({'; '.join(problems)}); "
+            "it was written for another model or model config"
+        )
+
+
+def _other_stage_key(key: str, ours: dict[str, Any]) -> bool:
+    """A key that another pipeline stage of this model holds (embedding on the first, final norm and
+    output layer on the last), so its absence from this rank's chunks is expected."""
+    from megatron.core import parallel_state as ps
+
+    try:
+        pp = ps.get_pipeline_model_parallel_world_size()
+    except (AssertionError, AttributeError, RuntimeError):
+        pp = 1
+    return pp > 1 and key in ("embedding.word_embeddings.weight", "decoder.final_layernorm.weight", "output_layer.weight")

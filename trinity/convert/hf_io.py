@@ -19,7 +19,7 @@ import struct
 import threading
 from collections import deque
 from concurrent.futures import Executor, Future, ThreadPoolExecutor, wait
-from pathlib import Path
+from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any, Iterable, Iterator
 
 import torch
@@ -84,6 +84,8 @@ class HFCheckpoint:
                     raise UserError(f"{index}: not a valid weight index ({exc})") from None
                 if not wm:
                     raise UserError(f"{index}: weight_map is empty")
+                for name, fname in wm.items():
+                    _check_shard_name(index, name, fname)
                 return wm
         files = sorted(self.folder.glob("*.safetensors")) or sorted(self.folder.glob("pytorch_model*.bin"))
         if not files:
@@ -198,6 +200,19 @@ class HFCheckpoint:
 
     def total_bytes(self) -> int:
         return sum((self.folder / f).stat().st_size for f in set(self.weight_map.values()))
+
+
+def _check_shard_name(index: Path, name: str, fname: Any) -> None:
+    """A weight_map entry must name a file inside the model folder: an index is data (often
+    downloaded), and `../x` or an absolute path would make the loader read any file the user can read.
+    The check is on the name only: symlinked shards (the HF hub cache's layout) stay allowed."""
+    parts = PurePosixPath(fname).parts + PureWindowsPath(fname).parts if isinstance(fname, str) else ()
+    if not isinstance(fname, str) or not fname or PurePosixPath(fname).is_absolute() or \
+            PureWindowsPath(fname).is_absolute() or PureWindowsPath(fname).drive or ".." in parts:
+        raise UserError(
+            f"{index}: weight_map entry {name!r} -> {fname!r} points outside the model folder; "
+            "shard names must be file names inside it"
+        )
 
 
 class _SafetensorsFile:

@@ -139,7 +139,8 @@ def save_hf_folder(
             yield pair
 
     src = Path(hf_config_dir)
-    with atomic_dir(out_dir, force=force) as tmp:
+    # The config/tokenizer folder is read while the output is written: --force must never replace it.
+    with atomic_dir(out_dir, force=force, sources=(src,), inside_ok=True) as tmp:
         written, _ = write_shards(counted(tensors), tmp, dtype=dtype, on_tensor=on_tensor)
         copy_side_files(src, tmp, skip=("config.json",))
         cfg = json.loads((src / "config.json").read_text())

@@ -8,12 +8,18 @@ What mbridge needs from us, and why:
   `linear_qkv` / `linear_fc1`), so each bridge instance gets those two map entries added.
 - mbridge reads `hf_config.rope_theta`; transformers 5 moved it into `rope_parameters`, so it is put
   back on the config from ModelFacts before the bridge is built.
-- MoE: mbridge maps only TE's grouped expert names (`experts.linear_fc1.weightN`); our local spec
-  builds SequentialMLP (`experts.local_experts.N`), so MoE models need the builtin backend here.
+- MoE (Qwen3-MoE, Mixtral): mbridge names experts as TE's grouped MLP does (`experts.linear_fc1.weightN`,
+  N the expert id; its EP code turns local ids into global ones by that name); our local spec builds
+  SequentialMLP (`experts.local_experts.N.linear_fc1.weight`). The bridge's local -> global name map
+  is wrapped to give our expert parameters mbridge's grouped names with the global expert id, so its
+  name maps, TP splits and EP gathers apply unchanged (its TP split of an expert's fc2 is done on the
+  partition dim it finds from the shapes, as for dense layers).
 """
+
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -25,11 +31,6 @@ from trinity.models.facts import ModelFacts
 
 def make_bridge(hf_dir: str | Path, facts: ModelFacts, dtype: torch.dtype) -> Any:
     """An mbridge Bridge for `hf_dir` that understands our parameter names. Parallel state must be up."""
-    if facts.is_moe:
-        raise UserError(
-            f"{facts.source}: the mbridge backend needs TransformerEngine grouped experts for MoE "
-            f"({facts.architecture}); use --backend builtin"
-        )
     from mbridge import AutoBridge
     from transformers import AutoConfig
 
@@ -55,7 +56,36 @@ def make_bridge(hf_dir: str | Path, facts: ModelFacts, dtype: torch.dtype) -> An
         "pre_mlp_layernorm.weight": [f"{layer}.post_attention_layernorm.weight"],
         **bridge._MLP_MAPPING,
     }
+    if facts.is_moe:
+        _name_sequential_experts_as_grouped(bridge)
     return bridge
+
+
+_SEQUENTIAL_EXPERT = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.local_experts\.(?P<id>\d+)\.(?P<fc>linear_fc[12])\.weight$")
+
+
+def _name_sequential_experts_as_grouped(bridge: Any) -> None:
+    """Wrap the bridge's local -> global weight-name map (used by its load, export and by
+    `mapped_hf_names`) so that SequentialMLP expert parameters get the grouped names mbridge maps:
+    `decoder.layers.L.mlp.experts.local_experts.E.linear_fc1.weight` ->
+    `decoder.layers.L.mlp.experts.linear_fc1.weight<G>`, G the global expert id (with consider_ep;
+    export passes consider_ep=False and gathers the EP ranks' experts itself, from the local id)."""
+    from megatron.core import parallel_state as ps
+
+    original = bridge._weight_name_mapping_mcore_local_to_global
+    num_local = bridge.config.num_moe_experts // ps.get_expert_model_parallel_world_size()
+    first = ps.get_expert_model_parallel_rank() * num_local
+
+    def local_to_global(model: torch.nn.Module, consider_ep: bool = True) -> dict[str, str]:
+        names = original(model, consider_ep=consider_ep)
+        for local, global_name in names.items():
+            m = _SEQUENTIAL_EXPERT.match(global_name)
+            if m:
+                expert = int(m["id"]) + (first if consider_ep else 0)
+                names[local] = f"{m['prefix']}.{m['fc']}.weight{expert}"
+        return names
+
+    bridge._weight_name_mapping_mcore_local_to_global = local_to_global
 
 
 def load_weights(models: list[torch.nn.Module], hf_dir: str | Path, facts: ModelFacts, *, strict: bool = True) -> None:

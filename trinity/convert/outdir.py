@@ -16,7 +16,7 @@ import socket
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator
 
 from trinity.errors import UserError
 
@@ -67,9 +67,34 @@ def remove_stale_siblings(out: str | Path) -> list[Path]:
     return removed
 
 
-def check_output(output: str | Path, force: bool) -> Path:
-    """Refuse an existing non-empty output unless `force`; returns the resolved path. Removes the
-    temporary siblings that interrupted conversions into the same output left behind."""
+def check_not_overlapping(output: str | Path, sources: Iterable[str | Path], *, inside_ok: bool = False) -> None:
+    """Refuse an output that is or contains one of `sources`, or an existing output inside one (paths
+    resolved, so symlinks count): `--force` replaces the output folder, which would delete the source
+    it converts from or, inside it, a part of it (the `hf/` folder of a dist checkpoint). A new folder
+    inside the source deletes nothing (`trinity run` converts into `<output_dir>/mcore_cache/`, wherever
+    the output dir is). `inside_ok`: never refuse the inside case (a training run's checkpoints and
+    export replace only what the run itself wrote there)."""
+    out = Path(output).resolve()
+    for source in sources:
+        src = Path(source).resolve()
+        if out == src:
+            how = "is the source folder"
+        elif out in src.parents:
+            how = "contains the source folder"
+        elif src in out.parents and out.exists() and not inside_ok:
+            how = "is inside the source folder"
+        else:
+            continue
+        raise UserError(f"{out}: the output {how} {src}; choose an output folder outside the source")
+
+
+def check_output(
+    output: str | Path, force: bool, *, sources: Iterable[str | Path] = (), inside_ok: bool = False
+) -> Path:
+    """Refuse an existing non-empty output unless `force`, and any output overlapping one of `sources`
+    (the folders being read); returns the resolved path. Removes the temporary siblings that
+    interrupted conversions into the same output left behind."""
+    check_not_overlapping(output, sources, inside_ok=inside_ok)
     out = Path(output).resolve()
     if out.exists() and not out.is_dir():
         raise UserError(f"{out}: output exists and is not a folder")
@@ -80,9 +105,12 @@ def check_output(output: str | Path, force: bool) -> Path:
 
 
 @contextmanager
-def atomic_dir(output: str | Path, *, force: bool) -> Iterator[Path]:
-    """Yield a temporary sibling of `output`; on success it replaces `output`, on error it is removed."""
-    out = check_output(output, force)
+def atomic_dir(
+    output: str | Path, *, force: bool, sources: Iterable[str | Path] = (), inside_ok: bool = False
+) -> Iterator[Path]:
+    """Yield a temporary sibling of `output`; on success it replaces `output`, on error it is removed.
+    `sources`: folders being read, which the output must not overlap (see `check_output`)."""
+    out = check_output(output, force, sources=sources, inside_ok=inside_ok)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = temp_sibling(out)
     tmp.mkdir()

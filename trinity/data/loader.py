@@ -109,8 +109,8 @@ class SFTData:
     all-reduce.
     """
 
-    def __init__(self, rows: PackedRows, sampler: RowSampler, stats: SFTStats):
-        self.rows, self.sampler, self.stats = rows, sampler, stats
+    def __init__(self, rows: PackedRows, sampler: RowSampler, stats: SFTStats, source: str = "the training data"):
+        self.rows, self.sampler, self.stats, self.source = rows, sampler, stats, source
         self.last_step_loss_tokens = 0
 
     @property
@@ -135,6 +135,14 @@ class SFTData:
 
         indices = self.sampler.next_global_indices()
         self.last_step_loss_tokens = int(self.rows.row_loss_tokens[indices].sum())
+        if not self.last_step_loss_tokens:
+            # A step without targets would report loss 0 and teach nothing; tokenize_sft keeps only
+            # samples with a trained label, so this means rows were built from other samples.
+            shown = ", ".join(map(str, indices[:8].tolist())) + (", ..." if len(indices) > 8 else "")
+            raise UserError(
+                f"{self.source}: a global batch has no token to train on (epoch {self.sampler.epoch}, rows "
+                f"{shown}); a step would report loss 0 and learn nothing: every sample needs a response token"
+            )
         return [
             {name: torch.from_numpy(a) for name, a in self.rows.rows(micro).items()}
             for micro in self.sampler.rank_micro_batches(indices)
@@ -153,12 +161,74 @@ class SFTData:
         )
 
 
+# Files AutoTokenizer builds a vocabulary from (transformers 5): a `tokenizers` file, a sentencepiece
+# or tiktoken model, a byte-level BPE vocabulary with its merges, or a WordPiece vocabulary. Without
+# any of them it does not fail: it returns a tokenizer that encodes every text to no tokens, and a job
+# trains at loss 0 on nothing.
+TOKENIZER_FILES_HINT = "tokenizer.json, tokenizer.model, or vocab.json + merges.txt"
+# Probe text for a tokenizer that loads but drops text (digits and ASCII letters: in every vocabulary).
+_PROBE_TEXT = "Hello world 123"
+
+
+def missing_tokenizer_files(folder: str | Path) -> str | None:
+    """What `folder` lacks to be a tokenizer folder (a phrase naming the files), None when complete.
+
+    Checks file names only (instant, no transformers import), for `trinity validate` and the workers.
+    """
+    p = Path(folder)
+    if any((p / name).is_file() for name in ("tokenizer.json", "tokenizer.model", "vocab.txt")):
+        return None
+    has_vocab, has_merges = (p / "vocab.json").is_file(), (p / "merges.txt").is_file()
+    if has_vocab and has_merges:
+        return None
+    if has_vocab or has_merges:
+        there, lacking = ("vocab.json", "merges.txt") if has_vocab else ("merges.txt", "vocab.json")
+        return f"{lacking} ({there} is there; a BPE vocabulary needs both)"
+    return f"tokenizer files ({TOKENIZER_FILES_HINT})"
+
+
+def check_tokenizer_folder(folder: str | Path) -> None:
+    """UserError naming `folder` and the files it lacks, before AutoTokenizer would load an empty tokenizer."""
+    if not Path(folder).is_dir():
+        raise UserError(f"{folder}: tokenizer folder does not exist")
+    missing = missing_tokenizer_files(folder)
+    if missing:
+        raise UserError(
+            f"{folder}: the tokenizer folder has no {missing}; copy them from the original model "
+            "folder, or set model.tokenizer_path to a folder that has them"
+        )
+
+
+def check_tokenizer_encodes(tokenizer: Any) -> None:
+    """UserError when the tokenizer turns text into no tokens (incomplete or mismatched tokenizer files)."""
+    ids = tokenizer(_PROBE_TEXT, add_special_tokens=False)["input_ids"]
+    if not ids:
+        where = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
+        raise UserError(
+            f"{where}: the tokenizer encodes text to no tokens ({_PROBE_TEXT!r} -> []); its vocabulary files "
+            f"are missing or broken ({TOKENIZER_FILES_HINT}): copy them from the original model folder"
+        )
+
+
 def load_tokenizer(tokenizer: Any) -> Any:
-    """A tokenizer object, loading it with AutoTokenizer when given a folder."""
+    """A tokenizer object, loading it with AutoTokenizer when given a folder.
+
+    Refuses a folder without tokenizer files and a tokenizer that encodes text to nothing.
+    """
     if isinstance(tokenizer, (str, Path)):
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(str(tokenizer))
+        check_tokenizer_folder(tokenizer)
+        folder = tokenizer
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(str(folder))
+        except (OSError, ValueError, KeyError, TypeError) as e:  # corrupt JSON is a ValueError
+            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            raise UserError(
+                f"{folder}: cannot load the tokenizer ({type(e).__name__}: {first}); its files are damaged or "
+                "from another model: copy them again from the original model folder"
+            ) from e
+    check_tokenizer_encodes(tokenizer)
     return tokenizer
 
 
@@ -195,8 +265,14 @@ def build_sft_data(
     tok = load_tokenizer(tokenizer)
     keys = SFTKeys(prompt_key=prompt_key, response_key=response_key, messages_key=messages_key)
     samples, stats = tokenize_sft(read_records(files), tok, max_seq_len=seq_len, keys=keys, overlength=overlength)
+    names = ", ".join(map(str, files))
+    if not stats.records:
+        raise UserError(f"{names}: no samples; the training files hold no records")
     if not samples:
-        raise UserError(f"{', '.join(map(str, files))}: no usable samples ({stats.summary()})")
+        raise UserError(
+            f"{names}: all {stats.records} samples were dropped as too long: none has a response token within "
+            f"data.seq_length = {seq_len} tokens; raise data.seq_length or shorten the prompts"
+        )
     rows = (pack if packing else pad)(samples, seq_len, pad_id=pad_token_id(tok))
     sampler = RowSampler(
         rows.num_rows,
@@ -207,7 +283,7 @@ def build_sft_data(
         seed=seed,
         shuffle=shuffle,
     )
-    return SFTData(rows, sampler, stats)
+    return SFTData(rows, sampler, stats, source=names)
 
 
 def sft_data_from_job(job: Any, *, dp_rank: int, dp_size: int, tokenizer: Any = None) -> SFTData:

@@ -116,6 +116,9 @@ def first_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int
 
 def _rows(samples: Sequence[Sample], bins: Sequence[Sequence[int]], seq_len: int, pad_id: int) -> PackedRows:
     lengths = np.fromiter((len(x) for x in samples), dtype=np.int64, count=len(samples))
+    if len(samples) and not lengths.min():
+        # tokenize_sft never makes one; an empty document would shift every later document's loss count.
+        raise ValueError(f"sample {int(np.argmin(lengths))} has no tokens")
     doc_starts = np.zeros(len(samples) + 1, dtype=np.int64)
     np.cumsum(lengths, out=doc_starts[1:])
     empty = np.zeros(0, dtype=np.int32)
@@ -127,7 +130,7 @@ def _rows(samples: Sequence[Sample], bins: Sequence[Sequence[int]], seq_len: int
     # Trained labels per document: its loss tokens except the first token, which is never a label.
     doc_trained = np.zeros(len(samples), dtype=np.int64)
     row_loss_tokens = np.zeros(len(bins), dtype=np.int64)
-    if len(samples):  # reduceat needs non-empty input; samples are never empty
+    if len(samples):  # reduceat needs non-empty input; samples are never empty (checked above)
         doc_trained = np.add.reduceat(doc_loss.astype(np.int64), doc_starts[:-1]) - doc_loss[doc_starts[:-1]]
         row_loss_tokens = np.add.reduceat(doc_trained[row_docs], row_starts[:-1])
     return PackedRows(seq_len, pad_id, doc_tokens, doc_loss, doc_starts, row_docs, row_starts, row_loss_tokens)

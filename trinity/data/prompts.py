@@ -50,6 +50,10 @@ def _prompt_text(record: Record, tokenizer: Any, keys: PromptKeys) -> str:
     return render_prompt(tokenizer, record.text(keys.prompt_key))
 
 
+def _short(text: str, n: int = 40) -> str:
+    return repr(text[:n] + ("..." if len(text) > n else ""))
+
+
 def tokenize_prompts(
     records: Iterable[Record], tokenizer: Any, *, max_prompt_length: int, keys: PromptKeys = PromptKeys()
 ) -> tuple[list[Prompt], int]:
@@ -59,6 +63,11 @@ def tokenize_prompts(
     prompts: list[Prompt] = []
     truncated = 0
     for (record, text, answer), prompt_ids in zip(rendered, ids):
+        if not prompt_ids:
+            raise record.error(
+                f"the prompt tokenises to no tokens ({_short(text)}); the tokenizer drops its text "
+                "(is it this model's tokenizer?)"
+            )
         if len(prompt_ids) > max_prompt_length:
             prompt_ids = prompt_ids[-max_prompt_length:]
             truncated += 1
@@ -122,7 +131,7 @@ def build_prompt_data(
     keys = PromptKeys(prompt_key=prompt_key, messages_key=messages_key, answer_key=answer_key)
     prompts, truncated = tokenize_prompts(read_records(files), tok, max_prompt_length=max_prompt_length, keys=keys)
     if not prompts:
-        raise UserError(f"{', '.join(map(str, files))}: no prompts")
+        raise UserError(f"{', '.join(map(str, files))}: no prompts; the training files hold no records")
     sampler = RowSampler(
         len(prompts),
         global_batch_size=batch_size,

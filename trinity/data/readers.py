@@ -1,8 +1,15 @@
-"""Readers of local training files (jsonl, parquet) that name the file and line of every problem.
+"""Readers of local training files that name the file and line of every problem.
 
+Formats: JSON Lines (`.jsonl`), JSON (`.json`: an array of objects, or JSON Lines under a .json name as
+`datasets`' `to_json` writes them), parquet, and Hugging Face `datasets` folders (`save_to_disk`).
 Every record comes out as a `Record(file, line_no, row)`; the field checkers below turn a bad value
 into `UserError("<file>:<line>: <problem>")`, so a user can open the file at the line and fix it.
-For parquet files `line_no` is the 1-based row number.
+For a JSON array `line_no` is the line where the object starts; for parquet and dataset folders it is
+the 1-based row number.
+
+Two common public layouts are read as ours (`normalise_layout`), so such files train as they are:
+alpaca (`instruction`, optional `input`, `output`) becomes prompt / response, and ShareGPT
+(`conversations` of `{from, value}`) becomes `messages` of `{role, content}`.
 """
 
 from __future__ import annotations
@@ -56,10 +63,12 @@ class Record:
         return text
 
     def messages(self, key: str) -> list[dict[str, str]]:
-        """A chat: a non-empty list of {role, content} with string values."""
+        """A chat: a non-empty list of {role, content} (or ShareGPT's {from, value}) with string values."""
         value = self.row[key]
         if not isinstance(value, list) or not value:
             raise self.error(f"key {key!r} must be a non-empty list of {{role, content}} messages")
+        if all(isinstance(m, dict) and "from" in m and "role" not in m for m in value):
+            value = sharegpt_messages(self, key, value)
         chat: list[dict[str, str]] = []
         for i, message in enumerate(value):
             if not isinstance(message, dict):
@@ -71,6 +80,118 @@ class Record:
                 raise self.error(f"{key}[{i}] ({role}) has no string 'content'")
             chat.append({"role": role, "content": content})
         return chat
+
+
+# ShareGPT speaker names -> chat roles (the names FastChat, LLaMA-Factory and ShareGPT dumps use).
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                  "chatgpt": "assistant", "bing": "assistant", "bard": "assistant", "system": "system"}
+
+
+def sharegpt_messages(record: Record, key: str, turns: list[Any]) -> list[dict[str, Any]]:
+    """ShareGPT turns `{from, value}` as `{role, content}`; an unknown speaker (tool calls, observations)
+    is an error, not a silently dropped turn."""
+    out = []
+    for i, turn in enumerate(turns):
+        speaker = turn.get("from")
+        role = SHAREGPT_ROLES.get(speaker.lower()) if isinstance(speaker, str) else None
+        if role is None:
+            raise record.error(
+                f"{key}[{i}] has 'from': {speaker!r}, which is not a ShareGPT speaker this reader maps "
+                f"(one of {sorted(SHAREGPT_ROLES)}); convert the turn to role/content"
+            )
+        out.append({"role": role, "content": turn.get("value")})
+    return out
+
+
+def normalise_layout(record: Record) -> Record:
+    """Read alpaca and ShareGPT rows as prompt/response and messages (see the module docstring); rows
+    already in our layout, or in neither, pass unchanged."""
+    row = record.row
+    if "messages" not in row and isinstance(row.get("conversations"), list):
+        return Record(record.file, record.line_no, {**row, "messages": row["conversations"]})
+    if "prompt" not in row and "response" not in row and "instruction" in row and "output" in row:
+        for unread in ("system", "history"):
+            if row.get(unread):
+                raise record.error(
+                    f"alpaca key {unread!r} is not read (only instruction, input, output are); "
+                    "write the sample as messages instead"
+                )
+        instruction, extra = row["instruction"], row.get("input") or ""
+        if not isinstance(instruction, str) or not isinstance(extra, str):
+            raise record.error("alpaca keys 'instruction' and 'input' must be strings")
+        prompt = f"{instruction}\n{extra}" if extra else instruction
+        return Record(record.file, record.line_no, {**row, "prompt": prompt, "response": row["output"]})
+    return record
+
+
+def _line_of(text: str, pos: int) -> int:
+    return text.count("\n", 0, pos) + 1
+
+
+def _read_json(path: Path) -> Iterator[Record]:
+    """A JSON array of objects; a file whose first value is an object is read as JSON Lines."""
+    text = path.read_text(encoding="utf-8")
+    start = len(text) - len(text.lstrip())
+    if text[start:start + 1] != "[":
+        yield from _read_jsonl(path)
+        return
+    decoder = json.JSONDecoder()
+    pos, first = start + 1, True
+    while True:
+        pos = _skip_space(text, pos)
+        if text[pos:pos + 1] == "]":
+            after = _skip_space(text, pos + 1)
+            if after != len(text):
+                raise UserError(f"{path}:{_line_of(text, after)}: invalid JSON (text after the closing ']')")
+            return
+        if not first:
+            if text[pos:pos + 1] != ",":
+                raise UserError(f"{path}:{_line_of(text, pos)}: invalid JSON (expected ',' or ']' between items)")
+            pos = _skip_space(text, pos + 1)
+        first = False
+        try:
+            row, end = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError as e:
+            raise UserError(f"{path}:{e.lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
+        if not isinstance(row, dict):
+            raise UserError(f"{path}:{_line_of(text, pos)}: expected a JSON object, got {type(row).__name__}")
+        yield Record(path, _line_of(text, pos), row)
+        pos = end
+
+
+def _skip_space(text: str, pos: int) -> int:
+    while pos < len(text) and text[pos] in " \t\r\n":
+        pos += 1
+    return pos
+
+
+def is_hf_dataset_dir(path: Path) -> bool:
+    """A folder written by `datasets`' `save_to_disk` (a Dataset or a DatasetDict)."""
+    return path.is_dir() and (
+        (path / "dataset_dict.json").is_file() or ((path / "state.json").is_file() and (path / "dataset_info.json").is_file())
+    )
+
+
+def _read_hf_dataset(path: Path) -> Iterator[Record]:
+    try:
+        import datasets
+    except ImportError:
+        raise UserError(
+            f"{path}: a Hugging Face datasets folder; reading it needs the datasets package: pip install datasets"
+        ) from None
+    try:
+        data = datasets.load_from_disk(str(path))
+    except Exception as e:  # datasets raises several types for a damaged folder
+        raise UserError(f"{path}: not a readable datasets folder ({type(e).__name__}: {e})") from None
+    if isinstance(data, datasets.DatasetDict):
+        if "train" not in data:
+            raise UserError(
+                f"{path}: a DatasetDict without a 'train' split (splits: {sorted(data)}); "
+                f"list the split's folder instead, e.g. {path / sorted(data)[0]}"
+            )
+        data = data["train"]
+    for i, row in enumerate(data, start=1):
+        yield Record(path, i, dict(row))
 
 
 def _read_jsonl(path: Path) -> Iterator[Record]:
@@ -106,6 +227,7 @@ def _read_parquet(path: Path) -> Iterator[Record]:
 # File suffix -> reader. A new format is one entry here.
 READERS: dict[str, Callable[[Path], Iterator[Record]]] = {
     ".jsonl": _read_jsonl,
+    ".json": _read_json,
     ".parquet": _read_parquet,
 }
 
@@ -119,9 +241,15 @@ def read_records(files: Iterable[str | Path]) -> Iterator[Record]:
     if not paths:
         raise UserError("data.train_files: no training files given")
     for path in paths:  # check all first: fail before spending time on the ones that exist
+        if is_hf_dataset_dir(path):
+            continue
         if not path.is_file():
             raise UserError(f"{path}: training file not found")
         if path.suffix not in READERS:
-            raise UserError(f"{path}: unsupported file type {path.suffix!r}; use one of {sorted(READERS)}")
+            raise UserError(
+                f"{path}: unsupported file type {path.suffix!r}; use one of {sorted(READERS)} or a datasets folder"
+            )
     for path in paths:
-        yield from READERS[path.suffix](path)
+        reader = _read_hf_dataset if is_hf_dataset_dir(path) else READERS[path.suffix]
+        for record in reader(path):
+            yield normalise_layout(record)

@@ -54,7 +54,7 @@ class SFTKeys:
 class Overlength(str, enum.Enum):
     """What to do with a sample longer than max_seq_len."""
 
-    truncate = "truncate"  # keep the first max_seq_len tokens (dropped if no target token is left)
+    truncate = "truncate"  # keep the first max_seq_len tokens (dropped if no trained label is left)
     drop = "drop"
 
 
@@ -66,7 +66,8 @@ class SFTStats:
     truncated: int = 0
     dropped: int = 0
     tokens: int = 0
-    loss_tokens: int = 0
+    loss_tokens: int = 0  # tokens under the loss mask
+    records: int = 0  # records read (kept + dropped)
 
     def summary(self) -> str:
         return (
@@ -161,6 +162,11 @@ def tokenize_texts(tokenizer: Any, texts: Sequence[str]) -> list[list[int]]:
     return ids
 
 
+def trained_labels(mask: Sequence[int]) -> int:
+    """Tokens a sample trains on: loss-masked tokens after the first (the first token is never a label)."""
+    return sum(mask[1:])
+
+
 def tokenize_sft(
     records: Iterable[Record],
     tokenizer: Any,
@@ -169,23 +175,37 @@ def tokenize_sft(
     keys: SFTKeys = SFTKeys(),
     overlength: Overlength = Overlength.truncate,
 ) -> tuple[list[Sample], SFTStats]:
-    """Tokenise SFT records into samples of at most `max_seq_len` tokens, in record order."""
-    per_record = [record_segments(r, tokenizer, keys) for r in records]
+    """Tokenise SFT records into samples of at most `max_seq_len` tokens, in record order.
+
+    A record that tokenises to nothing to train on is an error naming it (the tokenizer dropped its
+    text); a sample with no trained label left within `max_seq_len` is dropped as too long.
+    """
+    per_record: list[list[Segment]] = []
+    wheres: list[str] = []  # file:line of each record (not the records: their rows can be large)
+    for r in records:
+        per_record.append(record_segments(r, tokenizer, keys))
+        wheres.append(r.where)
     flat = [text for segments in per_record for text, _ in segments]
     flat_ids = tokenize_texts(tokenizer, flat)
 
     stats = SFTStats()
     samples: list[Sample] = []
     k = 0
-    for segments in per_record:
+    for where, segments in zip(wheres, per_record):
+        stats.records += 1
         ids: list[int] = []
         mask: list[int] = []
         for _, is_loss in segments:
             ids += flat_ids[k]
             mask += [int(is_loss)] * len(flat_ids[k])
             k += 1
+        if not trained_labels(mask):
+            raise UserError(
+                f"{where}: nothing to train on: the sample tokenises to {len(ids)} token(s) with no response "
+                "token after the first; the tokenizer drops its text (is it this model's tokenizer?)"
+            )
         if len(ids) > max_seq_len:
-            if overlength is Overlength.drop or not any(mask[:max_seq_len]):
+            if overlength is Overlength.drop or not trained_labels(mask[:max_seq_len]):
                 stats.dropped += 1
                 continue
             ids, mask = ids[:max_seq_len], mask[:max_seq_len]

@@ -11,6 +11,7 @@ import datetime
 import os
 import random
 import socket
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -29,6 +30,47 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def cpu_threads_per_rank(local_ranks: int, cores: int | None = None) -> int:
+    """Intra-op threads for each of `local_ranks` CPU worker processes on one host: the cores this
+    process may run on (its affinity mask, which taskset/cgroup cpusets narrow), shared evenly, at least 1.
+    More threads than cores only adds contention: ranks >= cores gives 1 thread each."""
+    if cores is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // max(1, local_ranks))
+
+
+def _omp_threads_from_user() -> bool:
+    """Whether OMP_NUM_THREADS was chosen by the user rather than by torchrun.
+
+    torchrun sets OMP_NUM_THREADS=1 in its own environment when it starts several local ranks and the
+    variable is unset; its workers cannot tell that from a user's 1 by the value. The variable was the
+    user's when it is already in the environment torchrun (our parent) was started with.
+    """
+    if "OMP_NUM_THREADS" not in os.environ:
+        return False
+    if "TORCHELASTIC_RUN_ID" not in os.environ or int(os.environ.get("LOCAL_WORLD_SIZE", "1")) <= 1:
+        return True
+    try:
+        parent_env = Path(f"/proc/{os.getppid()}/environ").read_bytes().split(b"\0")
+    except OSError:  # not Linux, or not readable: take the value as the user's
+        return True
+    return any(entry.startswith(b"OMP_NUM_THREADS=") for entry in parent_env)
+
+
+def set_cpu_threads() -> int:
+    """Give this CPU worker its share of the host's cores as torch intra-op threads; returns the count.
+
+    torch's default is one thread per core in every process, so N ranks on one host would run N x cores
+    threads and slow each other down; torchrun's own default for several ranks (1 thread each) leaves
+    cores idle on a large host. An OMP_NUM_THREADS the user set is kept as it is.
+    """
+    if _omp_threads_from_user():
+        return torch.get_num_threads()
+    threads = cpu_threads_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    torch.set_num_threads(threads)
+    return threads
 
 
 def _init_process_group(device: str, timeout_s: int) -> None:
@@ -55,7 +97,8 @@ def _init_process_group(device: str, timeout_s: int) -> None:
 
 def init_parallel(*, device: str, layout: ParallelLayout, seed: int, timeout_s: int = 600) -> None:
     """Initialise torch.distributed, megatron-core parallel state (TP, PP, VPP, CP, EP, ETP) and the
-    per-rank RNG streams. On `cpu`, cpu_compat.enable() runs first."""
+    per-rank RNG streams. On `cpu`, cpu_compat.enable() runs first and the rank takes its share of the
+    host's cores as threads (`set_cpu_threads`)."""
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 
@@ -67,6 +110,7 @@ def init_parallel(*, device: str, layout: ParallelLayout, seed: int, timeout_s: 
         from trinity.distributed import cpu_compat
 
         cpu_compat.enable()
+        set_cpu_threads()
     _init_process_group(device, timeout_s)
     world = dist.get_world_size()
     try:

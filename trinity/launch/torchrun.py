@@ -42,12 +42,14 @@ def torchrun_command(cfg: JobConfig, config_path: str | Path, *, python: str = s
     return cmd
 
 
-def worker_env(environ: Mapping[str, str], stream: IO[str]) -> dict[str, str]:
+def worker_env(environ: Mapping[str, str], stream: IO[str], *, debug: bool = False) -> dict[str, str]:
     """The environment of torchrun and its workers: `environ`, plus whether `trinity run`'s stdout
     (`stream`) is a terminal (TRINITY_TTY, read by trinity.trainer.metrics: the workers' own stdout is
     a log file) and, on a terminal, its width (COLUMNS, for rich). PYTHONUNBUFFERED makes torchrun
-    pass on rank 0's output as it comes, the progress bar's partial lines included."""
+    pass on rank 0's output as it comes, the progress bar's partial lines included. TRINITY_DEBUG=1
+    (`--debug`) keeps the third-party warnings that trinity.launch.quiet filters otherwise."""
     env = dict(environ)
+    env["TRINITY_DEBUG"] = "1" if debug else "0"
     isatty = getattr(stream, "isatty", None)
     tty = bool(isatty and isatty())
     env["TRINITY_TTY"] = "1" if tty else "0"
@@ -92,14 +94,19 @@ def port_is_free(port: int, host: str = "") -> bool:
 _ROOT_CAUSE = re.compile(r"\s*(rank|host|exitcode)\s*:\s*(\S+)")
 
 
-def _relay_stderr(stream: IO[str], out: IO[str], debug: bool, cause: dict[str, str] | None = None) -> None:
+def _relay_stderr(
+    stream: IO[str], out: IO[str], debug: bool, cause: dict[str, str] | None = None, stopping: dict[str, Any] | None = None
+) -> None:
     """Copy torchrun's stderr, except its own ChildFailedError traceback after a worker failed.
 
     Worker lines arrive prefixed (`[default0]:`, from --tee) and always pass; the failed rank has
     already printed its one-line error, so torchrun's 30-line report becomes one line (all of it with
-    --debug). `cause` receives the report's first rank, host and exitcode."""
+    --debug). `cause` receives the report's first rank, host and exitcode. When `trinity run` itself
+    stopped the job (`stopping["sig"]` set: Ctrl-C, SIGTERM, SIGHUP) no rank failed: the report is
+    dropped without a line, and the caller says the job was interrupted."""
     swallowed = in_report = False
     cause = {} if cause is None else cause
+    stopping = {} if stopping is None else stopping
     for line in iter(stream.readline, ""):
         if line.startswith("Traceback (most recent call last):"):
             in_report = True
@@ -110,9 +117,12 @@ def _relay_stderr(stream: IO[str], out: IO[str], debug: bool, cause: dict[str, s
                 cause.setdefault(m.group(1), m.group(2))
         if swallowed:
             continue
-        out.write(line)
-        out.flush()
-    if swallowed:
+        try:
+            out.write(line)
+            out.flush()
+        except (OSError, ValueError):  # the terminal is gone (SIGHUP): keep draining torchrun's pipe
+            pass
+    if swallowed and stopping.get("sig") is None:
         out.write(
             f"torchrun: rank {cause.get('rank', '?')} on {cause.get('host', '?')} failed first "
             f"(exit code {cause.get('exitcode', '?')}); run with --debug for torchrun's traceback\n"
@@ -120,17 +130,55 @@ def _relay_stderr(stream: IO[str], out: IO[str], debug: bool, cause: dict[str, s
         out.flush()
 
 
-def supervise(cmd: list[str], *, env: dict[str, str] | None = None, grace_s: float = 30.0, debug: bool = False) -> int:
-    """Run torchrun as a child in its own process group; forward Ctrl-C/SIGTERM so no orphans remain.
+FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> Any:
+    """A preexec_fn that has the kernel send SIGTERM to the child when `trinity run` dies, even by
+    kill -9 (Linux prctl PR_SET_PDEATHSIG); None where that does not exist.
+
+    The signal fires when the *thread* that forked the child ends, not the process: supervise() runs
+    in the main thread (signal handlers need it), which only ends with the process. torchrun turns the
+    SIGTERM into stopping its workers; trinity.launch.child's watchdog in every worker covers a
+    torchrun that is itself killed -9 or hangs."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+
+        prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved here: nothing to load after fork
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def preexec() -> None:
+        prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before the signal was armed
+            os._exit(128 + int(signal.SIGTERM))
+
+    return preexec
+
+
+def supervise(
+    cmd: list[str], *, env: dict[str, str] | None = None, grace_s: float = 30.0, debug: bool = False,
+    pass_fds: tuple[int, ...] = (), stopped: dict[str, Any] | None = None,
+) -> int:
+    """Run torchrun as a child in its own process group; forward Ctrl-C, SIGTERM and SIGHUP (terminal
+    or ssh session closed) so no orphans remain, and have the child die with us on kill -9.
 
     Returns the job's exit code: the exit code of the rank that failed first (2 for a UserError, as a
-    command outside torchrun), 128 + signal number when it was stopped by a signal.
+    command outside torchrun), 128 + signal number when it was stopped by a signal (also put in
+    `stopped["sig"]`). `pass_fds` stay open in torchrun (the output folder's lock).
     """
-    proc = subprocess.Popen(cmd, env=env, start_new_session=True, stderr=subprocess.PIPE, text=True, bufsize=1)
+    env = dict(os.environ if env is None else env)
+    env["TRINITY_CLI_PID"] = str(os.getpid())  # read by trinity.launch.child's watchdog in every worker
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True, stderr=subprocess.PIPE, text=True, bufsize=1,
+                            pass_fds=pass_fds, preexec_fn=_die_with_parent())
     cause: dict[str, str] = {}
-    relay = threading.Thread(target=_relay_stderr, args=(proc.stderr, sys.stderr, debug, cause), daemon=True)
-    relay.start()
     stopping: dict[str, Any] = {"sig": None, "deadline": None}
+    relay = threading.Thread(target=_relay_stderr, args=(proc.stderr, sys.stderr, debug, cause, stopping), daemon=True)
+    relay.start()
 
     def forward(signum, _frame):
         stopping["sig"] = signum
@@ -141,7 +189,7 @@ def supervise(cmd: list[str], *, env: dict[str, str] | None = None, grace_s: flo
         except ProcessLookupError:
             pass
 
-    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    old = {s: signal.signal(s, forward) for s in FORWARDED}
     try:
         while True:
             # Wait in short slices: a blocking wait() is resumed after the signal handler returns
@@ -157,6 +205,8 @@ def supervise(cmd: list[str], *, env: dict[str, str] | None = None, grace_s: flo
             signal.signal(s, h)
         _reap_group(proc.pid)
         relay.join(timeout=5)
+    if stopped is not None:
+        stopped["sig"] = stopping["sig"]
     if stopping["sig"] is not None:
         return 128 + stopping["sig"]
     if code == 1 and cause.get("exitcode", "").isdigit() and int(cause["exitcode"]) > 0:

@@ -261,11 +261,6 @@ def build_model(
             "call init_parallel with this role's layout first"
         )
     vpp = config.virtual_pipeline_model_parallel_size
-    if facts.num_layers % (config.pipeline_model_parallel_size * (vpp or 1)):
-        raise UserError(
-            f"{facts.source}: {facts.num_layers} layers do not split into PP*VPP = "
-            f"{config.pipeline_model_parallel_size * (vpp or 1)} equal chunks"
-        )
     if config.moe_grouped_gemm and facts.is_moe:
         from megatron.core.transformer.moe import grouped_gemm_util
 

@@ -26,7 +26,7 @@ pipeline group (`torch.distributed.send` / `recv`); the last stage computes the 
 only its generator is drawn from), and broadcasts the tokens to its pipeline group every step (the first
 stage needs them as the next input, every stage needs them to stop at EOS) and the log-probs once at the
 end: every rank returns the same `Rollout`. Virtual pipeline stages are not supported
-(`check_rollout_layout`).
+(`trinity.distributed.layout.rollout_problems`, checked when the job is validated).
 """
 
 from __future__ import annotations
@@ -38,17 +38,6 @@ import torch
 
 from trinity.errors import UserError
 from trinity.rollout.types import Rollout, RolloutEngine, SamplingParams  # noqa: F401  (re-exported)
-
-
-def check_rollout_layout(megatron: Any, where: str = "actor_rollout_ref.actor.megatron") -> None:
-    """Layouts the rollout engine cannot serve yet, as UserErrors naming the key."""
-    if megatron.pipeline_model_parallel_size > 1 and (megatron.virtual_pipeline_model_parallel_size or 1) > 1:
-        raise UserError(
-            f"{where}.virtual_pipeline_model_parallel_size: rollout runs one model chunk per pipeline stage; "
-            "unset it (plain PP is supported)"
-        )
-    if megatron.sequence_parallel and megatron.tensor_model_parallel_size > 1:
-        raise UserError(f"{where}.sequence_parallel: rollout decodes one token per step, which sequence parallel cannot split; turn it off")
 
 
 def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -7,14 +7,20 @@ Built-ins (`BUILTIN_REWARDS`):
                     number normalisation ("19", "19.0", " 19 ", "1,000", "3/2" == "1.5"), else 0.0.
                     Extractors: last_number, boxed (last \\boxed{...}, nested braces allowed),
                     after_marker (what follows the last marker, GSM8K's "####").
+  math_verify       1.0 when the extracted answer is mathematically equivalent to the reference
+                    ("\\frac{1}{2}" == "0.5", "(x+1)^2" == "x^2+2x+1"), on the math-verify package:
+                    trinity.rollout.math_verify_reward.
   format            1.0 when the whole response matches `format_pattern` (re.fullmatch, DOTALL).
-User functions are imported when the job starts (`load_reward_fn`), so a typo fails before any GPU
-work; `module.path` may also be a `path/to/file.py`. Their failures become `UserError`s that name the
-function, the failing sample's index and the start of its response.
+User functions are found by `trinity validate` without running them (`reward_problems` parses the
+file for the function) and imported when the job starts (`load_reward_fn`), so a typo fails before any
+GPU work; `module.path` may also be a `path/to/file.py`. They run with the job's rights (docs/rl.md).
+Their failures become `UserError`s that name the function, the failing sample's index and the start of
+its response.
 """
 
 from __future__ import annotations
 
+import ast
 import importlib
 import importlib.util
 import math
@@ -140,8 +146,17 @@ def _build_format(extractor: str, marker: str, format_pattern: str | None) -> Re
     return FormatReward(format_pattern)
 
 
+def _build_math_verify(extractor: str, marker: str, format_pattern: str | None) -> RewardFn:
+    # Imported here: math_verify_reward imports this module's extractors, and math-verify (sympy) is
+    # only loaded by jobs that use it.
+    from trinity.rollout.math_verify_reward import build
+
+    return build(extractor, marker, format_pattern)
+
+
 BUILTIN_REWARDS: dict[str, Callable[[str, str, str | None], RewardFn]] = {
     "math_exact_match": _build_math,
+    "math_verify": _build_math_verify,
     "format": _build_format,
 }
 
@@ -237,6 +252,141 @@ def load_reward_fn(
     if not callable(fn):
         raise UserError(f"reward function {spec}: {fn_name} is a {type(fn).__name__}, not a function")
     return UserRewardFn(spec, fn)
+
+
+# --- checks at validate time: find the user's function without running any of the user's code ---
+
+
+def _top_level_names(tree: ast.Module) -> tuple[set[str], bool]:
+    """Names a module binds at its top level (defs, classes, assignments, imports, also inside
+    top-level if/try/with blocks), and whether it has a `from x import *` (which binds unknown names)."""
+    names: set[str] = set()
+    star = False
+    stack: list[ast.stmt] = list(tree.body)
+    while stack:
+        node = stack.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for target in targets:
+                names.update(n.id for n in ast.walk(target) if isinstance(n, ast.Name))
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            for alias in node.names:
+                if alias.name == "*":
+                    star = True
+                else:
+                    names.add(alias.asname or alias.name.split(".")[0])
+        elif isinstance(node, (ast.If, ast.Try, ast.With, ast.For, ast.While)):
+            for field in ("body", "orelse", "finalbody"):
+                stack += getattr(node, field, [])
+            stack += [stmt for h in getattr(node, "handlers", []) for stmt in h.body]
+    return names, star
+
+
+def _find_module_file(module_name: str, cwd: Path) -> tuple[Path | None, bool]:
+    """(source file of `module_name`, found) without importing it: the top-level package is found
+    by the import system's finders (the job's directory first, as the workers import it), each
+    submodule in its parent's folder. Found without a .py source (built-in, compiled): (None, True)."""
+    from importlib.machinery import PathFinder
+
+    parts = module_name.split(".")
+    importlib.invalidate_caches()  # a file written since the last lookup in its folder must be seen
+    added = str(cwd) not in sys.path
+    if added:
+        sys.path.insert(0, str(cwd))
+    try:
+        spec = importlib.util.find_spec(parts[0])
+    except (ImportError, ValueError):
+        spec = None
+    finally:
+        if added:
+            sys.path.remove(str(cwd))
+    for i in range(1, len(parts)):
+        if spec is None or not spec.submodule_search_locations:
+            return None, False
+        spec = PathFinder.find_spec(".".join(parts[: i + 1]), list(spec.submodule_search_locations))
+    if spec is None:
+        return None, False
+    origin = spec.origin
+    return (Path(origin), True) if origin and origin.endswith(".py") else (None, True)
+
+
+def reward_problems(
+    spec: str, format_pattern: str | None = None, extractor: str = "last_number", marker: str = "####",
+    cwd: str | Path | None = None,
+) -> list[str]:
+    """Problems of `reward.function` found before any process starts, each `reward.<key>: ...`.
+
+    A user function's file is found and parsed with `ast` to see that it defines the function;
+    nothing of the user's code runs here (it runs when the job starts, with the job's rights).
+    Relative paths and modules are looked up from `cwd` (default: the current directory, where
+    `trinity run` starts the workers).
+    """
+    problems: list[str] = []
+    if spec in BUILTIN_REWARDS:
+        try:
+            BUILTIN_REWARDS[spec](extractor, marker, format_pattern)
+        except UserError as exc:
+            problems.append(str(exc))
+        return problems
+    module_name, sep, fn_name = spec.rpartition(":")
+    if not sep or not module_name or not fn_name:
+        problems.append(
+            f"reward.function: {spec!r} is neither a built-in ({', '.join(BUILTIN_REWARDS)}) "
+            "nor 'module.path:function'"
+        )
+        return problems
+    base = Path(cwd) if cwd is not None else Path.cwd()
+    if module_name.endswith(".py"):
+        path = Path(module_name) if Path(module_name).is_absolute() else base / module_name
+        if path.is_dir():
+            problems.append(f"reward.function: {module_name} is a directory; name the .py file that defines {fn_name}")
+            return problems
+        if not path.is_file():
+            problems.append(
+                f"reward.function: file {module_name} does not exist (relative paths start at {base}, "
+                "where trinity runs); fix the path in 'file.py:function'"
+            )
+            return problems
+    else:
+        found_path, found = _find_module_file(module_name, base)
+        if not found:
+            problems.append(
+                f"reward.function: module {module_name} not found in {base} or on the Python path; "
+                "install it, run trinity from its folder, or write 'path/to/file.py:function'"
+            )
+            return problems
+        if found_path is None:
+            return problems  # a compiled or built-in module: nothing to parse
+        path = found_path
+    try:
+        tree = ast.parse(path.read_bytes(), filename=str(path))
+    except SyntaxError as exc:
+        problems.append(f"reward.function: {path}:{exc.lineno}: syntax error in the reward module: {exc.msg}")
+        return problems
+    except (OSError, ValueError) as exc:
+        problems.append(f"reward.function: cannot read {path} ({exc})")
+        return problems
+    names, star = _top_level_names(tree)
+    if fn_name not in names and not star:
+        defs = sorted(n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)))
+        have = f"its top-level functions: {', '.join(defs[:10])}" if defs else "it defines no top-level function"
+        problems.append(f"reward.function: {path} does not define {fn_name!r} at top level ({have})")
+    return problems
+
+
+def reward_code_file(spec: str, cwd: str | Path | None = None) -> str | None:
+    """The file of user code that `reward.function` runs (None for a built-in); a module's name
+    when its file cannot be found."""
+    if spec in BUILTIN_REWARDS:
+        return None
+    module_name, _, _ = spec.rpartition(":")
+    if module_name.endswith(".py"):
+        return module_name
+    base = Path(cwd) if cwd is not None else Path.cwd()
+    found_path, _ = _find_module_file(module_name, base)
+    return str(found_path) if found_path is not None else module_name
 
 
 def reward_fn_from_config(reward: RewardConfig) -> RewardFn:

@@ -46,7 +46,7 @@ def run(ctx: WorkerContext, recipe_cls: type[Recipe]) -> None:
         samples.write(step, getattr(evaluator, "samples", None), metrics, name="val_step")
 
     save_every = cfg.trainer.save_interval
-    profiler = StepProfiler(cfg.trainer.profile_step, ctx.output_dir, ctx.rank, ctx.device)
+    profiler = StepProfiler.from_config(cfg, ctx.output_dir, ctx.rank, ctx.device)
     try:
         if evaluator is not None and cfg.trainer.val_before_train:
             evaluate(start)

@@ -1,11 +1,15 @@
-"""`trainer.profile_step`: one training step under torch.profiler, on every rank.
+"""Training steps under torch.profiler: `trainer.profile_step` (one step, every rank) or verl's blocks
+`actor_rollout_ref.actor.profile` (steps [step_start, step_end) counted from 0, on profile_ranks, into
+save_path) and `actor_rollout_ref.actor.profiler` (trainer.profile_step on `ranks` / `all_ranks`).
 
-Each rank writes a Chrome trace (open it in chrome://tracing or https://ui.perfetto.dev) to
-`<output_dir>/profile/step_<N>.rank_<R>.json.gz` and, beside it (`.txt`), where its GPU time went by
-kind of kernel (GEMM, attention, optimizer, compiled, ...) against the step's wall time; rank 0 also
-prints its own. Ranks of different pipeline stages or roles differ: compare their files. The summary
-is the one `benchmarks/train_step.py --profile` prints, so a job and a benchmark of it compare directly.
-Profiling costs host time during that step only; its metrics line is marked `profiled`.
+Each profiled rank writes, per profiled step, a Chrome trace (open it in chrome://tracing or
+https://ui.perfetto.dev) to `<folder>/step_<N>.rank_<R>.json.gz` (folder: save_path, default
+`<output_dir>/profile`; N is trinity's 1-based step) and, beside it (`.txt`), where its GPU time went by
+kind of kernel (GEMM, attention, optimizer, compiled, ...) against the step's wall time; the logging
+rank also prints its own when it profiles. Ranks of different pipeline stages or roles differ: compare
+their files. The summary is the one `benchmarks/train_step.py --profile` prints, so a job and a
+benchmark of it compare directly. Profiling costs host time during those steps only; their metrics
+lines are marked `profiled`.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 import torch
 
@@ -61,24 +65,59 @@ def kernel_kind_table(totals: dict[str, list[float]], wall_s: float) -> list[str
     return lines
 
 
-def trace_path(output_dir: Path, step: int, rank: int) -> Path:
-    return output_dir / "profile" / f"step_{step}.rank_{rank}.json.gz"
+def trace_path(output_dir: Path, step: int, rank: int, folder: Path | None = None) -> Path:
+    """The trace of `step` on `rank`: in `folder`, or `<output_dir>/profile` by default."""
+    return (folder or output_dir / "profile") / f"step_{step}.rank_{rank}.json.gz"
 
 
-def summary_path(output_dir: Path, step: int, rank: int) -> Path:
-    return output_dir / "profile" / f"step_{step}.rank_{rank}.txt"
+def summary_path(output_dir: Path, step: int, rank: int, folder: Path | None = None) -> Path:
+    return (folder or output_dir / "profile") / f"step_{step}.rank_{rank}.txt"
 
 
 class StepProfiler:
-    """Profiles `profile_step` (None: nothing) of a training loop; `summary` holds rank 0's lines after it."""
+    """Profiles the steps in `steps` of a training loop on this rank (nothing when the rank is not among
+    `ranks`; None: every rank); `summary` holds the lines of the last profiled step.
 
-    def __init__(self, profile_step: int | None, output_dir: Path, rank: int, device: torch.device):
+    `StepProfiler(profile_step, output_dir, rank, device)` is `trainer.profile_step` on every rank;
+    `from_config` reads every profiling option of a job."""
+
+    def __init__(
+        self,
+        profile_step: int | None,
+        output_dir: Path,
+        rank: int,
+        device: torch.device,
+        *,
+        steps: Iterable[int] = (),
+        ranks: Iterable[int] | None = None,
+        folder: Path | str | None = None,
+    ):
+        self.steps = frozenset(steps) | ({profile_step} if profile_step is not None else frozenset())
+        if ranks is not None and rank not in set(ranks):
+            self.steps = frozenset()
         self.profile_step = profile_step
         self.output_dir = output_dir
+        self.folder = Path(folder) if folder is not None else None
         self.rank = rank
         self.device = device
         self.summary: list[str] = []
-        self.profiled = False  # whether the last step() was the profiled one
+        self.profiled = False  # whether the last step() was a profiled one
+
+    @classmethod
+    def from_config(cls, cfg: Any, output_dir: Path, rank: int, device: torch.device) -> StepProfiler:
+        """The profiler a job's config asks for (a validated JobConfig; the rules allow one of the three
+        forms at a time): verl's `actor.profile` step range, verl's `actor.profiler` ranks for
+        `trainer.profile_step`, or `trainer.profile_step` alone on every rank."""
+        step = cfg.trainer.profile_step
+        old = cfg.actor_rollout_ref.actor.profile
+        new = cfg.actor_rollout_ref.actor.profiler
+        if old.use_profile:
+            # verl counts optimizer steps from 0; trinity's steps count from 1.
+            return cls(None, output_dir, rank, device, steps=range(old.step_start + 1, old.step_end + 1),
+                       ranks=old.profile_ranks if old.profile_ranks is not None else [0], folder=old.save_path)
+        if new.enable:
+            return cls(step, output_dir, rank, device, ranks=None if new.all_ranks else new.ranks, folder=new.save_path)
+        return cls(step, output_dir, rank, device)
 
     def log(self, metrics: Any, row: dict[str, Any]) -> None:
         """`metrics.log(row)` for the step just run, marked `profiled` (and followed by the summary) when
@@ -90,7 +129,7 @@ class StepProfiler:
     @contextlib.contextmanager
     def step(self, step: int) -> Iterator[bool]:
         """Runs the body under the profiler when `step` is the profiled one; yields whether it is."""
-        self.profiled = step == self.profile_step
+        self.profiled = step in self.steps
         if not self.profiled:
             yield False
             return
@@ -104,7 +143,7 @@ class StepProfiler:
             if cuda:
                 torch.cuda.synchronize(self.device)
             wall = time.perf_counter() - t0
-        path = trace_path(self.output_dir, step, self.rank)
+        path = trace_path(self.output_dir, step, self.rank, self.folder)
         path.parent.mkdir(parents=True, exist_ok=True)
         prof.export_chrome_trace(str(path))
         if cuda:
@@ -114,7 +153,7 @@ class StepProfiler:
             self.summary = [f"host time of a {wall * 1e3:.1f} ms profiled step, top ops", "op | ms | calls"]
             self.summary += [f"{e.key} | {e.self_cpu_time_total / 1e3:.1f} | {e.count}" for e in rows]
         self.summary.insert(0, f"profiled step {step}: trace {path}")
-        summary_path(self.output_dir, step, self.rank).write_text("\n".join(self.summary) + "\n")
+        summary_path(self.output_dir, step, self.rank, self.folder).write_text("\n".join(self.summary) + "\n")
 
 
 __all__ = ["KERNEL_KINDS", "StepProfiler", "kernel_kind", "kernel_kind_table", "kernel_kind_totals", "summary_path",

@@ -49,6 +49,7 @@ def run_worker(config_path: str | Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from trinity.launch import child; child.setup()  # noqa: E702 - first: quiet known warnings, stop with `trinity run`
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
         print("usage: python -m trinity.trainer.worker <resolved_config.yaml>", file=sys.stderr)

@@ -16,6 +16,7 @@ from trinity.errors import UserError
 
 RECIPES: dict[str, str] = {
     "sft": "trinity.trainer.recipes.sft:SFTRecipe",
+    "pt": "trinity.trainer.recipes.pt:PTRecipe",
     "grpo": "trinity.trainer.recipes.grpo:GRPORecipe",
     "ppo": "trinity.trainer.recipes.ppo:PPORecipe",
 }

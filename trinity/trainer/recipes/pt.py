@@ -1,0 +1,17 @@
+"""Pre-training (`pt`): the SFT step on packed plain-text rows (`trinity.data.pretrain`): every token is
+trained."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from trinity.trainer.recipes.sft import SFTRecipe
+
+
+class PTRecipe(SFTRecipe):
+    def build_data(self) -> Any:
+        from megatron.core import parallel_state as ps
+
+        from trinity.data.pretrain import pt_data_from_job
+
+        return pt_data_from_job(self.cfg, dp_rank=ps.get_data_parallel_rank(), dp_size=ps.get_data_parallel_world_size())
