@@ -280,7 +280,8 @@ class TrainerConfig(StrictModel):
     val_before_train: bool = True
     """Evaluate on data.val_files before the first step (of this run: a resumed run evaluates at its start)."""
     log_samples: int | None = Field(default=None, ge=0)
-    """RL: (prompt, response, reward) triples printed per step (unset: 2); every step's responses go to
+    """RL: (prompt, response, reward) triples printed after each step line (unset: 2; the steps
+    trainer.log_interval prints); every step's responses go to
     <output_dir>/samples/step_N.jsonl (val ones to val_step_N.jsonl). 0 prints none and writes no files."""
     profile_step: int | None = Field(default=None, ge=1)
     """Profile this step with torch.profiler on every rank: a Chrome trace per rank in

@@ -54,7 +54,8 @@ def run(ctx: WorkerContext, recipe_cls: type[Recipe]) -> None:
             with profiler.step(step):
                 row = recipe.step(step)
             profiler.log(metrics, row)
-            samples.write(step, getattr(recipe, "last_samples", None), metrics)
+            samples.write(step, getattr(recipe, "last_samples", None), metrics,
+                          show=step % cfg.trainer.log_interval == 0 or step == recipe.total_steps)
             if evaluator is not None and evaluator.due(step):
                 evaluate(step)
             if (save_every and step % save_every == 0) or step == recipe.total_steps:
