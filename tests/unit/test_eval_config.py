@@ -127,3 +127,16 @@ def test_a_local_folder_wins_over_a_hub_id(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "org" / "name").mkdir(parents=True)
     assert resolve_model_path("org/name") == "org/name"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("wandb") is None, reason="wandb is not installed (pip install wandb)")
+def test_wandb_without_a_key_is_refused_unless_offline(write_job, small_job, tmp_path, monkeypatch):
+    for var in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_BASE_URL"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
+    job = copy.deepcopy(small_job)
+    job["trainer"]["logger"] = ["console", "wandb"]
+    path = write_job(job)
+    assert any(p.startswith("trainer.logger: wandb has no API key here") for p in problems_of(path))
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    assert load_config(path).config.trainer.trackers() == ["wandb"]

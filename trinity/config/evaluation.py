@@ -4,6 +4,7 @@ trainer.log_samples, trainer.logger), checked with the rest of the job before an
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 
 from trinity.config.schema import JobConfig
@@ -41,3 +42,20 @@ def check_evaluation(cfg: JobConfig, problems: list[str], check_paths: bool) -> 
             module, pip = TRACKER_PACKAGES[name]
             if importlib.util.find_spec(module) is None:
                 problems.append(f"trainer.logger: {name} is not installed; run `{pip}` or remove {name} from trainer.logger")
+            elif name == "wandb" and not _wandb_can_log():
+                problems.append("trainer.logger: wandb has no API key here (WANDB_API_KEY unset, no `wandb login` in "
+                                "~/.netrc); run `wandb login`, set WANDB_API_KEY, or set WANDB_MODE=offline to keep the "
+                                "run in <output_dir>/wandb (`wandb sync` uploads it later)")
+
+
+def _wandb_can_log() -> bool:
+    """Whether wandb.init will start without asking for a key (a worker has no terminal to ask on)."""
+    if os.environ.get("WANDB_MODE", "").strip().lower() in ("offline", "disabled", "dryrun"):
+        return True
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    netrc = Path(os.environ.get("NETRC", Path.home() / ".netrc"))
+    try:
+        return "api.wandb.ai" in netrc.read_text() or bool(os.environ.get("WANDB_BASE_URL"))
+    except OSError:
+        return bool(os.environ.get("WANDB_BASE_URL"))
