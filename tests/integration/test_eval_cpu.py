@@ -65,6 +65,7 @@ def test_sft_val_loss_before_training_equals_step_1_loss(tiny, tmp_path):
     # the step trained on these very rows at a high LR: the loss after it is lower
     assert val[1]["val/loss"] < val[0]["val/loss"] - 1e-3
     assert "val step 0/1 | val/loss" in proc.stdout
+    assert f"val/loss {val[0]['val/loss']:.4f} (step 0) -> {val[1]['val/loss']:.4f} (step 1)" in proc.stdout
 
 
 @pytest.mark.slow

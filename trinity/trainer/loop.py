@@ -63,6 +63,8 @@ def run(ctx: WorkerContext, recipe_cls: type[Recipe]) -> None:
                 metrics.print(f"saved checkpoint {ckpt.save(step)}")
         if metrics.first is not None:
             metrics.print(recipe.summary(metrics.first, metrics.last))
+        if evaluator is not None and evaluator.summary():
+            metrics.print(evaluator.summary())
     finally:
         metrics.close()
     if cfg.trainer.export_hf:
