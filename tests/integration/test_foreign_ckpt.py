@@ -211,3 +211,26 @@ def test_validate_refuses_a_folder_that_is_no_dist_checkpoint(tmp_path, write_jo
         f"actor_rollout_ref.actor.megatron.dist_checkpointing_path: {tmp_path / 'not_a_ckpt'} is not a "
         "megatron-core dist checkpoint (no .metadata in it)"
     ) in str(exc.value)
+
+
+def test_critic_backbone_from_a_foreign_lm_checkpoint(session, tmp_path):
+    """A critic (value head [1, hidden] as output layer) takes every tensor but the LM's output layer:
+    `exclude=("output_layer.weight",)` skips it in the key check and in the load."""
+    from trinity.models.build import build_model
+
+    hf = make_tiny_hf_model("qwen2", tmp_path / "hf")
+    facts = ModelFacts.from_hf_dir(hf)
+    ckpt = save_foreign(plain_gpt(hf), tmp_path / "foreign")
+    critic = build_model(facts, session, device="cpu", dtype=torch.float32, value_head=True)
+    head = critic[0].output_layer.weight.detach().clone()
+    with pytest.raises(UserError, match=r"1 shape differs: output_layer\.weight \[128, 64\] vs model \[1, 64\]"):
+        load_model_checkpoint(critic, ckpt)
+    load_model_checkpoint(critic, ckpt, exclude=("output_layer.weight",))
+    reference = _build(facts, session, "cpu", torch.float32)
+    load_hf_weights(reference, hf, facts)
+    want = dict(reference[0].named_parameters())
+    for name, p in critic[0].named_parameters():
+        if name == "output_layer.weight":
+            assert torch.equal(p, head)
+        else:
+            assert torch.equal(p, want[name]), name

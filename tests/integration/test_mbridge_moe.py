@@ -73,6 +73,7 @@ def _ep2_worker(rank: int, port: int, hf_dir: str) -> None:
 
 
 @pytest.mark.multiproc
+@pytest.mark.slow
 def test_mbridge_qwen3_moe_equals_builtin_at_ep2(tmp_path):
     hf = make_tiny_hf_model("qwen3_moe", tmp_path / "hf")
     run_two_ranks(_ep2_worker, str(hf), timeout=240)

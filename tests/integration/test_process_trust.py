@@ -110,6 +110,24 @@ class Job:
         self._out.close()
 
 
+def test_job_its_workers_refuse_leaves_the_previous_resolved_config(workdir):
+    """3: a job refused by its workers before training a step (here: a folder to resume from that is
+    no checkpoint) leaves the output folder's resolved_config.yaml as the previous job wrote it."""
+    out = workdir / "run"
+    out.mkdir(exist_ok=True)
+    (out / "resolved_config.yaml").write_text("# job A\n")
+    not_a_checkpoint = workdir / "empty"
+    not_a_checkpoint.mkdir()
+    cfg = yaml.safe_load((workdir / "job.yaml").read_text())
+    cfg["trainer"]["resume"] = str(not_a_checkpoint)
+    (workdir / "refused.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+    proc = subprocess.run(trinity_run_argv(workdir / "refused.yaml"), cwd=REPO, stdin=subprocess.DEVNULL,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=400)
+    assert proc.returncode == 2, proc.stdout[-3000:]
+    assert f"trainer.resume: {not_a_checkpoint} is not a complete training checkpoint" in proc.stdout
+    assert (out / "resolved_config.yaml").read_text() == "# job A\n"
+
+
 def test_ctrl_c_stops_every_process_and_names_the_checkpoint(workdir):
     """SIGHUP and SIGTERM take the same path (tests/unit/test_cli_trust.py checks they are forwarded)."""
     sig = signal.SIGINT
@@ -124,7 +142,7 @@ def test_ctrl_c_stops_every_process_and_names_the_checkpoint(workdir):
         job.cleanup()
     out = job.text()
     assert job.cli.returncode == 128 + sig, out[-3000:]
-    assert "failed first" not in out and "job failed" not in out, out[-3000:]
+    assert "failed first" not in out and "job failed" not in out and "death signal" not in out, out[-3000:]
     m = re.search(r"interrupted; the last complete checkpoint is (\S+) \(step (\d+)\): run again with "
                   r"trainer.resume=auto", out)
     assert m, out[-3000:]

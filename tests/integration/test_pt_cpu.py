@@ -64,26 +64,38 @@ def losses(out: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in rows}
 
 
-@pytest.mark.slow
-def test_indexed_dataset_trains_and_resumes_at_the_same_position(assets, tmp_path):
-    base = tmp_path / "base"
-    cfg = job(assets, base, [str(assets["indexed"])], save_interval=3)
-    proc = trinity_run(cfg, tmp_path / "base.yaml", timeout=240)
+@pytest.fixture(scope="module")
+def baseline(assets, tmp_path_factory) -> tuple[Path, str]:
+    """An uninterrupted 6-step job on the indexed dataset, checkpointing at 3 and 6: (output_dir, its output)."""
+    tmp = tmp_path_factory.mktemp("pt_base")
+    proc = trinity_run(job(assets, tmp / "run", [str(assets["indexed"])], save_interval=3), tmp / "base.yaml", timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:]
-    assert f"data: pt: 200 documents" in proc.stdout and "(indexed: 200 documents" in proc.stdout
-    assert "rows of 64 tokens per epoch (concatenated, 0.0% padding)" in proc.stdout
-    full = losses(base)
-    assert sorted(full) == list(range(1, 7))
-    rows = [json.loads(line) for line in (base / "metrics.jsonl").read_text().splitlines()]
-    assert all(r["loss_tokens"] == 8 * 64 for r in rows)  # every token of every row is trained
+    return tmp / "run", proc.stdout
 
-    # A new run resumed from the middle checkpoint reads the rows the uninterrupted run read next.
-    resumed_out = tmp_path / "resumed"
-    cfg = job(assets, resumed_out, [str(assets["indexed"])], resume=str(base / "checkpoints" / "step_3"))
+
+@pytest.mark.slow
+def test_indexed_dataset_trains(baseline):
+    out, text = baseline
+    assert "data: pt: 200 documents" in text and "(indexed: 200 documents" in text
+    assert "rows of 64 tokens per epoch (concatenated, 0.0% padding)" in text
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 7))
+    assert all(r["loss_tokens"] == 8 * 64 for r in rows)  # every token of every row is trained
+    assert rows[-1]["loss"] < rows[0]["loss"]
+
+
+@pytest.mark.slow
+def test_indexed_dataset_resumes_at_the_same_position(assets, baseline, tmp_path):
+    """A new run resumed from the middle checkpoint reads the rows the uninterrupted run read next:
+    the same losses."""
+    base, _ = baseline
+    full = losses(base)
+    out = tmp_path / "resumed"
+    cfg = job(assets, out, [str(assets["indexed"])], resume=str(base / "checkpoints" / "step_3"))
     proc = trinity_run(cfg, tmp_path / "resumed.yaml", timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert f"resumed from {base / 'checkpoints' / 'step_3'} at step 3" in proc.stdout
-    again = losses(resumed_out)
+    again = losses(out)
     assert sorted(again) == [4, 5, 6]
     for step in (4, 5, 6):
         assert again[step] == pytest.approx(full[step], rel=1e-6, abs=0), (step, full, again)

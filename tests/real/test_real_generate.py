@@ -1,10 +1,7 @@
 """The rollout engine on the real model: greedy chat answers equal transformers' `generate`, token for
-token (fp32, CPU), and `trinity generate` answers with them."""
+token (fp32, CPU). (`trinity generate` on the real model: test_real_sft.py, on a run folder.)"""
 
 from __future__ import annotations
-
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -60,13 +57,3 @@ def test_greedy_chat_answers_equal_hf_generate(real_model):
         answers.append(tok.decode(ours))
     # a trained model, not random weights: it knows this one and ends its turn
     assert "Paris" in answers[0] and answers[0].endswith("<|im_end|>"), answers[0]
-
-
-def test_trinity_generate_cli_on_hf_folder(real_model):
-    proc = subprocess.run(
-        [sys.executable, "-m", "trinity.cli.main", "generate", "--model", str(real_model), "--chat",
-         "--max-new-tokens", "16", "--prompt", PROMPTS[0]],
-        capture_output=True, text=True, timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.strip() == "The capital of France is Paris."

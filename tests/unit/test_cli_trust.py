@@ -224,7 +224,9 @@ def test_job_refused_for_a_held_output_dir_writes_nothing_there(tiny_job_assets,
 
 # --- 6 and 4: the supervisor -------------------------------------------------------------------
 
-_TORCHRUN_REPORT = """Traceback (most recent call last):
+_TORCHRUN_REPORT = """W1125 13:17:31.134000 17559 site-packages/torch/distributed/elastic/agent/server/api.py:753] Received 15 death signal, shutting down workers
+W1125 13:17:31.134000 17559 site-packages/torch/distributed/elastic/multiprocessing/api.py:1028] Sending process 17836 closing signal SIGTERM
+Traceback (most recent call last):
   File "torch/distributed/run.py", line 1, in <module>
 torch.distributed.elastic.multiprocessing.api.SignalException: Process 12 got signal: 15
 """
@@ -238,7 +240,7 @@ def test_relay_says_nothing_about_a_failed_rank_when_the_job_was_interrupted():
     assert out.getvalue() == ""
     out = io.StringIO()  # a real failure still gets its line
     _relay_stderr(io.StringIO(_TORCHRUN_REPORT), out, False, {}, {"sig": None})
-    assert "failed first" in out.getvalue()
+    assert "failed first" in out.getvalue() and "death signal" in out.getvalue()
 
 
 def test_interrupted_message_names_the_last_complete_checkpoint(tmp_path):

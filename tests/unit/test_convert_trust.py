@@ -178,3 +178,14 @@ def test_symlinked_shards_inside_the_folder_still_load(tmp_path):
     (hf / "model.safetensors").unlink()
     (hf / "model.safetensors").symlink_to(tmp_path / "blob")
     assert HFCheckpoint(hf).names()
+
+
+def test_read_extra_names_a_damaged_common_pt(tiny, tmp_path):
+    from trinity.convert.dist_ckpt import read_extra
+
+    ckpt = _copy(tiny[1], tmp_path)
+    assert isinstance(read_extra(ckpt), dict)
+    data = (ckpt / "common.pt").read_bytes()
+    (ckpt / "common.pt").write_bytes(data[: len(data) // 2])
+    with pytest.raises(UserError, match=r"ckpt: corrupt or truncated dist checkpoint file common\.pt"):
+        read_extra(ckpt)

@@ -72,3 +72,20 @@ def test_works_outside_the_main_thread():
     t.start()
     t.join()
     assert out == [[1.0, 0.0]]
+
+
+@pytest.mark.parametrize(
+    "response,answer,exact,verified",
+    [  # the table of docs/rl.md (math_exact_match with its default extractor)
+        ("So the result is \\boxed{2/4}", "\\frac{1}{2}", 0.0, 1.0),
+        ("\\boxed{(x+1)^2}", "x^2+2x+1", 0.0, 1.0),
+        ("\\boxed{2\\sqrt{2}}", "\\sqrt{8}", 0.0, 1.0),
+        ("7 + 5 = 12", "12", 1.0, 1.0),
+        ("I think -3/2", "-1.5", 1.0, 1.0),
+        ("\\boxed{3} but later 4", "3", 0.0, 1.0),
+        ("7 + 5 = 13", "12", 0.0, 0.0),
+    ],
+)
+def test_documented_comparison_with_exact_match(response, answer, exact, verified):
+    assert load_reward_fn("math_exact_match")([""], [response], [answer]) == [exact]
+    assert load_reward_fn("math_verify")([""], [response], [answer]) == [verified]

@@ -298,7 +298,7 @@ def test_overlap_grad_reduce_reaches_megatron_ddp(tiny_qwen2_tp1, overlap):
     from trinity.config.megatron import MegatronConfig
     from trinity.config.schema import OptimConfig
     from trinity.models.build import build_model
-    from trinity.trainer.setup import build_train_state
+    from trinity.trainer.engine.setup import build_train_state
 
     facts, _ = tiny_qwen2_tp1
     m = MegatronConfig(overlap_grad_reduce=overlap)

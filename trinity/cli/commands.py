@@ -64,19 +64,39 @@ def run(config: Path, overrides: list[str], *, dry_run: bool = False, debug: boo
     lock = acquire(out, name) if name else None
     try:
         prepare_weights(loaded, out)
+        before = _run_record(out)
         write_resolved(cfg, resolved)
         print("command: " + shlex.join(cmd), flush=True)
         stopped: dict[str, int | None] = {}
         code = supervise(cmd, env=worker_env(os.environ, sys.stdout, debug=debug), debug=debug,
                          pass_fds=(lock.fd,) if lock else (), stopped=stopped)
+        if code == UserError.exit_code and before["config"] is not None and _run_record(out)["trained"] == before["trained"]:
+            # The workers refused the job (e.g. its checkpoint to resume from) before it trained a
+            # step: the folder's record stays the previous job's, not the config of a job that never ran.
+            resolved.write_bytes(before["config"])
     finally:
         if lock is not None:
             lock.release()
     if stopped.get("sig") is not None:
-        print(interrupted_message(out), flush=True)
+        try:
+            print(interrupted_message(out), flush=True)
+        except OSError:  # SIGHUP: the terminal is gone, and with it the reader of this line
+            pass
     elif code != 0:
         print(f"job failed with exit code {code}; every rank's log is under {out / 'logs'}")
     return code
+
+
+def _run_record(out: Path) -> dict:
+    """What a previous job left in `out`: its resolved config (bytes) and what it trained (the
+    metrics' size and the complete checkpoints)."""
+    from trinity.trainer.checkpoint import complete_checkpoints
+
+    resolved, metrics = out / "resolved_config.yaml", out / "metrics.jsonl"
+    return {
+        "config": resolved.read_bytes() if resolved.is_file() else None,
+        "trained": (metrics.stat().st_size if metrics.is_file() else -1, complete_checkpoints(out / "checkpoints")),
+    }
 
 
 def interrupted_message(out: Path) -> str:
@@ -148,7 +168,10 @@ def tiny_assets(output: Path) -> int:
     return 0
 
 
-def convert_hf_to_mcore(hf_path: Path, output: Path, **kwargs) -> int:
+def convert_hf_to_mcore(hf_path: Path, output: Path, *, debug: bool = False, **kwargs) -> int:
+    from trinity.launch import quiet
+
+    quiet.install(debug)  # before megatron-core is imported
     from trinity.convert.api import hf_to_mcore
 
     _require_dir(hf_path, "--hf-path")
@@ -157,7 +180,10 @@ def convert_hf_to_mcore(hf_path: Path, output: Path, **kwargs) -> int:
     return 0
 
 
-def convert_mcore_to_hf(mcore_path: Path, output: Path, **kwargs) -> int:
+def convert_mcore_to_hf(mcore_path: Path, output: Path, *, debug: bool = False, **kwargs) -> int:
+    from trinity.launch import quiet
+
+    quiet.install(debug)  # before megatron-core is imported
     from trinity.convert.api import mcore_to_hf
 
     _require_dir(mcore_path, "--mcore-path")

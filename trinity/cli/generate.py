@@ -182,9 +182,13 @@ def run(
     seed: int,
     device: str,
     json_out: bool = False,
+    debug: bool = False,
     out: TextIO | None = None,
 ) -> int:
     """The command: prints each prompt's answer (or one JSON line per prompt with --json)."""
+    from trinity.launch import quiet
+
+    quiet.install(debug)  # before megatron-core is imported: its known harmless warnings stay hidden
     stream = out or sys.stdout
     answers = generate_answers(model, prompts, chat=chat, max_new_tokens=max_new_tokens, temperature=temperature,
                                top_p=top_p, seed=seed, device=device)

@@ -110,7 +110,7 @@ def generate(
     from trinity.cli import generate as gen
 
     _guard(lambda: gen.run(model, prompt, chat=chat, max_new_tokens=max_new_tokens, temperature=temperature,
-                           top_p=top_p, seed=seed, device=device, json_out=json_out), debug)
+                           top_p=top_p, seed=seed, device=device, json_out=json_out, debug=debug), debug)
 
 
 @convert_app.command("hf-to-mcore")
@@ -131,7 +131,7 @@ def hf_to_mcore(
     from trinity.cli import commands
 
     _guard(lambda: commands.convert_hf_to_mcore(hf_path, output, tp=tp, pp=pp, vpp=vpp, ep=ep, backend=backend,
-                                                dtype=dtype, verify=verify, force=force), debug)
+                                                dtype=dtype, verify=verify, force=force, debug=debug), debug)
 
 
 @convert_app.command("mcore-to-hf")
@@ -146,7 +146,8 @@ def mcore_to_hf(
     """Convert a megatron-core dist checkpoint to a Hugging Face folder."""
     from trinity.cli import commands
 
-    _guard(lambda: commands.convert_mcore_to_hf(mcore_path, output, dtype=dtype, verify=verify, force=force), debug)
+    _guard(lambda: commands.convert_mcore_to_hf(mcore_path, output, dtype=dtype, verify=verify, force=force,
+                                                debug=debug), debug)
 
 
 def main() -> None:

@@ -200,7 +200,7 @@ def describe_reward(cfg: JobConfig) -> str:
     r = cfg.reward
     code = reward_code_file(r.function)
     if code is None:
-        extra = f", extractor {r.extractor}" if r.function == "math_exact_match" else ""
+        extra = f", extractor {r.extractor}" if r.function in ("math_exact_match", "math_verify") else ""
         return f"built-in {r.function}{extra}"
     fn = r.function.rpartition(":")[2]
     package = Path(__file__).resolve().parents[1]

@@ -422,7 +422,8 @@ def _check_data(cfg: JobConfig, problems: list[str], check_paths: bool) -> None:
                 ".jsonl, .json or .parquet files in it (data.train_files takes files, e.g. "
                 "[dir/part-0.parquet, dir/part-1.parquet])"
             )
-        elif not f.endswith((".jsonl", ".json", ".parquet")):
+        elif not f.endswith((".jsonl", ".json", ".parquet")) and (check_paths or Path(f).suffix):
+            # (without check_paths a name with no suffix may be a datasets folder: not checked)
             problems.append(f"data.train_files.{i}: {f} is not a .jsonl, .json or .parquet file or a datasets folder")
         elif check_paths and not Path(f).is_file():
             problems.append(f"data.train_files.{i}: {f} does not exist")

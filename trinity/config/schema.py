@@ -430,9 +430,10 @@ class RewardConfig(StrictModel):
     """How responses are scored in RL."""
 
     function: str = "math_exact_match"
-    """A built-in reward (`math_exact_match`, `format`) or a user function `module.path:function`."""
+    """A built-in reward (`math_exact_match`, `math_verify`, `format`) or a user function `module.path:function`."""
     extractor: Literal["last_number", "boxed", "after_marker"] = "last_number"
-    """How math_exact_match finds the answer in a response."""
+    """How math_exact_match and math_verify find the answer in a response (math_verify: `last_number` takes
+    the last `\\boxed{...}` when there is one)."""
     marker: str = "####"
     """Marker for the after_marker extractor."""
     format_pattern: str | None = None

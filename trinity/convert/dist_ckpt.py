@@ -343,7 +343,13 @@ def read_extra(ckpt_dir: str | Path) -> dict[str, Any]:
     """The `extra_common` dict saved with the checkpoint (no model needed)."""
     from megatron.core import dist_checkpointing
 
-    return dict(dist_checkpointing.load_common_state_dict(str(ckpt_dir)).get("extra", {}))
+    failure: BaseException | None = None
+    try:
+        return dict(dist_checkpointing.load_common_state_dict(str(ckpt_dir)).get("extra", {}))
+    except Exception as exc:  # a cut common.pt raises RuntimeError, EOFError, pickle errors...
+        failure = exc
+    check_readable(ckpt_dir)  # names the missing or damaged file
+    raise UserError(f"{ckpt_dir}: cannot read the dist checkpoint's common.pt ({_short(failure)})")
 
 
 def load_model_checkpoint(
@@ -457,16 +463,28 @@ def check_matches_model(
         stored = _stored_metadata(path)
     ours = {k: t for k, t in _model_tensors(models).items() if k not in exclude}
     theirs = {k: v for k, v in stored.items() if isinstance(v, ShardedTensor)}
-    # Only the model's own chunks are known here: with PP/VPP each rank checks its layers, and keys of
-    # other ranks' layers are in the checkpoint. Layers are stacked along one axis per key, so only a
-    # key no rank can have counts as unexpected: checked by name family below.
+    # Each rank checks its own chunks. Per-layer keys are the same on every pipeline stage (layers are
+    # stacked along a global first axis); only the embedding (first stage), final norm and output layer
+    # (last stage) live on some ranks, so their absence elsewhere is expected (`_other_stage_key`).
     missing = sorted(k for k in ours if k not in theirs)
+    # Vocabulary rows may differ (megatron-core pads or trims them on load), but only for a tensor that
+    # has the model's padded vocabulary as rows: a critic's [1, hidden] value head is not an LM head.
+    vocab = {getattr(unwrap(m), "vocab_size", None) for m in models}
+
+    def same(mine: tuple[int, ...], stored: tuple[int, ...], padded: bool) -> bool:
+        if mine == stored:
+            return True
+        return padded and len(mine) == len(stored) and mine[1:] == stored[1:] and mine[0] in vocab
+
     shapes = sorted(
         f"{k} {list(theirs[k].global_shape)} vs model {list(t.global_shape)}"
         for k, t in ours.items()
-        if k in theirs and tuple(theirs[k].global_shape) != tuple(t.global_shape) and not t.allow_shape_mismatch
+        if k in theirs and not same(tuple(t.global_shape), tuple(theirs[k].global_shape), t.allow_shape_mismatch)
     )
-    unexpected = sorted(k for k in theirs if k not in ours and not k.startswith("optimizer.") and not _other_stage_key(k, ours))
+    unexpected = sorted(
+        k for k in theirs
+        if k not in ours and k not in exclude and not k.startswith("optimizer.") and not _other_stage_key(k, ours)
+    )
     problems = []
     for what, keys in (("missing from the checkpoint", missing), ("shape differs", shapes),
                        ("not in the model", unexpected)):

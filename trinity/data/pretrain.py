@@ -152,8 +152,11 @@ def _text_documents(path: str, kind: SourceKind, text_key: str) -> tuple[list[st
     return texts, skipped
 
 
-def read_indexed(path: str, eos: int, vocab_size: int) -> Source:
+def read_indexed(path: str, eos: int, vocab_size: int | None) -> Source:
     """A Megatron indexed dataset through megatron-core's IndexedDataset, as a token stream.
+
+    With `vocab_size`, the largest token id is checked against it (a full read of the .bin);
+    None skips that scan (see `build_pt_data`'s check_vocab).
 
     Megatron documents may be several sequences (preprocess_data.py --split-sentences); they are
     stored contiguously, so a document is the run of its sequences' tokens.
@@ -172,8 +175,8 @@ def read_indexed(path: str, eos: int, vocab_size: int) -> Source:
         raise UserError(f"{path}: the indexed dataset holds no tokens")
     # One read of the whole .bin through megatron's reader: a view of its memory map, no copy.
     raw = ds.bin_reader.read(dtype=ds.index.dtype, count=total, offset=int(ds.index.sequence_pointers[0]))
-    top = int(raw.max())
-    if top >= vocab_size:
+    top = int(raw.max()) if vocab_size is not None else -1
+    if vocab_size is not None and top >= vocab_size:
         raise UserError(
             f"{path}: token id {top} is outside the job's tokenizer vocabulary ({vocab_size} tokens), so the "
             "dataset was tokenised with another tokenizer; preprocess it again with this tokenizer "
@@ -197,11 +200,11 @@ def read_indexed(path: str, eos: int, vocab_size: int) -> Source:
     return Source(path, SourceKind.indexed, tokens, doc_starts + shift, dataset=ds)
 
 
-def read_source(path: str, tokenizer: Any, *, eos: int, text_key: str) -> Source:
+def read_source(path: str, tokenizer: Any, *, eos: int, text_key: str, check_vocab: bool = True) -> Source:
     """One entry of data.train_files as a token stream."""
     kind = source_kind(path)
     if kind is SourceKind.indexed:
-        return read_indexed(path, eos, len(tokenizer))
+        return read_indexed(path, eos, len(tokenizer) if check_vocab else None)
     from trinity.data.sft import TOKENIZE_CHUNK
 
     texts, skipped = _text_documents(path, kind, text_key)
@@ -437,11 +440,13 @@ def build_pt_data(
     dp_size: int = 1,
     shuffle: bool = True,
     text_key: str = "text",
+    check_vocab: bool = True,
 ) -> PTData:
     """Read every source, cut or pack it into rows and set up the blend and the sampler.
 
     Every rank builds the same rows (reading and tokenising are deterministic) and takes its own slice
-    of each step. `tokenizer` is a tokenizer object or its folder.
+    of each step. `tokenizer` is a tokenizer object or its folder. `check_vocab` scans every indexed
+    dataset for its largest token id (a full read of each .bin).
     """
     from trinity.data.loader import RowSampler, load_tokenizer, pad_token_id
 
@@ -453,7 +458,7 @@ def build_pt_data(
     eos = tok.eos_token_id
     if eos is None:
         raise UserError("tokenizer has no eos_token; set one in its tokenizer_config.json")
-    sources = [read_source(f, tok, eos=int(eos), text_key=text_key) for f in files]
+    sources = [read_source(f, tok, eos=int(eos), text_key=text_key, check_vocab=check_vocab) for f in files]
     if packing:
         rows = [packed_rows(s, seq_len, pad_token_id(tok)) for s in sources]
     else:
@@ -473,7 +478,9 @@ def build_pt_data(
                   weights=weights)
 
 
-def pt_data_from_job(job: Any, *, dp_rank: int, dp_size: int, tokenizer: Any = None) -> PTData:
+def pt_data_from_job(
+    job: Any, *, dp_rank: int, dp_size: int, tokenizer: Any = None, check_vocab: bool = True
+) -> PTData:
     """`build_pt_data` with the settings of a validated JobConfig (as loader.sft_data_from_job)."""
     data, trainer = job.data, job.trainer
     return build_pt_data(
@@ -489,6 +496,7 @@ def pt_data_from_job(job: Any, *, dp_rank: int, dp_size: int, tokenizer: Any = N
         dp_size=dp_size,
         shuffle=data.shuffle,
         text_key=data.text_key,
+        check_vocab=check_vocab,
     )
 
 

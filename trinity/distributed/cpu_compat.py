@@ -28,6 +28,9 @@ def is_enabled() -> bool:
 
 
 def _patch(owner: Any, name: str, value: Any) -> None:
+    from trinity.distributed.patches import require
+
+    require("cpu_compat", owner, name)  # a moved name fails here, at start, not mid-step
     # classes: keep the raw descriptor (a classmethod must be restored as one)
     original = vars(owner)[name] if isinstance(owner, type) else getattr(owner, name)
     _patches.append((owner, name, original))

@@ -24,6 +24,8 @@ KNOWN: list[tuple[type[Warning], str, str]] = [
     (FutureWarning, r"Please use DTensor instead and we are deprecating ShardedTensor", "torch.distributed.checkpoint"),
     # megatron-core's DDP / distributed optimizer on deprecated torch.distributed collectives
     (FutureWarning, r"`torch\.distributed\.\w+` is deprecated", "torch.distributed.c10d_logger"),
+    # megatron-core's grad buffer offload (param_and_grad_buffer) on tensor.storage()
+    (UserWarning, r"TypedStorage is deprecated", "megatron.core.distributed.param_and_grad_buffer"),
     # megatron-core's zero_grad reads `.grad` of every param in its groups
     (UserWarning, r"The \.grad attribute of a Tensor that is not a leaf Tensor", "megatron.core.optimizer.optimizer"),
 ]

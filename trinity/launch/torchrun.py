@@ -92,6 +92,8 @@ def port_is_free(port: int, host: str = "") -> bool:
 
 
 _ROOT_CAUSE = re.compile(r"\s*(rank|host|exitcode)\s*:\s*(\S+)")
+# torchrun's own log lines (glog style: W1125 13:17:31.134000 <pid> <file>:<line>] ...) about stopping
+_STOP_NOISE = re.compile(r"[WI]\d{4} [\d:.]+ \d+ \S+\] (Received \w+ death signal|Sending process \d+ closing signal)")
 
 
 def _relay_stderr(
@@ -117,6 +119,8 @@ def _relay_stderr(
                 cause.setdefault(m.group(1), m.group(2))
         if swallowed:
             continue
+        if stopping.get("sig") is not None and not debug and _STOP_NOISE.match(line):
+            continue  # torchrun's log of the stop we asked for; the caller prints `interrupted`
         try:
             out.write(line)
             out.flush()

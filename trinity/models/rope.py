@@ -121,6 +121,9 @@ def install() -> bool:
     megatron now has a fused RoPE (TE's or ours)."""
     from megatron.core.models.common.embeddings import rope_utils
 
+    from trinity.distributed.patches import require
+
+    require("rope", rope_utils, "fused_apply_rotary_pos_emb", "fused_apply_rotary_pos_emb_thd")
     if rope_utils.fused_apply_rotary_pos_emb is None:
         rope_utils.fused_apply_rotary_pos_emb = fused_rope
     if rope_utils.fused_apply_rotary_pos_emb_thd is None:  # fused mode routes thd here; say why it fails

@@ -53,7 +53,9 @@ def _is_complete(path: Path) -> bool:
 
 _NETWORK_HINTS = (
     "connection", "network is unreachable", "name or service not known", "temporary failure in name resolution",
-    "max retries exceeded", "timed out", "no matching distribution", "could not find a version",
+    "max retries exceeded", "timed out", "proxyerror",
+    # pip's words when no index answered with the (published) wheel, e.g. with retries exhausted quietly
+    "(from versions: none)",
 )
 
 

@@ -86,11 +86,13 @@ def rng_state() -> dict[str, Any]:
 def set_rng_state(state: dict[str, Any]) -> None:
     from megatron.core import tensor_parallel
 
-    py = state["python"]
-    random.setstate((py["version"], tuple(int(v) for v in py["state"].tolist()), py["gauss"]))
-    npy = state["numpy"]
-    np.random.set_state((npy["name"], npy["keys"].numpy().astype(np.uint32), npy["pos"], npy["has_gauss"],
-                         npy["cached_gaussian"]))
+    py, npy = state["python"], state["numpy"]
+    if isinstance(py, dict):
+        py = (py["version"], tuple(int(v) for v in py["state"].tolist()), py["gauss"])
+    random.setstate(py)  # a tuple: a checkpoint of an earlier version (random.getstate() itself)
+    if isinstance(npy, dict):
+        npy = (npy["name"], npy["keys"].numpy().astype(np.uint32), npy["pos"], npy["has_gauss"], npy["cached_gaussian"])
+    np.random.set_state(npy)
     torch.set_rng_state(state["torch"])
     tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
     if "cuda" in state and torch.cuda.is_available():
@@ -102,8 +104,8 @@ def save_rng(path: Path) -> None:
 
 
 def load_rng(path: Path) -> bool:
-    """Restore this rank's RNG from `path`; False (RNG left as seeded) for a file of the older pickled
-    format, which is not loaded: unpickling it could run code."""
+    """Restore this rank's RNG from `path`; False (RNG left as seeded) for a file that holds anything
+    beyond tensors and plain values, which is not unpickled: that could run code."""
     import pickle
 
     try:
@@ -189,6 +191,20 @@ class CheckpointManager:
         _barrier()
         return final
 
+    def _check_readable(self, path: Path, role_dir: Path) -> None:
+        """A damaged checkpoint (cut by a crash, a full disk, a partial copy) is one line naming the file
+        and the next older complete checkpoint to resume from instead, before any rank reads it."""
+        from trinity.convert.dist_ckpt import check_readable
+
+        try:
+            check_readable(role_dir)
+        except UserError as exc:
+            step = int(_STEP_DIR.match(path.name).group(1)) if _STEP_DIR.match(path.name) else None
+            older = [p for s, p in complete_checkpoints(path.parent) if step is not None and s < step]
+            hint = (f"use trainer.resume={older[-1]}" if older
+                    else "no older complete checkpoint is left: use trainer.resume=disable to start over")
+            raise UserError(f"trainer.resume: {exc}; {hint}") from None
+
     def _prune(self) -> None:
         for _, path in complete_checkpoints(self.root)[: -self.keep_last]:
             shutil.rmtree(path, ignore_errors=True)
@@ -197,11 +213,12 @@ class CheckpointManager:
         """Restore every trained role (model, optimizer, schedule), the data position and the RNG from
         `path`; returns its step."""
         extra: dict[str, Any] = {}
-        for name, engine in self.engines.items():
-            role_dir = self._role_dir(path, name)
-            if not role_dir.is_dir():
+        for name in self.engines:
+            if not self._role_dir(path, name).is_dir():
                 raise UserError(f"trainer.resume: {path} has no {name}/ checkpoint (was it written by another algorithm?)")
-            extra = engine.load(role_dir)
+            self._check_readable(path, self._role_dir(path, name))
+        for name, engine in self.engines.items():
+            extra = engine.load(self._role_dir(path, name))
             schedulers = extra.get("schedulers") or ({name: extra["scheduler"]} if "scheduler" in extra else {})
             if name not in schedulers:
                 raise UserError(f"trainer.resume: {path} is not a training checkpoint of this job (no {name} schedule in it)")

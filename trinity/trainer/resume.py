@@ -31,7 +31,6 @@ IGNORED = ("trainer.resume", "trainer.output_dir", ".megatron.dist_checkpointing
 REFUSED: tuple[tuple[str, str], ...] = (
     ("model.", "the checkpoint holds another model's weights"),
     ("algorithm.name", "the checkpoint was written by another algorithm"),
-    ("critic", "the checkpoint's roles differ"),
     ("data.train_files", "the saved data position counts rows of the checkpoint's data"),
     ("data.seq_length", "the saved data position counts rows packed at the checkpoint's length"),
     ("data.packing", "the saved data position counts rows of the checkpoint's packing"),
@@ -57,16 +56,21 @@ def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
 
 def config_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[tuple[str, Any, Any, str | None]]:
     """(key, checkpoint's value, config's value, why it is refused or None) for every key that differs."""
+    changes: list[tuple[str, Any, Any, str | None]] = []
+    if (saved.get("critic") is None) != (current.get("critic") is None):
+        changes.append(("critic", saved.get("critic"), current.get("critic"), "the checkpoint's roles differ"))
+        saved, current = {k: v for k, v in saved.items() if k != "critic"}, {k: v for k, v in current.items() if k != "critic"}
     a, b = flatten(saved), flatten(current)
-    changes = []
-    for key in sorted(set(a) | set(b)):
+    # A key only one side has comes from another trinity version's schema (a new field at its default),
+    # not from the user: only keys both configs have are compared.
+    for key in sorted(set(a) & set(b)):
         if any(key == i or key.endswith(i) for i in IGNORED):
             continue
-        old, new = a.get(key, "<unset>"), b.get(key, "<unset>")
+        old, new = a[key], b[key]
         if old == new:
             continue
-        why = next((reason for prefix, reason in REFUSED if key == prefix or key.startswith(prefix + ".")
-                    or (prefix.endswith(".") and key.startswith(prefix))), None)
+        why = next((reason for prefix, reason in REFUSED
+                    if key == prefix or key.startswith(prefix if prefix.endswith(".") else prefix + ".")), None)
         changes.append((key, old, new, why))
     return changes
 

@@ -51,8 +51,13 @@ def install() -> bool:
     import megatron.core.optimizer.optimizer as optimizer
     from megatron.core import utils
 
+    from trinity.distributed.patches import require
+
     if _patches:
         return True
+    require("fused_optimizer", clip_grads, "l2_norm_impl", "multi_tensor_scale_impl")
+    require("fused_optimizer", optimizer, "multi_tensor_scale_impl")
+    require("fused_optimizer", utils, "local_multi_tensor_l2_norm")
     if clip_grads.l2_norm_impl is not utils.local_multi_tensor_l2_norm:
         return False  # TE's or apex's kernels
     for module, name, value in ((clip_grads, "l2_norm_impl", l2_norm), (clip_grads, "multi_tensor_scale_impl", scale),

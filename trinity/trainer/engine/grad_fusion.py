@@ -36,6 +36,11 @@ class TorchWgradGemm:
 def _install() -> None:
     from megatron.core.tensor_parallel import layers
 
+    from trinity.distributed.patches import require, require_global
+
+    require("grad_fusion", layers, "_grad_accum_fusion_available", "LinearWithGradAccumulationAndAsyncCommunication")
+    require_global("grad_fusion", layers.LinearWithGradAccumulationAndAsyncCommunication.backward,
+                   "fused_weight_gradient_mlp_cuda", "wgrad_gemm_accum_fp32", "wgrad_gemm_accum_fp16")
     if not layers._grad_accum_fusion_available:  # apex's extension wins where it imports
         layers.fused_weight_gradient_mlp_cuda = TorchWgradGemm
         layers._grad_accum_fusion_available = True

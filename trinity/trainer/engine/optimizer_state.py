@@ -57,7 +57,13 @@ class ReshardableOptimizer:
         tensors (KeyError: 'step' in _set_main_param_and_optimizer_states). Supply the already
         restored step there, for the duration of this call only."""
         fused = any(g.get("fused") for inner in fused_optimizer.torch_adams(self.optimizer) for g in inner.param_groups)
-        patched = [o for o in _chain(self.optimizer) if hasattr(o, "_set_main_param_and_optimizer_states")]
+        from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+        from trinity.distributed.patches import require
+
+        patched = [o for o in _chain(self.optimizer) if isinstance(o, DistributedOptimizer)]
+        for opt in patched:
+            require("optimizer_state (resume)", opt, "_set_main_param_and_optimizer_states", "model_param_group_index_map")
         for opt in patched:
             opt._set_main_param_and_optimizer_states = _keep_step(opt, opt._set_main_param_and_optimizer_states)
         try:

@@ -14,4 +14,9 @@ class PTRecipe(SFTRecipe):
 
         from trinity.data.pretrain import pt_data_from_job
 
-        return pt_data_from_job(self.cfg, dp_rank=ps.get_data_parallel_rank(), dp_size=ps.get_data_parallel_world_size())
+        # No vocabulary scan here: `trinity run` made it on every node before launching (its plan reads
+        # the data, as `trinity validate` does), and on a corpus larger than RAM each rank re-reading
+        # every .bin from disk would multiply the start-up time by the number of ranks.
+        return pt_data_from_job(
+            self.cfg, dp_rank=ps.get_data_parallel_rank(), dp_size=ps.get_data_parallel_world_size(), check_vocab=False,
+        )
