@@ -243,6 +243,30 @@ def test_relay_says_nothing_about_a_failed_rank_when_the_job_was_interrupted():
     assert "failed first" in out.getvalue() and "death signal" in out.getvalue()
 
 
+# As torchrun 2.13 prints it (`torchrun --nproc-per-node 2` without OMP_NUM_THREADS), between two job lines.
+_OMP_BANNER = """[default0]:a line
+
+*****************************************
+Setting OMP_NUM_THREADS environment variable for each process to be 1 in default, to avoid your system being overloaded, please further tune the variable for optimal performance in your application as needed. 
+*****************************************
+[default0]:step 1/2 | loss 5.0
+
+[default0]:after an empty line
+"""
+
+
+def test_relay_drops_torchruns_omp_banner_unless_debug():
+    """14: the workers choose their threads themselves; torchrun's banner says otherwise."""
+    from trinity.launch.torchrun import _relay_stderr
+
+    out = io.StringIO()
+    _relay_stderr(io.StringIO(_OMP_BANNER), out, False)
+    assert out.getvalue() == "[default0]:a line\n[default0]:step 1/2 | loss 5.0\n\n[default0]:after an empty line\n"
+    out = io.StringIO()
+    _relay_stderr(io.StringIO(_OMP_BANNER), out, True)
+    assert out.getvalue() == _OMP_BANNER
+
+
 def test_interrupted_message_names_the_last_complete_checkpoint(tmp_path):
     ckpts = tmp_path / "checkpoints"
     for step in (2, 4):

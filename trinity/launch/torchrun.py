@@ -93,6 +93,11 @@ def port_is_free(port: int, host: str = "") -> bool:
 
 _ROOT_CAUSE = re.compile(r"\s*(rank|host|exitcode)\s*:\s*(\S+)")
 # torchrun's own log lines (glog style: W1125 13:17:31.134000 <pid> <file>:<line>] ...) about stopping
+# torchrun's "Setting OMP_NUM_THREADS" banner: an empty line, then stars, the text, stars (with or without
+# a glog prefix, depending on how its logging is set up)
+_GLOG = r"(?:[WI]\d{4} [\d:.]+ \d+ \S+\] )?"
+_OMP_BANNER = re.compile(_GLOG + r"(\*{41}|Setting OMP_NUM_THREADS environment variable for each process)")
+_EMPTY = re.compile(_GLOG + r"\s*$")
 _STOP_NOISE = re.compile(r"[WI]\d{4} [\d:.]+ \d+ \S+\] (Received \w+ death signal|Sending process \d+ closing signal)")
 
 
@@ -109,7 +114,15 @@ def _relay_stderr(
     swallowed = in_report = False
     cause = {} if cause is None else cause
     stopping = {} if stopping is None else stopping
+    held = ""  # an empty line, passed on unless the OMP banner follows it
     for line in iter(stream.readline, ""):
+        if not debug and _EMPTY.fullmatch(line):
+            _write(out, held)
+            held = line
+            continue
+        if held and not (not debug and _OMP_BANNER.match(line)):
+            _write(out, held)
+        held = ""
         if line.startswith("Traceback (most recent call last):"):
             in_report = True
             swallowed = not debug
@@ -121,17 +134,28 @@ def _relay_stderr(
             continue
         if stopping.get("sig") is not None and not debug and _STOP_NOISE.match(line):
             continue  # torchrun's log of the stop we asked for; the caller prints `interrupted`
-        try:
-            out.write(line)
-            out.flush()
-        except (OSError, ValueError):  # the terminal is gone (SIGHUP): keep draining torchrun's pipe
-            pass
+        if not debug and _OMP_BANNER.match(line):
+            # torchrun's "Setting OMP_NUM_THREADS ... to be 1" banner: misleading, the workers pick
+            # their thread count themselves (trinity.distributed.parallel)
+            continue
+        _write(out, line)
+    _write(out, held)
     if swallowed and stopping.get("sig") is None:
         out.write(
             f"torchrun: rank {cause.get('rank', '?')} on {cause.get('host', '?')} failed first "
             f"(exit code {cause.get('exitcode', '?')}); run with --debug for torchrun's traceback\n"
         )
         out.flush()
+
+
+def _write(out: IO[str], text: str) -> None:
+    if not text:
+        return
+    try:
+        out.write(text)
+        out.flush()
+    except (OSError, ValueError):  # the terminal is gone (SIGHUP): keep draining torchrun's pipe
+        pass
 
 
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)

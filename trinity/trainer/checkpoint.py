@@ -37,9 +37,9 @@ import torch
 import yaml
 
 from trinity.errors import UserError
+from trinity.trainer.resume import CONFIG_FILE
 
 COMPLETE = "complete"
-CONFIG_FILE = "resolved_config.yaml"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 # Fault injection for tests, `<step>:<seconds>`: sleep after checkpoint <step>'s data is written,
 # before it is marked complete (a test kills the job in that window).

@@ -176,9 +176,11 @@ class RoleEngine:
 
 
 def _tokens(micro: Any) -> torch.Tensor:
-    if isinstance(micro, dict) and "tokens" in micro:
-        return micro["tokens"]
-    return micro["rollout"].tokens
+    """A micro batch's token ids [b, s]: a packed-row dict's `tokens`, a rollout's (or an experience
+    dict's rollout's) tokens."""
+    if isinstance(micro, dict):
+        return micro["tokens"] if "tokens" in micro else micro["rollout"].tokens
+    return micro.tokens
 
 
 @torch.no_grad()
