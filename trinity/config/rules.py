@@ -13,10 +13,12 @@ import importlib.util
 from pathlib import Path
 
 from trinity.config.megatron import MegatronConfig, RecomputeGranularity, RecomputeMethod, RecomputeModule
+from trinity.config.evaluation import check_evaluation
 from trinity.config.schema import AlgorithmName, JobConfig
 from trinity.distributed.layout import differing_sizes, layout_problems, rollout_problems
 from trinity.errors import UserError
 from trinity.models.facts import ModelFacts
+from trinity.models.hub import resolve_model_path
 
 OFFLOAD_FLAGS = ("param_offload", "grad_offload", "optimizer_offload")
 
@@ -27,9 +29,16 @@ def check_job(cfg: JobConfig, *, check_paths: bool = True) -> tuple[ModelFacts |
     warnings: list[str] = []
     facts: ModelFacts | None = None
     try:
+        # A hub id becomes its local snapshot folder here, the one place validate and run both pass.
+        cfg.model.path = resolve_model_path(cfg.model.path)
         facts = ModelFacts.from_hf_dir(cfg.model.path)
     except UserError as exc:
         problems.append(f"model.path: {exc}")
+    if cfg.model.tokenizer_path:
+        try:
+            cfg.model.tokenizer_path = resolve_model_path(cfg.model.tokenizer_path)
+        except UserError as exc:
+            problems.append(f"model.tokenizer_path: {exc}")
 
     _check_roles_exist(cfg, problems)
     _check_strategy(cfg, problems)
@@ -45,6 +54,7 @@ def check_job(cfg: JobConfig, *, check_paths: bool = True) -> tuple[ModelFacts |
         _check_reward(cfg, problems, check_paths)
     _check_dapo(cfg, problems)
     _check_profile(cfg, problems)
+    check_evaluation(cfg, problems, check_paths)
     return facts, problems, warnings
 
 

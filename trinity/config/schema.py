@@ -138,9 +138,11 @@ class ModelConfig(StrictModel):
     """The Hugging Face model to fine-tune."""
 
     path: str
-    """Local folder of an HF causal-LM checkpoint (config.json + safetensors + tokenizer files)."""
+    """Local folder of an HF causal-LM checkpoint (config.json + safetensors + tokenizer files), or a
+    Hugging Face hub id such as `Qwen/Qwen2.5-0.5B-Instruct` (resolved once, at validation, through
+    huggingface_hub's cache: HF_HUB_CACHE / HF_HOME; with HF_HUB_OFFLINE=1 only the cache is read)."""
     tokenizer_path: str | None = None
-    """Tokenizer folder; unset means model.path."""
+    """Tokenizer folder (or hub id, as model.path); unset means model.path."""
     dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
     """Training dtype: auto is bf16 on cuda and fp32 on cpu."""
 
@@ -169,6 +171,11 @@ class DataConfig(StrictModel):
     """Field holding a chat (list of {role, content}); used when present instead of prompt/response."""
     answer_key: str = "answer"
     """RL: field holding the ground-truth answer passed to the reward function."""
+    val_files: list[str] = Field(default_factory=list)
+    """Held-out files in the training files' format, evaluated before the first step
+    (trainer.val_before_train), every trainer.val_interval steps and after the last step: SFT logs the
+    loss over all their samples (`val/loss`), RL the mean reward of one greedy response per prompt
+    (`val/reward_mean`, pass@1). Empty: no evaluation."""
     seq_length: int = Field(default=1024, ge=8)
     """SFT and pt: tokens per training row (samples are packed into or padded to this length)."""
     packing: bool = True
@@ -282,12 +289,38 @@ class TrainerConfig(StrictModel):
     """Print a step line every N steps (metrics.jsonl gets every step)."""
     seed: int = 1234
     """Seed of data order and sampling."""
-    tensorboard: bool = True
-    """Write TensorBoard events to <output_dir>/tensorboard when tensorboard is installed."""
+    tensorboard: bool | None = None
+    """Write TensorBoard events to <output_dir>/tensorboard when tensorboard is installed (unset: true).
+    The older switch: with trainer.logger set, list `tensorboard` there instead."""
+    logger: list[Literal["console", "jsonl", "tensorboard", "wandb", "mlflow"]] | None = None
+    """Where metrics go (as verl's trainer.logger). The console line and <output_dir>/metrics.jsonl are
+    always written; `tensorboard` writes <output_dir>/tensorboard, `wandb` a run named after output_dir
+    (WANDB_MODE=offline keeps it in <output_dir>/wandb; WANDB_PROJECT names the project, default trinity),
+    `mlflow` a run named after output_dir in MLFLOW_TRACKING_URI (default file:<output_dir>/mlruns). Each
+    gets the job config and every step's metrics. Unset: console, jsonl and trainer.tensorboard's choice."""
+    val_interval: int | None = Field(default=None, ge=1)
+    """Evaluate on data.val_files every N steps (verl's trainer.test_freq); unset: only before the first
+    step (trainer.val_before_train) and after the last."""
+    val_before_train: bool = True
+    """Evaluate on data.val_files before the first step (of this run: a resumed run evaluates at its start)."""
+    log_samples: int | None = Field(default=None, ge=0)
+    """RL: (prompt, response, reward) triples printed after each step line (unset: 2; the steps
+    trainer.log_interval prints); every step's responses go to
+    <output_dir>/samples/step_N.jsonl (val ones to val_step_N.jsonl). 0 prints none and writes no files."""
     profile_step: int | None = Field(default=None, ge=1)
     """Profile this step with torch.profiler on every rank: a Chrome trace per rank in
     <output_dir>/profile and GPU time per kind of kernel printed; pick a step after the first
     (which compiles and warms up). Unset: no profiling."""
+
+    def trackers(self) -> list[str]:
+        """The metric sinks beyond the console and metrics.jsonl that this job writes to."""
+        if self.logger is None:
+            return [] if self.tensorboard is False else ["tensorboard"]
+        return [name for name in ("tensorboard", "wandb", "mlflow") if name in self.logger]
+
+    def samples_per_step(self, is_rl: bool) -> int:
+        """log_samples with its default: 2 for RL, none for SFT (which generates nothing)."""
+        return (2 if self.log_samples is None else self.log_samples) if is_rl else 0
 
 
 class VerlProfileConfig(StrictModel):

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 from trinity.trainer.checkpoint import CheckpointManager
 from trinity.trainer.context import WorkerContext
+from trinity.trainer.evaluation import Evaluator
 from trinity.trainer.metrics import MetricsLogger
 from trinity.trainer.recipes import Recipe
+from trinity.trainer.samples import SampleLog
+from trinity.trainer.trackers import build_trackers
 
 
 def run(ctx: WorkerContext, recipe_cls: type[Recipe]) -> None:
@@ -29,22 +32,39 @@ def run(ctx: WorkerContext, recipe_cls: type[Recipe]) -> None:
             ctx.log(line)
         start = ckpt.load(resume_from)
         ctx.log(f"resumed from {resume_from} at step {start}")
+    trackers = cfg.trainer.trackers()
     metrics = MetricsLogger(
         ctx.output_dir, enabled=ctx.is_rank0, total_steps=recipe.total_steps, start_step=start,
-        log_interval=cfg.trainer.log_interval, tensorboard=cfg.trainer.tensorboard, line=recipe.line,
+        log_interval=cfg.trainer.log_interval, tensorboard="tensorboard" in trackers, line=recipe.line,
+        trackers=build_trackers(trackers, ctx.output_dir, cfg.model_dump(mode="json"), ctx.is_rank0),
     )
+    evaluator = Evaluator.build(recipe)
+    samples = SampleLog(ctx.output_dir, cfg.trainer.samples_per_step(cfg.is_rl), ctx.is_rank0)
+
+    def evaluate(step: int) -> None:
+        metrics.log_val(evaluator.run(step))
+        samples.write(step, getattr(evaluator, "samples", None), metrics, name="val_step")
+
     save_every = cfg.trainer.save_interval
     profiler = StepProfiler.from_config(cfg, ctx.output_dir, ctx.rank, ctx.device)
     try:
+        if evaluator is not None and cfg.trainer.val_before_train:
+            evaluate(start)
         for step in range(start + 1, recipe.total_steps + 1):
             with profiler.step(step):
                 row = recipe.step(step)
             profiler.log(metrics, row)
+            samples.write(step, getattr(recipe, "last_samples", None), metrics,
+                          show=step % cfg.trainer.log_interval == 0 or step == recipe.total_steps)
+            if evaluator is not None and evaluator.due(step):
+                evaluate(step)
             if (save_every and step % save_every == 0) or step == recipe.total_steps:
                 recipe.all_resident()
                 metrics.print(f"saved checkpoint {ckpt.save(step)}")
         if metrics.first is not None:
             metrics.print(recipe.summary(metrics.first, metrics.last))
+        if evaluator is not None and evaluator.summary():
+            metrics.print(evaluator.summary())
     finally:
         metrics.close()
     if cfg.trainer.export_hf:

@@ -91,6 +91,7 @@ class MetricsLogger:
         log_interval: int,
         tensorboard: bool,
         line: Callable[[dict[str, Any]], list[str]] | None = None,
+        trackers: list[Any] | None = None,
     ):
         """`line(metrics)`: the parts of a step's console line after `step i/N` (the first also labels
         the progress bar); SFT's by default."""
@@ -103,6 +104,7 @@ class MetricsLogger:
         self._file = None
         self._tb = None
         self._progress = None
+        self._trackers = list(trackers or [])  # trinity.trainer.trackers: wandb, mlflow
         if not enabled:
             return
         output_dir.mkdir(parents=True, exist_ok=True)
@@ -144,12 +146,30 @@ class MetricsLogger:
             for key, value in metrics.items():
                 if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
                     self._tb.add_scalar(f"train/{key}", value, step)
+        for tracker in self._trackers:
+            tracker.log(metrics, step)
         parts = self.line(metrics)
         if self._progress is not None:
             self._progress.update(self._task, completed=step, info=parts[0] if parts else "", refresh=True)
         if step % self.log_interval == 0 or step == self.total_steps:
             self.print(" | ".join([f"step {step}/{self.total_steps}", *parts, *self._timing(step)]
                                   + (["profiled"] if metrics.get("profiled") else [])))
+
+    def log_val(self, metrics: dict[str, Any]) -> None:
+        """An evaluation's row (`step` and val/* keys; step 0 is before training): metrics.jsonl, the
+        trackers (TensorBoard tag as the key) and one console line."""
+        if not self.enabled:
+            return
+        step = int(metrics["step"])
+        self._file.write(json.dumps(metrics) + "\n")
+        self._file.flush()
+        values = {k: v for k, v in metrics.items() if k != "step" and isinstance(v, (int, float)) and math.isfinite(v)}
+        if self._tb is not None:
+            for key, value in values.items():
+                self._tb.add_scalar(key, value, step)
+        for tracker in self._trackers:
+            tracker.log(metrics, step)
+        self.print(" | ".join([f"val step {step}/{self.total_steps}", *(f"{k} {_fmt(float(v))}" for k, v in values.items())]))
 
     def _timing(self, step: int) -> list[str]:
         """Elapsed time of this run (since the logger started) and the time the remaining steps take at
@@ -172,6 +192,8 @@ class MetricsLogger:
             self._progress.stop()
         if self._tb is not None:
             self._tb.close()
+        for tracker in self._trackers:
+            tracker.close()
         if self._file is not None:
             self._file.close()
 

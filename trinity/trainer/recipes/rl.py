@@ -192,6 +192,11 @@ class RLRecipe(Recipe):
         def run() -> torch.Tensor:
             texts = [self.tokenizer.decode(row[: int(k)].tolist(), skip_special_tokens=True) for row, k in zip(ro.responses, lengths)]
             s = self.reward_fn([p.text for p in prompts for _ in range(n)], texts, [p.answer for p in prompts for _ in range(n)])
+            # what trainer.log_samples prints and writes (trinity.trainer.samples); every scored response of
+            # the step, so DAPO's groups dropped by dynamic sampling are there too
+            self.last_samples.extend(
+                {"prompt": p.text, "response": t, "reward": float(r), "answer": p.answer, "source": p.source}
+                for p, t, r in zip([p for p in prompts for _ in range(n)], texts, s))
             return torch.tensor(s, dtype=torch.float32, device=ro.tokens.device)
 
         return self.phases.run("reward", {"actor": {"params": True}}, run)
@@ -208,6 +213,7 @@ class RLRecipe(Recipe):
         ph.metrics = {}
         actor = self.actor
 
+        self.last_samples: list[dict[str, Any]] = []
         ro, scores, groups, sampled = self.sample(step, gen)
         mask = ro.response_mask.float()
         lengths = ro.response_mask.sum(-1)

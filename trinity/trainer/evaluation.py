@@ -1,0 +1,167 @@
+"""Evaluation on held-out data during training (data.val_files): before the first step
+(trainer.val_before_train), every trainer.val_interval steps and after the last step.
+
+- SFT: `val/loss`, the training loss's formula (token-sum cross-entropy over the trained tokens of all
+  val samples, divided by their number) over every val sample, forward only. Samples are tokenised and
+  packed (or padded) as the training data is, so a val file equal to the training file gives the loss
+  that a training step over the same rows computes.
+- RL (every RL recipe): one greedy response per val prompt (temperature 0, rollout.response_length), scored
+  by the job's reward: `val/reward_mean` (pass@1 for a 0/1 reward), `val/reward_std`,
+  `val/response_length/mean`. With trainer.log_samples > 0 the responses go to
+  <output_dir>/samples/val_step_N.jsonl.
+
+Each data-parallel rank takes every dp-th sample; the numbers are reduced over all ranks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+from typing import Any
+
+import numpy as np
+import torch
+
+from trinity.errors import UserError
+
+
+class Evaluator:
+    """Runs the job's evaluation; `due(step)` says whether step `step` ends with one."""
+
+    def __init__(self, recipe: Any):
+        self.recipe, self.cfg, self.ctx = recipe, recipe.cfg, recipe.ctx
+        self.interval = self.cfg.trainer.val_interval
+        if self.cfg.is_rl:
+            self._prepare_rl()
+        else:
+            self._prepare_sft()
+
+    @classmethod
+    def build(cls, recipe: Any) -> "Evaluator | None":
+        """None when the job has no data.val_files."""
+        return cls(recipe) if recipe.cfg.data.val_files else None
+
+    def due(self, step: int) -> bool:
+        return bool(self.interval and step % self.interval == 0) or step == self.recipe.total_steps
+
+    def run(self, step: int) -> dict[str, Any]:
+        """The val metrics after `step` steps (0: before training), as a metrics row, on every rank."""
+        row = {"step": step, **(self._rl(step) if self.cfg.is_rl else self._sft())}
+        self.first = getattr(self, "first", None) or row
+        self.last = row
+        return row
+
+    def summary(self) -> str | None:
+        """`val/loss 2.1 (step 0) -> 1.3 (step 50)` for the end of the run; None before any evaluation."""
+        if getattr(self, "first", None) is None:
+            return None
+        key = "val/reward_mean" if self.cfg.is_rl else "val/loss"
+        return f"{key} {self.first[key]:.4f} (step {self.first['step']}) -> {self.last[key]:.4f} (step {self.last['step']})"
+
+    # ---------------------------------------------------------------- SFT
+
+    def _prepare_sft(self) -> None:
+        from trinity.data.loader import load_tokenizer, pad_token_id
+        from trinity.data.packing import pack, pad
+        from trinity.data.readers import read_records
+        from trinity.data.sft import SFTKeys, tokenize_sft
+
+        cfg = self.cfg
+        tok = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path)
+        keys = SFTKeys(prompt_key=cfg.data.prompt_key, response_key=cfg.data.response_key,
+                       messages_key=cfg.data.messages_key)
+        samples, stats = tokenize_sft(read_records(cfg.data.val_files), tok, max_seq_len=cfg.data.seq_length, keys=keys)
+        if not samples:
+            raise UserError(f"data.val_files: no usable validation samples ({stats.summary()})")
+        self.rows = (pack if cfg.data.packing else pad)(samples, cfg.data.seq_length, pad_id=pad_token_id(tok))
+
+    def _sft(self) -> dict[str, float]:
+        from megatron.core import parallel_state as ps
+
+        from trinity.trainer.recipes.sft import SFTLoss
+
+        ctx, rows = self.ctx, self.rows
+        micro = self.cfg.trainer.micro_batch_size
+        mine = np.arange(rows.num_rows)[ps.get_data_parallel_rank()::ps.get_data_parallel_world_size()]
+        full = len(mine) // micro * micro
+        # Micro batches of one shape per schedule call (pipeline buffers have one shape): the full ones,
+        # then the rest one row at a time.
+        groups = [[mine[i:i + micro] for i in range(0, full, micro)], [mine[i:i + 1] for i in range(full, len(mine))]]
+        loss_fn = SFTLoss(ctx.device, 1.0, ctx.facts.vocab_size)
+        local = torch.zeros(1, dtype=torch.float64, device=ctx.device)
+        for group in groups:
+            if not group:
+                continue
+            batches = [{k: torch.from_numpy(a) for k, a in rows.rows(idx).items()} for idx in group]
+            outputs = _forward_only(self.recipe.actor.model, batches, loss_fn)
+            if ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0:
+                local += sum(float(o["loss_sum"]) for o in outputs)
+        torch.distributed.all_reduce(local)
+        return {"val/loss": float(local.item()) / max(int(rows.row_loss_tokens.sum()), 1)}
+
+    # ---------------------------------------------------------------- RL
+
+    def _prepare_rl(self) -> None:
+        from megatron.core import parallel_state as ps
+
+        from trinity.data.prompts import PromptKeys, tokenize_prompts
+        from trinity.data.readers import read_records
+
+        cfg, recipe = self.cfg, self.recipe
+        keys = PromptKeys(prompt_key=cfg.data.prompt_key, messages_key=cfg.data.messages_key, answer_key=cfg.data.answer_key)
+        prompts, _ = tokenize_prompts(read_records(cfg.data.val_files), recipe.tokenizer,
+                                      max_prompt_length=cfg.data.max_prompt_length, keys=keys)
+        if not prompts:
+            raise UserError(f"data.val_files: no validation prompts in {', '.join(cfg.data.val_files)}")
+        dp, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+        self.prompts = prompts[dp::dp_size]
+        self.sampling = dataclasses.replace(recipe.sampling, temperature=0.0)
+        # as many sequences per generate call as a training step's rollout on this rank
+        self.batch = max(1, cfg.data.train_batch_size * cfg.actor_rollout_ref.rollout.n // dp_size)
+
+    def _rl(self, step: int) -> dict[str, float]:
+        from trinity.trainer.recipes.rl import _dp_stats
+
+        recipe = self.recipe
+        for role, engine in recipe.engines.items():
+            engine.need(params=role == "actor")
+        gen = torch.Generator(device=self.ctx.device).manual_seed(self.cfg.trainer.seed)
+        scores: list[float] = []
+        lengths: list[int] = []
+        samples: list[dict[str, Any]] = []
+        for start in range(0, len(self.prompts), self.batch):
+            part = self.prompts[start:start + self.batch]
+            ro = recipe.rollout_engine.generate([p.prompt_ids for p in part], self.sampling, gen)
+            n = ro.response_mask.sum(-1).tolist()
+            texts = [recipe.tokenizer.decode(row[: int(k)].tolist(), skip_special_tokens=True) for row, k in zip(ro.responses, n)]
+            s = [float(x) for x in recipe.reward_fn([p.text for p in part], texts, [p.answer for p in part])]
+            scores += s
+            lengths += [int(k) for k in n]
+            samples += [{"step": step, "prompt": p.text, "response": t, "reward": r, "answer": p.answer, "source": p.source}
+                        for p, t, r in zip(part, texts, s)]
+        self.samples = samples
+        device = self.ctx.device
+        mean, std = _dp_stats(torch.tensor(scores, dtype=torch.float64, device=device))
+        len_mean, _ = _dp_stats(torch.tensor(lengths, dtype=torch.float64, device=device))
+        return {"val/reward_mean": mean, "val/reward_std": std, "val/response_length/mean": len_mean}
+
+
+@torch.no_grad()
+def _forward_only(chunks: list[Any], batches: list[dict[str, Any]], loss_fn: Any) -> list[dict[str, Any]]:
+    """`loss_fn` over micro batches of one shape through megatron's schedule, forward only (every
+    pipeline and virtual stage); the last stage's per-micro-batch metric dicts."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    b, s = batches[0]["tokens"].shape
+
+    def forward_step(data_iterator: Any, chunk: Any) -> tuple[torch.Tensor, Any]:
+        micro = next(data_iterator)
+        return loss_fn.forward(chunk, micro), partial(loss_fn, micro)
+
+    iterators = [iter(batches) for _ in chunks]
+    outputs = get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=iterators if len(iterators) > 1 else iterators[0],
+        model=chunks if len(chunks) > 1 else chunks[0], num_microbatches=len(batches), seq_length=s,
+        micro_batch_size=b, forward_only=True,
+    )
+    return list(outputs)
