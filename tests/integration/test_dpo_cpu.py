@@ -10,50 +10,35 @@ from __future__ import annotations
 
 import json
 import math
-import random
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tests.conftest import trinity_run
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory) -> dict[str, Path]:
-    from trinity.testing.tiny_assets import arithmetic_problem, make_tiny_qwen2, make_tiny_tokenizer
+    from trinity.testing.tiny_assets import make_tiny_qwen2, make_tiny_tokenizer, write_dpo_dataset
 
     root = tmp_path_factory.mktemp("dpo_assets")
     tok = make_tiny_tokenizer(root / "tokenizer")
     model = make_tiny_qwen2(root / "model", tok, num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2)
-    rng = random.Random(0)
-    rows = []
-    for i in range(64):
-        prompt, answer = arithmetic_problem(rng)
-        if i % 2:  # half the pairs in the conversational form (prompt + assistant messages)
-            rows.append({"prompt": [{"role": "user", "content": prompt}],
-                         "chosen": [{"role": "assistant", "content": answer}],
-                         "rejected": [{"role": "assistant", "content": "no idea"}]})
-        else:
-            rows.append({"prompt": prompt, "chosen": answer, "rejected": "no idea"})
-    data = root / "pairs.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    # chosen: the exact result; rejected: "no idea"; half the pairs as chat messages
+    data = write_dpo_dataset(root / "pairs.jsonl", 64, seed=0)
     return {"model": model, "data": data}
 
 
 def job(assets: dict[str, Path], out: Path, steps: int) -> dict:
-    return {
-        "algorithm": {"name": "dpo", "dpo": {"beta": 0.1}},
-        "model": {"path": str(assets["model"])},
-        "data": {"train_files": [str(assets["data"])], "seq_length": 40},
-        "cluster": {"device": "cpu", "nproc_per_node": 1},
-        "trainer": {
-            "total_steps": steps, "global_batch_size": 8, "micro_batch_size": 2, "output_dir": str(out),
-            "save_interval": 4, "keep_last": 1, "log_interval": 1, "tensorboard": False, "export_hf": False,
-        },
-        "actor_rollout_ref": {"actor": {
-            "optim": {"lr": 3e-3, "lr_warmup_steps": 1, "lr_scheduler": "constant", "weight_decay": 0.0, "clip_grad": 1.0},
-        }},
-    }
+    """configs/dpo_tiny_cpu.yaml on the test's assets: what the docs show is what runs here."""
+    cfg = yaml.safe_load((REPO / "configs" / "dpo_tiny_cpu.yaml").read_text())
+    cfg["model"]["path"] = str(assets["model"])
+    cfg["data"]["train_files"] = [str(assets["data"])]
+    cfg["trainer"].update(total_steps=steps, output_dir=str(out), save_interval=4)
+    return cfg
 
 
 def rows(out: Path) -> dict[int, dict]:
