@@ -109,3 +109,8 @@ def test_dpo_refuses_rl_options_and_packing(write_job, small_job):
 def test_dpo_options_only_with_dpo(write_job, small_job):
     probs = problems_of(write_job(with_keys(small_job, algorithm__dpo={"beta": 0.2})))
     assert "algorithm.dpo: DPO settings apply to algorithm.name dpo, not sft; set algorithm.name: dpo or remove the block" in probs
+
+
+def test_ipo_refuses_label_smoothing(write_job, small_job):
+    probs = problems_of(write_job(dpo(small_job, algorithm__dpo={"loss_type": "ipo", "label_smoothing": 0.1})))
+    assert "algorithm.dpo.label_smoothing: 0.1 has no effect with loss_type ipo; remove it, or use sigmoid (conservative DPO) or robust" in probs

@@ -368,6 +368,12 @@ def _check_dpo(cfg: JobConfig, problems: list[str]) -> None:
                 f"{path}.{field}: not used by dpo (it trains on fixed chosen/rejected pairs: no rollout, reward, "
                 "RL loss or packing); remove the key (docs/rl.md, DPO)"
             )
+    d = cfg.algorithm.dpo
+    if d.loss_type.value == "ipo" and d.label_smoothing:
+        problems.append(
+            f"algorithm.dpo.label_smoothing: {d.label_smoothing} has no effect with loss_type ipo; remove it, or use "
+            "sigmoid (conservative DPO) or robust"
+        )
     if cfg.data.packing:  # false is dpo's default (JobConfig._pt_concatenates)
         problems.append(
             "data.packing: dpo runs each sequence of a pair in its own row (its log-prob is a per-row sum); "

@@ -129,7 +129,7 @@ class DPOConfig(StrictModel):
     for noisy preference labels); docs/rl.md."""
     label_smoothing: float = Field(default=0.0, ge=0.0, lt=0.5)
     """Assumed probability that a pair's preference label is flipped (sigmoid: conservative DPO;
-    robust: the noise rate); 0 is plain DPO. Not used by ipo."""
+    robust: the noise rate); 0 is plain DPO. ipo takes none (refused)."""
 
 
 class AlgorithmConfig(StrictModel):
