@@ -283,8 +283,8 @@ def test_every_algorithm_has_a_recipe():
     assert set(RECIPES) == {a.value for a in AlgorithmName}
     for name in RECIPES:
         assert issubclass(get_recipe(name), Recipe)
-    with pytest.raises(UserError, match="algorithm.name: no recipe is registered for 'dpo'"):
-        get_recipe("dpo")
+    with pytest.raises(UserError, match="algorithm.name: no recipe is registered for 'kto'"):
+        get_recipe("kto")
 
 
 def test_weight_source_is_decided_once_per_role(tmp_path):

@@ -181,7 +181,9 @@ def build_plan(cfg: JobConfig, facts: ModelFacts, warnings: list[str]) -> JobPla
         else:
             mbs = lay.num_microbatches(cfg.trainer.global_batch_size, micro, world)
         trained = Role.from_path(path).trained
-        mem = estimate_memory(facts, m, world=world, seq=seq, micro=micro, microbatches=mbs, bytes_per_param=bpp,
+        # dpo: a micro batch of `micro` pairs runs 2 x micro sequences
+        rows = micro * (2 if cfg.algorithm.name.value == "dpo" else 1)
+        mem = estimate_memory(facts, m, world=world, seq=seq, micro=rows, microbatches=mbs, bytes_per_param=bpp,
                               trained=trained, value_head=path == "critic",
                               optimizer_on_host=m.optimizer_offload and not cfg.is_rl)
         roles.append(RolePlan(path=path, layout=lay.describe(world), dp=dp, microbatches=mbs, memory=mem))

@@ -11,6 +11,7 @@ import ast
 import functools
 import importlib.util
 from pathlib import Path
+from typing import Any
 
 from trinity.config.megatron import MegatronConfig, RecomputeGranularity, RecomputeMethod, RecomputeModule
 from trinity.config.evaluation import check_evaluation
@@ -53,6 +54,7 @@ def check_job(cfg: JobConfig, *, check_paths: bool = True) -> tuple[ModelFacts |
     if cfg.is_rl:
         _check_reward(cfg, problems, check_paths)
     _check_dapo(cfg, problems)
+    _check_dpo(cfg, problems)
     _check_profile(cfg, problems)
     check_evaluation(cfg, problems, check_paths)
     return facts, problems, warnings
@@ -128,14 +130,14 @@ def _check_sft_offload(cfg: JobConfig, problems: list[str]) -> None:
 
 def _check_rl_roles(cfg: JobConfig, problems: list[str]) -> None:
     """What the RL loop cannot do yet: rollout over virtual pipeline stages or with sequence parallel,
-    and roles of different layouts (which would need resharding weights between them)."""
-    if not cfg.is_rl:
-        return
+    and roles of different layouts (which would need resharding weights between them; dpo's ref too:
+    all roles share one parallel state)."""
     roles = cfg.roles()
     actor = roles.pop("actor_rollout_ref.actor")
     a = "actor_rollout_ref.actor.megatron"
-    for field, text in rollout_problems(actor.layout(), sequence_parallel=actor.sequence_parallel):
-        problems.append(f"{a}.{field}: {text}")
+    if cfg.is_rl:
+        for field, text in rollout_problems(actor.layout(), sequence_parallel=actor.sequence_parallel):
+            problems.append(f"{a}.{field}: {text}")
     for path, m in roles.items():
         for field, value, actor_value in differing_sizes(m.layout(), actor.layout()):
             problems.append(
@@ -345,6 +347,62 @@ def _check_dapo(cfg: JobConfig, problems: list[str]) -> None:
         problems.append(
             f"reward_model.overlong_buffer.len: {ob.len} must be between 1 and actor_rollout_ref.rollout."
             f"response_length - 1 ({limit - 1}): the penalty starts response_length - len tokens in"
+        )
+
+
+# What only a rollout or an RL loss uses: set in a dpo job, it would be accepted and change nothing.
+DPO_REFUSED = {
+    "algorithm": ("gamma", "lam", "norm_adv_by_std_in_grpo", "use_kl_in_reward", "kl_penalty", "kl_coef", "filter_groups"),
+    "data": ("answer_key", "response_key", "max_prompt_length", "train_batch_size", "train_weights", "text_key"),
+    "actor_rollout_ref.actor": ("ppo_mini_batch_size", "ppo_epochs", "clip_ratio_low", "clip_ratio_high", "clip_ratio_c",
+                                "use_kl_loss", "kl_loss_coef", "kl_loss_type", "entropy_coeff", "loss_agg_mode"),
+    "actor_rollout_ref.rollout": None,  # every field
+    "reward": None,
+    "reward_model": None,
+}
+
+
+def _non_default(block: Any, fields: Any) -> list[str]:
+    """Fields of `block` whose value differs from the schema default. (Not `model_fields_set`: the
+    workers read the resolved config, which spells every field out.)"""
+    out = []
+    for name in fields if fields is not None else type(block).model_fields:
+        info = type(block).model_fields[name]
+        default = info.default_factory() if info.default_factory is not None else info.default
+        if getattr(block, name) != default:
+            out.append(name)
+    return sorted(out)
+
+
+def _check_dpo(cfg: JobConfig, problems: list[str]) -> None:
+    """algorithm.dpo belongs to dpo; a dpo job refuses the rollout / reward / RL-loss options."""
+    name = cfg.algorithm.name
+    if name != AlgorithmName.dpo:
+        if _non_default(cfg.algorithm, ["dpo"]):
+            problems.append(
+                f"algorithm.dpo: DPO settings apply to algorithm.name dpo, not {name.value}; set algorithm.name: dpo "
+                "or remove the block"
+            )
+        return
+    for path, fields in DPO_REFUSED.items():
+        block: Any = cfg
+        for part in path.split("."):
+            block = getattr(block, part)
+        for field in _non_default(block, fields):
+            problems.append(
+                f"{path}.{field}: not used by dpo (it trains on fixed chosen/rejected pairs: no rollout, reward, "
+                "RL loss or packing); remove the key (docs/rl.md, DPO)"
+            )
+    d = cfg.algorithm.dpo
+    if d.loss_type.value == "ipo" and d.label_smoothing:
+        problems.append(
+            f"algorithm.dpo.label_smoothing: {d.label_smoothing} has no effect with loss_type ipo; remove it, or use "
+            "sigmoid (conservative DPO) or robust"
+        )
+    if cfg.data.packing:  # false is dpo's default (JobConfig._pt_concatenates)
+        problems.append(
+            "data.packing: dpo runs each sequence of a pair in its own row (its log-prob is a per-row sum); "
+            "remove the key or set it to false"
         )
 
 

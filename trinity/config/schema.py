@@ -24,6 +24,15 @@ class AlgorithmName(str, enum.Enum):
     rloo = "rloo"  # verl's adv_estimator names
     reinforce_plus_plus = "reinforce_plus_plus"
     dapo = "dapo"  # verl's DAPO recipe: GRPO advantages + dynamic sampling + overlong shaping
+    dpo = "dpo"  # offline preference pairs (TRL's DPOTrainer); no rollout
+
+
+class DPOLossType(str, enum.Enum):
+    """DPO loss variants (TRL's `loss_type` names; trinity.algorithms.dpo)."""
+
+    sigmoid = "sigmoid"  # DPO (Rafailov et al. 2023); with label_smoothing > 0, conservative DPO
+    ipo = "ipo"  # IPO (Azar et al. 2023)
+    robust = "robust"  # robust DPO (Chowdhury et al. 2024)
 
 
 def split_train_files(value: Any) -> tuple[list[str], list[float] | None]:
@@ -109,14 +118,29 @@ class FilterGroupsConfig(StrictModel):
     ones (equal rewards: zero advantage), and metrics.jsonl says so (dapo/filled_groups)."""
 
 
+class DPOConfig(StrictModel):
+    """DPO's settings (algorithm.name: dpo), named as in TRL's DPOConfig."""
+
+    beta: float = Field(default=0.1, gt=0.0)
+    """Strength of the implicit KL to the reference: the loss compares beta x (policy - ref log-prob
+    margins); higher keeps the policy closer to the reference (TRL's default 0.1)."""
+    loss_type: DPOLossType = DPOLossType.sigmoid
+    """`sigmoid` (DPO), `ipo` (squared loss towards a margin of 1 / (2 beta)) or `robust` (robust DPO
+    for noisy preference labels); docs/rl.md."""
+    label_smoothing: float = Field(default=0.0, ge=0.0, lt=0.5)
+    """Assumed probability that a pair's preference label is flipped (sigmoid: conservative DPO;
+    robust: the noise rate); 0 is plain DPO. ipo takes none (refused)."""
+
+
 class AlgorithmConfig(StrictModel):
     """Which fine-tuning algorithm runs, and its advantage / KL-in-reward settings."""
 
     name: AlgorithmName = AlgorithmName.sft
     """`sft` (supervised), `pt` (continued pre-training on raw text: loss on every token;
     docs/pretraining.md), `grpo` (group-relative policy optimisation), `ppo` (with a critic), `rloo`
-    (leave-one-out baseline), `reinforce_plus_plus` (global baseline, KL in the reward) or `dapo` (GRPO with
-    dynamic sampling and overlong shaping); docs/rl.md. GSPO is a policy loss:
+    (leave-one-out baseline), `reinforce_plus_plus` (global baseline, KL in the reward), `dapo` (GRPO with
+    dynamic sampling and overlong shaping) or `dpo` (direct preference optimisation on chosen/rejected
+    pairs, against the frozen initial policy as reference); docs/rl.md. GSPO is a policy loss:
     actor_rollout_ref.actor.policy_loss.loss_mode: gspo."""
     gamma: float = Field(default=1.0, ge=0.0, le=1.0)
     """PPO: discount factor of GAE; reinforce_plus_plus: discount of the returns."""
@@ -132,6 +156,8 @@ class AlgorithmConfig(StrictModel):
     """Coefficient of the in-reward KL penalty."""
     filter_groups: FilterGroupsConfig = Field(default_factory=FilterGroupsConfig)
     """dapo: dynamic sampling."""
+    dpo: DPOConfig = Field(default_factory=DPOConfig)
+    """dpo: beta, loss type and label smoothing."""
 
 
 class ModelConfig(StrictModel):
@@ -176,14 +202,20 @@ class DataConfig(StrictModel):
     (trainer.val_before_train), every trainer.val_interval steps and after the last step: SFT logs the
     loss over all their samples (`val/loss`), RL the mean reward of one greedy response per prompt
     (`val/reward_mean`, pass@1). Empty: no evaluation."""
+    chosen_key: str = "chosen"
+    """dpo: field holding the preferred response (a string, or a list of chat messages ending with the
+    assistant's answer)."""
+    rejected_key: str = "rejected"
+    """dpo: field holding the dispreferred response (same form as chosen_key)."""
     seq_length: int = Field(default=1024, ge=8)
-    """SFT and pt: tokens per training row (samples are packed into or padded to this length)."""
+    """SFT and pt: tokens per training row (samples are packed into or padded to this length). dpo:
+    tokens per sequence (prompt + chosen or prompt + rejected, each padded to it; longer ones truncated)."""
     packing: bool = True
     """SFT: pack several samples per row with per-document attention masks instead of padding. On CUDA our
     layer spec runs flash attention over the document boundaries (no [b, 1, s, s] mask); TransformerEngine
     and CPU layers use the dense block mask. pt: default false (documents concatenated with EOS and cut
     into rows, attention across documents, no padding: Megatron-LM's default); true packs documents
-    whole (split at seq_length) with per-document attention."""
+    whole (split at seq_length) with per-document attention. dpo: false (one sequence per row)."""
     shuffle: bool = True
     """Shuffle rows each epoch (deterministically from trainer.seed)."""
     max_prompt_length: int = Field(default=256, ge=1)
@@ -272,9 +304,10 @@ class TrainerConfig(StrictModel):
     total_epochs: int = Field(default=1, ge=1)
     """Epochs over the data when total_steps is unset."""
     global_batch_size: int = Field(default=8, ge=1)
-    """SFT and pt: rows per optimizer step across all data-parallel ranks."""
+    """SFT and pt: rows per optimizer step across all data-parallel ranks. dpo: preference pairs per step."""
     micro_batch_size: int = Field(default=1, ge=1)
-    """Rows per forward pass on one GPU (gradient accumulation covers the rest)."""
+    """Rows per forward pass on one GPU (gradient accumulation covers the rest). dpo: pairs per forward
+    pass (both sequences of a pair run in the same micro batch: 2 x micro_batch_size rows)."""
     output_dir: str = "runs/job"
     """Run folder: resolved config, logs, metrics.jsonl, checkpoints, HF export."""
     save_interval: int | None = Field(default=None, ge=1)
@@ -541,12 +574,15 @@ class JobConfig(StrictModel):
     @model_validator(mode="before")
     @classmethod
     def _pt_concatenates(cls, data: Any) -> Any:
-        """data.packing defaults to false for pt (see its docstring); an explicit value stands."""
+        """data.packing defaults to false for pt and dpo (see its docstring); an explicit value stands."""
         if not isinstance(data, dict):
             return data
         algo, section = data.get("algorithm"), data.get("data")
         name = algo.get("name") if isinstance(algo, dict) else None
-        if name in (AlgorithmName.pt, "pt") and (section is None or (isinstance(section, dict) and "packing" not in section)):
+        # dpo pads each sequence to its own row (a pair's log-probs are per-sequence sums): false too, and
+        # an explicit true is refused (trinity.config.rules)
+        if name in (AlgorithmName.pt, "pt", AlgorithmName.dpo, "dpo") \
+                and (section is None or (isinstance(section, dict) and "packing" not in section)):
             data = {**data, "data": {**(section or {}), "packing": False}}
         return data
 
@@ -565,11 +601,12 @@ class JobConfig(StrictModel):
 
     @property
     def needs_ref(self) -> bool:
-        """The reference model exists only for RL jobs that use KL."""
-        return self.is_rl and (
+        """The reference model exists for RL jobs that use KL, and for dpo (the frozen initial policy)."""
+        return self.algorithm.name == AlgorithmName.dpo or self.is_rl and (
             self.actor_rollout_ref.actor.use_kl_loss or self.algorithm.use_kl_in_reward
         )
 
     @property
     def is_rl(self) -> bool:
-        return self.algorithm.name not in (AlgorithmName.sft, AlgorithmName.pt)
+        """Whether the job generates rollouts (dpo trains offline on pairs, like SFT: not RL here)."""
+        return self.algorithm.name not in (AlgorithmName.sft, AlgorithmName.pt, AlgorithmName.dpo)

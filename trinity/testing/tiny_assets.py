@@ -89,6 +89,22 @@ def write_sft_dataset(
     return _write_jsonl(path, rows)
 
 
+def write_dpo_dataset(path: str | Path, n: int, seed: int, *, max_operand: int = DEFAULT_MAX_OPERAND) -> Path:
+    """n DPO preference pairs as jsonl: the exact result is chosen over "no idea". Every second pair is in
+    the conversational form (prompt and answers as chat messages), the others are plain strings."""
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        prompt, answer = arithmetic_problem(rng, max_operand)
+        if i % 2:
+            rows.append({"prompt": [{"role": "user", "content": prompt}],
+                         "chosen": [{"role": "assistant", "content": answer}],
+                         "rejected": [{"role": "assistant", "content": "no idea"}]})
+        else:
+            rows.append({"prompt": prompt, "chosen": answer, "rejected": "no idea"})
+    return _write_jsonl(path, rows)
+
+
 def write_prompt_dataset(path: str | Path, n: int, seed: int, *, max_operand: int = DEFAULT_MAX_OPERAND) -> Path:
     """n arithmetic RL prompts as jsonl: {"prompt", "answer"} (answer is the exact result as text)."""
     rng = random.Random(seed)

@@ -22,6 +22,7 @@ RECIPES: dict[str, str] = {
     "rloo": "trinity.trainer.recipes.rloo:RLOORecipe",
     "reinforce_plus_plus": "trinity.trainer.recipes.reinforce_plus_plus:ReinforcePlusPlusRecipe",
     "dapo": "trinity.trainer.recipes.dapo:DAPORecipe",
+    "dpo": "trinity.trainer.recipes.dpo:DPORecipe",
 }
 
 

@@ -1,0 +1,158 @@
+"""DPO: preference pairs -> the ref's sequence log-probs (forward only, once per step) -> the actor's
+step with the DPO loss (trinity.algorithms.dpo). The ref is the frozen initial policy.
+
+Loss normalisation: the loss of a step is the mean of the per-pair losses over the global batch (TRL's
+`loss.mean()` over its batch). As in SFT, each micro batch's loss sum is scaled by
+(micro batches x DP / global pairs), which cancels megatron's division by the number of micro batches
+and DDP's average over DP: every TP/PP/DP layout and micro batch size computes the same loss and gradients.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from trinity.config.roles import Role
+from trinity.errors import UserError
+from trinity.trainer.metrics import peak_memory_gib
+from trinity.trainer.recipes import Recipe
+from trinity.trainer.recipes.sft import SFTLoss, _sync
+
+# Per-pair sums each micro batch reports (last stage), averaged over the global batch's pairs: the
+# metrics.jsonl keys are TRL's.
+METRICS = {
+    "loss": "loss", "chosen_reward": "rewards/chosen", "rejected_reward": "rewards/rejected", "margin": "rewards/margins",
+    "accuracy": "rewards/accuracies", "chosen_logps": "logps/chosen", "rejected_logps": "logps/rejected",
+}
+
+
+def sequence_logps(logits: torch.Tensor, batch: dict[str, Any], device: torch.device, vocab_size: int) -> torch.Tensor:
+    """Summed log-probs of each row's trained (answer) tokens, [rows] fp32, from the last stage's
+    vocab-parallel logits [s, b, vocab / tp]."""
+    from megatron.core import parallel_state as ps
+
+    from trinity.algorithms.logprob import vocab_parallel_log_probs
+
+    labels = batch["labels"].to(device, non_blocking=True).t()
+    loss_mask = batch["loss_mask"].to(device, non_blocking=True).t()
+    logp = vocab_parallel_log_probs(logits, labels, group=ps.get_tensor_model_parallel_group(), vocab_size=vocab_size)
+    return (logp.float() * loss_mask).sum(0)
+
+
+class DPOLoss(SFTLoss):
+    """The DPO loss of a micro batch of pairs (chosen rows, then rejected rows, `ref_logps` attached),
+    summed over its pairs and pre-scaled by `scale`; the forward is SFT's."""
+
+    def __init__(self, device: torch.device, scale: float, vocab_size: int, dpo: Any):
+        super().__init__(device, scale, vocab_size)
+        self.dpo = dpo
+
+    def __call__(self, batch: dict[str, Any], logits: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
+        from trinity.algorithms.dpo import dpo_loss
+
+        logps = sequence_logps(logits, batch, self.device, self.vocab_size)
+        ref = batch["ref_logps"].to(self.device)
+        m = logps.shape[0] // 2
+        losses, pair = dpo_loss(
+            logps[:m], logps[m:], ref[:m], ref[m:], beta=self.dpo.beta, loss_type=self.dpo.loss_type.value,
+            label_smoothing=self.dpo.label_smoothing,
+        )
+        sums = {
+            "loss": losses.detach().sum(), "chosen_reward": pair.chosen_reward.sum(),
+            "rejected_reward": pair.rejected_reward.sum(), "margin": pair.margin.sum(), "accuracy": pair.accuracy.sum(),
+            "chosen_logps": logps[:m].detach().sum(), "rejected_logps": logps[m:].detach().sum(),
+        }
+        return losses.sum() * self.scale, sums
+
+
+class DPORecipe(Recipe):
+    flat_checkpoint = True  # one trained role (the ref is frozen, never saved): step_N/ is the actor's checkpoint
+    optimizer_on_host = True  # one trained role, one update a step: optimizer_offload steps it in host memory, as SFT
+
+    def roles(self) -> list[Role]:
+        return [Role.actor, Role.ref]
+
+    def build_data(self) -> Any:
+        from megatron.core import parallel_state as ps
+
+        from trinity.data.preference import PreferenceKeys, build_preference_data
+
+        cfg = self.cfg
+        if not cfg.data.train_files:
+            raise UserError("data.train_files: DPO needs at least one file of preference pairs")
+        return build_preference_data(
+            cfg.data.train_files, cfg.model.tokenizer_path or cfg.model.path, seq_len=cfg.data.seq_length,
+            global_batch_size=cfg.trainer.global_batch_size, micro_batch_size=cfg.trainer.micro_batch_size,
+            seed=cfg.trainer.seed, dp_rank=ps.get_data_parallel_rank(), dp_size=ps.get_data_parallel_world_size(),
+            shuffle=cfg.data.shuffle,
+            keys=PreferenceKeys(cfg.data.prompt_key, cfg.data.chosen_key, cfg.data.rejected_key),
+        )
+
+    def describe(self) -> str:
+        d = self.cfg.algorithm.dpo
+        return (f"{super().describe()}; dpo loss {d.loss_type.value}, beta {d.beta}, label_smoothing "
+                f"{d.label_smoothing}; reference: the frozen initial policy")
+
+    @property
+    def ref(self) -> Any:
+        return self.engines[Role.ref.value]
+
+    def ref_logps(self, micro: list[dict[str, Any]]) -> None:
+        """Attach the ref's sequence log-probs to each micro batch (`ref_logps`, [2 x pairs]): one forward
+        of the frozen ref per step, before the actor's step needs the memory."""
+        device, vocab = self.ctx.device, self.ctx.facts.vocab_size
+        fwd = SFTLoss(device, 1.0, vocab)
+        self.ref.need(params=True)
+        out = self.ref.infer_batch(
+            micro, lambda chunk, batch: fwd.forward(chunk, batch),
+            lambda logits, batch: sequence_logps(logits, batch, device, vocab),
+            (sum(b["tokens"].shape[0] for b in micro),),
+        )
+        self.ref.need(params=False)
+        start = 0
+        for batch in micro:
+            n = batch["tokens"].shape[0]
+            batch["ref_logps"] = out[start : start + n]
+            start += n
+
+    def step(self, step: int) -> dict[str, Any]:
+        from megatron.core import parallel_state as ps
+
+        device, actor = self.ctx.device, self.actor
+        pairs = self.cfg.trainer.global_batch_size
+        _sync(device)
+        t0 = time.perf_counter()
+        # on the device up front: at PP>1 the ref's result is broadcast on the tokens' device
+        micro = [{k: v.to(device) for k, v in b.items()} for b in self.data.next_global_batch()]
+        self.ref_logps(micro)
+        actor.advance_schedule()
+        scale = len(micro) * ps.get_data_parallel_world_size() / pairs
+        result = actor.train_batch(micro, DPOLoss(device, scale, self.ctx.facts.vocab_size, self.cfg.algorithm.dpo))
+        # The sums exist on the last pipeline stage; count each DP replica once (TP rank 0).
+        local = torch.zeros(len(METRICS), dtype=torch.float64, device=device)
+        if ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0:
+            for o in result.outputs:
+                local += torch.stack([o[k].double() for k in METRICS]).to(device)
+        torch.distributed.all_reduce(local)
+        _sync(device)
+        dt = time.perf_counter() - t0
+        row: dict[str, Any] = {"step": step}
+        row.update({name: float(v) / pairs for name, v in zip(METRICS.values(), local.tolist())})
+        row.update({
+            "lr": actor.lr(), "grad_norm": result.grad_norm, "tokens_per_s": self.data.tokens_per_step / dt,
+            "step_time_s": dt, "mem_peak_gib": peak_memory_gib(device),
+        })
+        return row
+
+    def line(self, metrics: dict[str, Any]) -> list[str]:
+        return [
+            f"loss {metrics['loss']:.4f}", f"acc {metrics['rewards/accuracies']:.2f}",
+            f"margin {metrics['rewards/margins']:.4f}", f"lr {metrics['lr']:.2e}", f"grad_norm {metrics['grad_norm']:.3f}",
+            f"{metrics['step_time_s']:.3f} s/step", f"mem {metrics['mem_peak_gib']:.2f} GiB",
+        ]
+
+    def summary(self, first: dict[str, Any], last: dict[str, Any]) -> str:
+        return (f"first loss {first['loss']:.4f}, accuracy {first['rewards/accuracies']:.2f} (step {first['step']}); "
+                f"last loss {last['loss']:.4f}, accuracy {last['rewards/accuracies']:.2f} (step {last['step']})")
