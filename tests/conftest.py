@@ -85,11 +85,12 @@ def run_two_ranks(worker, *args, timeout: float = 240) -> None:
     assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
 
 
-def trinity_run_argv(config: Path, *, debug: bool = False) -> list[str]:
-    """`trinity run --config <config>` (`--debug`) as a child process command: its signal handlers, cwd
-    and torchrun children stay out of pytest's process."""
+def trinity_run_argv(config: Path, *overrides: str, debug: bool = False) -> list[str]:
+    """`trinity run --config <config> [key=value ...]` (`--debug`) as a child process command: its signal
+    handlers, cwd and torchrun children stay out of pytest's process."""
     return [sys.executable, "-c",
-            f"import sys; from trinity.cli.commands import run; sys.exit(run({str(config)!r}, [], debug={debug!r}))"]
+            f"import sys; from trinity.cli.commands import run; "
+            f"sys.exit(run({str(config)!r}, {list(overrides)!r}, debug={debug!r}))"]
 
 
 def trinity_run(cfg: dict, path: Path, *, timeout: float, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:

@@ -64,7 +64,9 @@ class Job:
     def __init__(self, workdir: Path, name: str, *, debug: bool = False):
         self.log = workdir / f"{name}.out"
         self._out = self.log.open("w")
-        self.cli = subprocess.Popen(trinity_run_argv(workdir / "job.yaml", debug=debug), cwd=REPO,
+        # One output folder per job: a job a failed test left behind cannot hold the next one's lock.
+        args = [f"trainer.output_dir={workdir / ('run_' + name)}"]
+        self.cli = subprocess.Popen(trinity_run_argv(workdir / "job.yaml", *args, debug=debug), cwd=REPO,
                                     stdin=subprocess.DEVNULL, stdout=self._out, stderr=subprocess.STDOUT)
         self.pids: list[int] = []
 
@@ -84,7 +86,10 @@ class Job:
 
         found = {}
         for p in psutil.Process(self.cli.pid).children(recursive=True):
-            cmd = " ".join(p.cmdline())
+            try:
+                cmd = " ".join(p.cmdline())
+            except (psutil.ZombieProcess, psutil.NoSuchProcess, psutil.AccessDenied):
+                continue  # a short-lived helper (e.g. a resource tracker) that has just ended
             if "trinity.trainer.worker" in cmd and "torch.distributed.run" not in cmd:
                 found["worker"] = p.pid
             elif "torch.distributed.run" in cmd:

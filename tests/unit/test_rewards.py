@@ -75,7 +75,7 @@ def test_format_reward():
 
 
 def test_from_config_and_registry():
-    assert set(BUILTIN_REWARDS) == {"math_exact_match", "format"}
+    assert set(BUILTIN_REWARDS) == {"math_exact_match", "format", "math_verify"}
     fn = reward_fn_from_config(RewardConfig(function="math_exact_match", extractor="boxed"))
     assert fn(["p"], [r"\boxed{2}"], ["2.0"]) == [1.0]
 
