@@ -142,7 +142,7 @@ def test_ctrl_c_stops_every_process_and_names_the_checkpoint(workdir):
         assert set(job.processes()) == {"torchrun", "worker"}, job.processes()
         job.cli.send_signal(sig)
         job.cli.wait(timeout=60)
-        job.assert_nothing_left(within_s=5)
+        job.assert_nothing_left(within_s=30)  # ~1-2 s on an idle machine; CI runs two test workers on 2 cores
     finally:
         job.cleanup()
     out = job.text()
@@ -170,7 +170,7 @@ def test_kill_9_of_the_cli_leaves_no_process(workdir):
         for name in targets:
             os.kill(job.cli.pid if name == "cli" else procs[name], signal.SIGKILL)
         job.cli.wait(timeout=30)
-        job.assert_nothing_left(within_s=10)
+        job.assert_nothing_left(within_s=30)  # ~1-2 s on an idle machine; CI runs two test workers on 2 cores
     finally:
         job.cleanup()
     if debug:
