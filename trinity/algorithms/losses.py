@@ -121,22 +121,8 @@ def ppo_policy_loss(
     ratio = torch.exp(log_ratio)
     advantages = advantages.float()
 
-    loss_unclipped = -advantages * ratio
-    loss_clipped = -advantages * torch.clamp(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
-    loss_ppo = torch.maximum(loss_unclipped, loss_clipped)
-    clipfrac = masked_mean((loss_clipped > loss_unclipped).float(), mask)
-
-    if clip_ratio_c is not None:
-        if clip_ratio_c <= 1.0:
-            raise ValueError(f"clip_ratio_c must be > 1, got {clip_ratio_c}")
-        loss_cap = -advantages * clip_ratio_c
-        negative = advantages < 0
-        pg_losses = torch.where(negative, torch.minimum(loss_ppo, loss_cap), loss_ppo)
-        clipfrac_lower = masked_mean(((loss_ppo > loss_cap) & negative).float(), mask)
-    else:
-        pg_losses = loss_ppo
-        clipfrac_lower = torch.zeros((), device=mask.device)
-
+    pg_losses, clipfrac, clipfrac_lower = _clipped_pg_losses(
+        ratio, advantages, mask, clip_ratio_low, clip_ratio_high, clip_ratio_c)
     loss = agg_loss(pg_losses, mask, loss_agg_mode, denominator)
     metrics = PolicyLossMetrics(
         pg_clipfrac=clipfrac.detach(),
@@ -144,6 +130,26 @@ def ppo_policy_loss(
         pg_clipfrac_lower=clipfrac_lower.detach(),
     )
     return loss, metrics
+
+
+def _clipped_pg_losses(
+    ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+    clip_ratio_low: float, clip_ratio_high: float, clip_ratio_c: float | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """PPO-clip per token on `ratio` (token ratios for PPO, the sequence ratio for GSPO), with the dual clip
+    `clip_ratio_c` capping negative advantages; returns (losses, clip fraction, lower clip fraction)."""
+    loss_unclipped = -advantages * ratio
+    loss_clipped = -advantages * torch.clamp(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+    loss_ppo = torch.maximum(loss_unclipped, loss_clipped)
+    clipfrac = masked_mean((loss_clipped > loss_unclipped).float(), mask)
+    if clip_ratio_c is None:
+        return loss_ppo, clipfrac, torch.zeros((), device=mask.device)
+    if clip_ratio_c <= 1.0:
+        raise ValueError(f"clip_ratio_c must be > 1, got {clip_ratio_c}")
+    loss_cap = -advantages * clip_ratio_c
+    negative = advantages < 0
+    pg_losses = torch.where(negative, torch.minimum(loss_ppo, loss_cap), loss_ppo)
+    return pg_losses, clipfrac, masked_mean(((loss_ppo > loss_cap) & negative).float(), mask)
 
 
 def gspo_policy_loss(
@@ -172,20 +178,8 @@ def gspo_policy_loss(
     seq_log_ratio = (log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1)
     log_s = torch.clamp(logp - logp.detach() + seq_log_ratio.detach().unsqueeze(-1), max=10.0)
     ratio = torch.exp(log_s)
-    loss_unclipped = -advantages * ratio
-    loss_clipped = -advantages * torch.clamp(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
-    loss_ppo = torch.maximum(loss_unclipped, loss_clipped)
-    clipfrac = masked_mean((loss_clipped > loss_unclipped).float(), mask)
-    if clip_ratio_c is not None:
-        if clip_ratio_c <= 1.0:
-            raise ValueError(f"clip_ratio_c must be > 1, got {clip_ratio_c}")
-        loss_cap = -advantages * clip_ratio_c
-        negative = advantages < 0
-        pg_losses = torch.where(negative, torch.minimum(loss_ppo, loss_cap), loss_ppo)
-        clipfrac_lower = masked_mean(((loss_ppo > loss_cap) & negative).float(), mask)
-    else:
-        pg_losses = loss_ppo
-        clipfrac_lower = torch.zeros((), device=mask.device)
+    pg_losses, clipfrac, clipfrac_lower = _clipped_pg_losses(
+        ratio, advantages, mask, clip_ratio_low, clip_ratio_high, clip_ratio_c)
     loss = agg_loss(pg_losses, mask, loss_agg_mode, denominator)
     metrics = PolicyLossMetrics(
         pg_clipfrac=clipfrac.detach(),

@@ -27,7 +27,9 @@ from typing import Any
 import numpy as np
 
 from trinity.data.readers import Record
-from trinity.data.sft import Sample, Segment, SFTStats, has_chat_template, render_prompt, tokenize_texts, trained_labels
+from trinity.data.sft import (
+    Sample, Segment, SFTStats, has_chat_template, join_segments, render_prompt, tokenize_texts, trained_labels,
+)
 from trinity.errors import UserError
 
 
@@ -118,12 +120,7 @@ def tokenize_pairs(records: Iterable[Record], tokenizer: Any, *, max_seq_len: in
         pair: list[Sample] = []
         truncated = False
         for segments in per_seq[2 * i : 2 * i + 2]:
-            ids: list[int] = []
-            mask: list[int] = []
-            for _, is_loss in segments:
-                ids += flat_ids[k]
-                mask += [int(is_loss)] * len(flat_ids[k])
-                k += 1
+            ids, mask, k = join_segments(segments, flat_ids, k)
             if not trained_labels(mask):
                 raise UserError(
                     f"{where}: nothing to train on: a response tokenises to no token after the prompt; the "

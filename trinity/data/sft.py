@@ -153,6 +153,18 @@ def record_segments(record: Record, tokenizer: Any, keys: SFTKeys) -> list[Segme
     return [(render_prompt(tokenizer, prompt), False), (response + eos, True)]
 
 
+def join_segments(segments: Sequence[Segment], flat_ids: Sequence[list[int]], k: int) -> tuple[list[int], list[int], int]:
+    """One sequence's token ids and loss mask from its segments, whose token ids are `flat_ids[k:]`
+    (every segment of a batch is tokenised in one call); returns them and the next index into flat_ids."""
+    ids: list[int] = []
+    mask: list[int] = []
+    for _, is_loss in segments:
+        ids += flat_ids[k]
+        mask += [int(is_loss)] * len(flat_ids[k])
+        k += 1
+    return ids, mask, k
+
+
 def tokenize_texts(tokenizer: Any, texts: Sequence[str]) -> list[list[int]]:
     """Token ids of each text, without BOS/EOS added, in batched calls."""
     ids: list[list[int]] = []
@@ -193,12 +205,7 @@ def tokenize_sft(
     k = 0
     for where, segments in zip(wheres, per_record):
         stats.records += 1
-        ids: list[int] = []
-        mask: list[int] = []
-        for _, is_loss in segments:
-            ids += flat_ids[k]
-            mask += [int(is_loss)] * len(flat_ids[k])
-            k += 1
+        ids, mask, k = join_segments(segments, flat_ids, k)
         if not trained_labels(mask):
             raise UserError(
                 f"{where}: nothing to train on: the sample tokenises to {len(ids)} token(s) with no response "
