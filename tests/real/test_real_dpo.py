@@ -1,0 +1,54 @@
+"""DPO of the real model (issue 22): on 8 pairs that prefer the right sum of two digits over a wrong one,
+asked through the tokenizer's own chat template, the preference accuracy on those training pairs rises
+from 0 (policy = reference at step 1, so no pair is preferred yet) and the reward margin grows."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.conftest import trinity_run
+
+pytestmark = [pytest.mark.real, pytest.mark.slow, pytest.mark.timeout(900)]
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _pairs(path: Path, n: int, seed: int = 0) -> Path:
+    from trinity.testing.real_model import ADDITION_PROMPT
+
+    rng = random.Random(seed)
+    with path.open("w") as f:
+        for _ in range(n):
+            a, b = rng.randint(1, 9), rng.randint(1, 9)
+            wrong = a + b + rng.choice([-2, -1, 1, 2])
+            f.write(json.dumps({"prompt": ADDITION_PROMPT.format(a=a, b=b), "chosen": str(a + b),
+                                "rejected": str(wrong)}) + "\n")
+    return path
+
+
+def test_dpo_preference_accuracy_rises(real_assets, tmp_path):
+    cfg = yaml.safe_load((REPO / "configs" / "dpo_tiny_cpu.yaml").read_text())
+    cfg["model"]["path"] = str(real_assets / "model")
+    # 8 pairs, one global batch: every step sees the same training pairs, whose accuracy is measured
+    cfg["data"].update(train_files=[str(_pairs(tmp_path / "pairs.jsonl", 8))], seq_length=64, shuffle=False)
+    cfg["trainer"].update(output_dir=str(tmp_path / "run"), total_steps=4, global_batch_size=8,
+                          micro_batch_size=4, save_interval=None, export_hf=False)
+    cfg["actor_rollout_ref"]["actor"]["optim"].update(lr=2.0e-5, lr_warmup_steps=0)
+    proc = trinity_run(cfg, tmp_path / "dpo.yaml", timeout=800, env={"OMP_NUM_THREADS": "2"})
+    assert proc.returncode == 0, proc.stdout[-3000:]
+
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "rewards/accuracies" in r]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    acc = [r["rewards/accuracies"] for r in rows]
+    margins = [r["rewards/margins"] for r in rows]
+    # step 1: the policy is the reference, every implicit reward is 0 and the loss is log 2
+    assert acc[0] == 0.0 and abs(rows[0]["loss"] - 0.6931472) < 1e-4, rows[0]
+    # the same pairs at every step: the policy moves towards the right sums
+    assert acc[-1] >= 0.75, acc
+    assert margins[-1] > margins[1] > 0, margins
