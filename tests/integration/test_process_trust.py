@@ -58,6 +58,19 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _describe(pids: list[int]) -> list[str]:
+    import psutil
+
+    out = []
+    for pid in pids:
+        try:
+            p = psutil.Process(pid)
+            out.append(f"{pid} {p.status()} {' '.join(p.cmdline())[:200]} threads={p.num_threads()}")
+        except psutil.Error as exc:
+            out.append(f"{pid} {exc!r}")
+    return out
+
+
 class Job:
     """A `trinity run` child with its console in a file."""
 
@@ -102,7 +115,7 @@ class Job:
         while any(_alive(p) for p in self.pids) and time.monotonic() < deadline:
             time.sleep(0.1)
         left = [p for p in self.pids if _alive(p)]
-        assert not left, f"processes of the job still running {within_s} s after the CLI ended: {left}"
+        assert not left, f"processes of the job still running {within_s} s after the CLI ended: {_describe(left)}"
 
     def cleanup(self) -> None:
         # Whatever happened, end what this test started (by pid).
@@ -158,8 +171,8 @@ def test_ctrl_c_stops_every_process_and_names_the_checkpoint(workdir):
 
 
 def test_kill_9_of_the_cli_leaves_no_process(workdir):
-    """kill -9 of `trinity run`: the kernel's parent-death signal stops torchrun, which stops the
-    worker (the worker's own watchdog, for a torchrun killed too, is tested in test_cli_trust.py).
+    """kill -9 of `trinity run`: the kernel's parent-death signal (SIGKILL) ends torchrun and the
+    worker's own watchdog on the CLI's pid ends the worker.
     This job runs with --debug: the warnings the other job hides are all shown."""
     targets, debug = ("cli",), True
     job = Job(workdir, "kill9", debug=debug)
