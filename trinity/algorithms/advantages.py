@@ -96,6 +96,17 @@ def _group_index(group_ids: torch.Tensor | Sequence[object], batch: int) -> torc
     return torch.tensor([first_seen.setdefault(g, len(first_seen)) for g in ids], dtype=torch.long)
 
 
+def _group_sums(scores: torch.Tensor, group_ids: Sequence[int] | torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """(scores as fp32, group index per sample, samples per group, score sum per group, number of groups)."""
+    scores = scores.float()
+    batch = scores.shape[0]
+    index = _group_index(group_ids, batch).to(scores.device)
+    num_groups = int(index.max().item()) + 1 if batch else 0
+    count = torch.zeros(num_groups, device=scores.device).index_add_(0, index, torch.ones_like(scores))
+    total = torch.zeros(num_groups, device=scores.device).index_add_(0, index, scores)
+    return scores, index, count, total, num_groups
+
+
 def grpo_outcome_advantages(
     scores: torch.Tensor,
     group_ids: torch.Tensor | Sequence[object],
@@ -113,13 +124,7 @@ def grpo_outcome_advantages(
 
     Returns (advantages, returns), both `[batch, response_len]`, equal, zero where the mask is 0.
     """
-    scores = scores.float()
-    batch = scores.shape[0]
-    index = _group_index(group_ids, batch).to(scores.device)
-    num_groups = int(index.max().item()) + 1 if batch else 0
-
-    count = torch.zeros(num_groups, device=scores.device).index_add_(0, index, torch.ones_like(scores))
-    total = torch.zeros(num_groups, device=scores.device).index_add_(0, index, scores)
+    scores, index, count, total, num_groups = _group_sums(scores, group_ids)
     mean = total / count
     sq_dev = torch.zeros(num_groups, device=scores.device).index_add_(0, index, (scores - mean[index]) ** 2)
     std = torch.sqrt(sq_dev / (count - 1).clamp(min=1))
@@ -182,12 +187,7 @@ def rloo_outcome_advantages(
 
     Returns (advantages, returns), both `[batch, response_len]`, equal, zero where the mask is 0.
     """
-    scores = scores.float()
-    batch = scores.shape[0]
-    index = _group_index(group_ids, batch).to(scores.device)
-    num_groups = int(index.max().item()) + 1 if batch else 0
-    count = torch.zeros(num_groups, device=scores.device).index_add_(0, index, torch.ones_like(scores))
-    total = torch.zeros(num_groups, device=scores.device).index_add_(0, index, scores)
+    scores, index, count, total, num_groups = _group_sums(scores, group_ids)
     others = (count[index] - 1).clamp(min=1)
     baseline = (total[index] - scores) / others
     adv = torch.where(count[index] > 1, scores - baseline, scores)
