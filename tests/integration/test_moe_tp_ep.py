@@ -1,11 +1,10 @@
 """MoE with TP x EP (#20, ROLL's layout family): TP=2, EP=2 with sequence parallel (megatron-core needs SP
 when both are > 1) over 4 gloo ranks trains a tiny Qwen3-MoE to the losses and weights of TP=1 EP=1.
 
-Each job is a real `trinity run`. SFT: one step at DP=2 against one at DP=1 (the loss is normalised over
-the global batch, so DP does not change it). GRPO: one step at TP=2 EP=2 (DP=1, 4 ranks: EP folds the
-expert layers over TP x DP... here TP x EP = 4 ranks per expert layer) against TP=1 EP=1 (DP=1, one rank):
-the same prompts and generator, so the rollout (decoded with SP switched off), the log-probs, the loss
-and the updated weights must agree."""
+Each job is a real `trinity run`. SFT: one step at TP=2 EP=2 (DP=2) against one at TP=1 EP=1 (DP=1;
+the loss is normalised over the global batch, so DP does not change it). GRPO: one step at TP=2 EP=2
+(DP=2) against TP=1 EP=1 on two ranks (DP=2: each DP rank gets the same prompts and generator), so the
+rollout (decoded with SP switched off), the log-probs, the loss and the updated weights must agree."""
 
 from __future__ import annotations
 
@@ -35,7 +34,9 @@ def assets(tmp_path_factory) -> dict[str, Path]:
         "qwen3_moe", root / "model", vocab_size=-(-len(tok) // 64) * 64, bos_token_id=tok.eos_token_id,
         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     tok.save_pretrained(str(model))
-    return {"model": model, "sft": write_sft_dataset(root / "sft.jsonl", 32, seed=0),
+    reward = root / "length_reward.py"
+    reward.write_text("def score(prompts, responses, answers):\n    return [float(len(r) % 4) for r in responses]\n")
+    return {"reward": reward, "model": model, "sft": write_sft_dataset(root / "sft.jsonl", 32, seed=0),
             "prompts": write_prompt_dataset(root / "prompts.jsonl", 8, seed=0)}
 
 
@@ -68,7 +69,8 @@ def grpo_job(assets: dict[str, Path], out: Path, block: dict, nproc: int) -> dic
             "ref": {"megatron": dict(block)},
             "rollout": {"n": 2, "response_length": 5},
         },
-        "reward": {"function": "trinity.rollout.arithmetic_reward:closeness"},
+        # a reward that varies between a group's responses, so the advantages and the update are not 0
+        "reward": {"function": f"{assets['reward']}:score"},
     }
 
 
@@ -101,12 +103,13 @@ def test_moe_tp2_ep2_sp_sft_and_grpo_equal_tp1(assets, tmp_path):
     runs = {}
     for name, make, block, nproc in (
         ("sft_tp1", sft_job, {}, 1), ("sft_tp_ep", sft_job, TP_EP, 4),
-        ("grpo_tp1", grpo_job, {}, 1), ("grpo_tp_ep", grpo_job, TP_EP, 4),
+        ("grpo_tp1", grpo_job, {}, 2), ("grpo_tp_ep", grpo_job, TP_EP, 4),
     ):
         runs[name] = _run(make(assets, tmp_path / name, block, nproc), tmp_path / f"{name}.yaml")
     _assert_same(runs["sft_tp1"], runs["sft_tp_ep"], ("loss", "grad_norm"))
     _assert_same(runs["grpo_tp1"], runs["grpo_tp_ep"], ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm",
                                                         "reward/mean", "response_length/mean"))
+    assert runs["grpo_tp_ep"][0]["reward/std"] > 0 and runs["grpo_tp_ep"][0]["actor/grad_norm"] > 0
     for name in ("sft_tp_ep", "grpo_tp_ep"):  # the step moved the weights (experts included)
         weights = runs[name][1]
         moved = [n for n in base if ".experts." in n and not torch.equal(weights[n], base[n])]
