@@ -33,51 +33,23 @@ from __future__ import annotations
 import contextlib
 import math
 import zlib
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterator
 
 import torch
 
 from trinity.errors import UserError
 
-# megatron-core module names LoRA can target, and how each is split over TP.
-COLUMN_PARALLEL = ("linear_qkv", "linear_fc1")
-ROW_PARALLEL = ("linear_proj", "linear_fc2")
-MCORE_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
-# Hugging Face (PEFT) module names -> the megatron-core module that holds them (q, k and v are one
-# fused linear_qkv; gate and up are one linear_fc1: an adapter on either covers both).
-HF_TO_MCORE: dict[str, str] = {
-    "q_proj": "linear_qkv",
-    "k_proj": "linear_qkv",
-    "v_proj": "linear_qkv",
-    "qkv_proj": "linear_qkv",
-    "o_proj": "linear_proj",
-    "gate_proj": "linear_fc1",
-    "up_proj": "linear_fc1",
-    "gate_up_proj": "linear_fc1",
-    "down_proj": "linear_fc2",
-}
-ALL_LINEAR = "all-linear"
+from trinity.models.lora_targets import (  # noqa: F401  (the names are part of this module's API)
+    ALL_LINEAR,
+    COLUMN_PARALLEL,
+    HF_TO_MCORE,
+    MCORE_TARGETS,
+    ROW_PARALLEL,
+    adapter_parameter_count,
+    resolve_targets,
+)
+
 _INIT_SEED = 1234  # A's init: a fixed seed per global layer name (see `_init_a`)
-
-
-def resolve_targets(names: Iterable[str]) -> list[str]:
-    """megatron-core target names (in MCORE_TARGETS order) for config names that may be HF names or
-    `all-linear`; ValueError naming the unknown ones and the valid choices."""
-    out: set[str] = set()
-    unknown = []
-    for name in names:
-        if name == ALL_LINEAR:
-            out.update(MCORE_TARGETS)
-        elif name in MCORE_TARGETS:
-            out.add(name)
-        elif name in HF_TO_MCORE:
-            out.add(HF_TO_MCORE[name])
-        else:
-            unknown.append(name)
-    if unknown:
-        valid = [*MCORE_TARGETS, *HF_TO_MCORE, ALL_LINEAR]
-        raise ValueError(f"unknown target module(s) {unknown}; valid: {', '.join(valid)}")
-    return [t for t in MCORE_TARGETS if t in out]
 
 
 def _is_te_fused_norm(module: torch.nn.Module) -> bool:
