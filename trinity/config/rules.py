@@ -56,6 +56,7 @@ def check_job(cfg: JobConfig, *, check_paths: bool = True) -> tuple[ModelFacts |
     _check_dapo(cfg, problems)
     _check_dpo(cfg, problems)
     _check_lora(cfg, facts, problems)
+    _check_lora_ref(cfg, problems)
     _check_profile(cfg, problems)
     check_evaluation(cfg, problems, check_paths)
     return facts, problems, warnings
@@ -429,6 +430,21 @@ def _check_lora(cfg: JobConfig, facts: ModelFacts | None, problems: list[str]) -
         problems.append(
             f"{p}.target_modules: {', '.join(mlp)} of an MoE model are its experts, which LoRA does not adapt; "
             "target linear_qkv and linear_proj only"
+        )
+
+
+def _check_lora_ref(cfg: JobConfig, problems: list[str]) -> None:
+    """With LoRA the reference policy (RL with KL, DPO) is the actor with its adapters off
+    (trinity.trainer.recipes.lora_ref): no ref model is built, so its megatron block cannot apply."""
+    if cfg.actor_rollout_ref.actor.lora.rank == 0:
+        return
+    ref = cfg.actor_rollout_ref.ref.megatron
+    for name in _non_default(ref, None):
+        if name in OFFLOAD_FLAGS and not cfg.needs_ref:
+            continue  # _check_roles_exist already says the ref does not exist
+        problems.append(
+            f"actor_rollout_ref.ref.megatron.{name}: with actor_rollout_ref.actor.lora the reference policy is "
+            "the actor with its adapters off (no ref model is built), so the ref block cannot apply; remove the key"
         )
 
 

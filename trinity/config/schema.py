@@ -584,7 +584,8 @@ class JobConfig(StrictModel):
     def roles(self) -> dict[str, MegatronConfig]:
         """Megatron blocks of the roles that exist in this job, keyed by their config path."""
         out = {"actor_rollout_ref.actor": self.actor_rollout_ref.actor.megatron}
-        if self.needs_ref:
+        # with LoRA the reference policy is the actor with its adapters off: no ref model is built
+        if self.needs_ref and self.actor_rollout_ref.actor.lora.rank == 0:
             out["actor_rollout_ref.ref"] = self.actor_rollout_ref.ref.megatron
         if self.critic is not None:
             out["critic"] = self.critic.megatron

@@ -222,18 +222,19 @@ def read_peft_folder(folder: str | Path) -> tuple[dict[str, Any], dict[str, torc
         config = json.loads(cfg_path.read_text())
     except json.JSONDecodeError as e:
         raise UserError(f"{cfg_path}: not valid JSON ({e})") from None
-    if config.get("peft_type") != "LORA":
-        raise UserError(f"{cfg_path}: peft_type is {config.get('peft_type')!r}; only LoRA adapters (LORA) load here")
-    for key, ok in (("use_dora", False), ("use_rslora", False), ("fan_in_fan_out", False)):
-        if bool(config.get(key, False)) != ok:
-            raise UserError(f"{cfg_path}: {key} is true; only plain LoRA (no DoRA, no rsLoRA scaling, "
-                            "[out, in] weights) maps onto trinity's adapters")
-    if config.get("bias", "none") != "none" or config.get("modules_to_save"):
-        raise UserError(f"{cfg_path}: bias / modules_to_save train more than LoRA's A and B; "
-                        "only adapters without them load here")
-    if config.get("rank_pattern") or config.get("alpha_pattern"):
-        raise UserError(f"{cfg_path}: rank_pattern / alpha_pattern give modules different ranks; "
-                        "trinity's adapters have one rank and alpha")
+    unsupported = [
+        what for what, bad in (
+            (f"peft_type {config.get('peft_type')!r}", config.get("peft_type") != "LORA"),
+            ("use_dora", bool(config.get("use_dora"))), ("use_rslora", bool(config.get("use_rslora"))),
+            ("fan_in_fan_out", bool(config.get("fan_in_fan_out"))),
+            (f"bias {config.get('bias')!r}", config.get("bias", "none") != "none"),
+            ("modules_to_save", bool(config.get("modules_to_save"))),
+            ("rank_pattern / alpha_pattern", bool(config.get("rank_pattern") or config.get("alpha_pattern"))),
+        ) if bad
+    ]
+    if unsupported:
+        raise UserError(f"{cfg_path}: {', '.join(unsupported)}: only plain LoRA adapters (peft_type LORA, one r and "
+                        "lora_alpha, no DoRA, rsLoRA, bias or modules_to_save) map onto trinity's adapters")
     tensors: dict[str, torch.Tensor] = {}
     for key, value in load_file(str(weights)).items():
         name = key.removeprefix(_PREFIX).replace(".lora_A.default.", ".lora_A.").replace(".lora_B.default.", ".lora_B.")
