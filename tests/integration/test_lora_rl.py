@@ -181,6 +181,16 @@ def test_grpo_with_lora_builds_no_ref_engine_and_exports_adapters(assets, tmp_pa
     assert not (out / "checkpoints" / "step_2" / "ref").exists()
     # the final merged export is what PEFT computes from the base model and the final adapters
     assert _peft_vs_merged(assets["model"], out / "adapter", out / "hf") < 1e-4
+    # the last checkpoint (adapters only) converts to the same merged model, and generates the same answers
+    from trinity.cli.generate import generate_answers
+    from trinity.convert.api import mcore_to_hf
+    from trinity.convert.verify import compare_folders
+
+    mcore_to_hf(str(out / "checkpoints" / "step_3" / "actor"), str(tmp_path / "converted"), device="cpu", verify=True)
+    compare_folders(tmp_path / "converted", out / "hf", what="converted LoRA checkpoint")
+    prompts = ["1+2=", "7+5="]
+    assert generate_answers(out, prompts, max_new_tokens=6, device="cpu") == \
+        generate_answers(out / "hf", prompts, max_new_tokens=6, device="cpu")
 
 
 @pytest.mark.slow
