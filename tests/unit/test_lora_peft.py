@@ -125,7 +125,7 @@ def test_peft_folder_loads_back_exactly(adapted):
     assert load_peft_adapters(fresh, adapted.folder, adapted.facts, rank=RANK, alpha=ALPHA) == 8
     for (n1, _, a1), (n2, _, a2) in zip(lora_modules(adapted.chunks), lora_modules(fresh), strict=True):
         assert n1 == n2 and torch.equal(a1.lora_A, a2.lora_A) and torch.equal(a1.lora_B, a2.lora_B), n1
-    with pytest.raises(UserError, match=r"adapter_config.json: r is 4 but actor_rollout_ref.actor.lora.rank is 8"):
+    with pytest.raises(UserError, match=r"adapter_config.json: r 4, lora_alpha 8.0 but the model's adapters have rank 8, alpha 8.0"):
         load_peft_adapters(fresh, adapted.folder, adapted.facts, rank=8, alpha=ALPHA)
 
 

@@ -279,12 +279,9 @@ def load_peft_adapters(chunks: list[Any], folder: str | Path, facts: Any, *, ran
 
     config, tensors = read_peft_folder(folder)
     cfg_path = Path(folder) / CONFIG_FILE
-    if int(config.get("r", -1)) != rank:
-        raise UserError(f"{cfg_path}: r is {config.get('r')} but actor_rollout_ref.actor.lora.rank is {rank}; "
-                        "set the rank to the folder's r")
-    if float(config.get("lora_alpha", -1)) != float(alpha):
-        raise UserError(f"{cfg_path}: lora_alpha is {config.get('lora_alpha')} but actor_rollout_ref.actor.lora.alpha "
-                        f"is {alpha}; set alpha to the folder's lora_alpha (the scaling alpha / rank must be the same)")
+    if int(config.get("r", -1)) != rank or float(config.get("lora_alpha", -1)) != float(alpha):
+        raise UserError(f"{cfg_path}: r {config.get('r')}, lora_alpha {config.get('lora_alpha')} but the model's adapters "
+                        f"have rank {rank}, alpha {alpha}; load it with lora.rank and lora.alpha set to the folder's")
     wmap = weight_map(facts.family, facts.source)
     tp = ps.get_tensor_model_parallel_world_size() if ps.model_parallel_is_initialized() else 1
     tp_rank = ps.get_tensor_model_parallel_rank() if tp > 1 else 0
