@@ -151,7 +151,8 @@ def baseline(assets, tmp_path_factory) -> Path:
     tmp = tmp_path_factory.mktemp("lora_base")
     proc = trinity_run(job(assets, tmp / "run", save=2), tmp / "job.yaml", timeout=170)
     assert proc.returncode == 0
-    assert "LoRA: 13,312 trainable adapter parameters" in proc.stdout
+    assert "LoRA: 13,312 trainable adapter parameters" in proc.stdout  # the plan
+    assert "LoRA rank 4 on linear_qkv, linear_proj, linear_fc1, linear_fc2: 13,312 trainable parameters" in proc.stdout
     return tmp / "run"
 
 
@@ -186,10 +187,9 @@ def test_resume_is_bit_exact(assets, baseline, tmp_path):
     [
         {"tensor_model_parallel_size": 2},
         {"tensor_model_parallel_size": 2, "sequence_parallel": True},
-        {"pipeline_model_parallel_size": 2},
-        {"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2},
+        {"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2},  # PP=2, 2 chunks each
     ],
-    ids=["tp2", "tp2_sp", "pp2", "pp2_vpp2"],
+    ids=["tp2", "tp2_sp", "pp2_vpp2"],
 )
 def test_layouts_give_the_same_lora_losses(assets, baseline, tmp_path, layout):
     """TP=2 (adapter A or B sharded like the base weight; with sequence parallel the adapter's input is
@@ -200,3 +200,16 @@ def test_layouts_give_the_same_lora_losses(assets, baseline, tmp_path, layout):
     assert sorted(mine) == [1, 2, 3, 4]
     for step in mine:
         assert mine[step] == pytest.approx(ref[step], rel=1e-5), (step, mine, ref)
+
+
+@pytest.mark.slow
+def test_pretraining_with_lora_and_the_optimizer_in_host_memory(assets, baseline, tmp_path):
+    """`pt` (every token trained, the SFT step) with LoRA, and optimizer_offload (the host optimizer
+    steps the adapters' fp32 states in host memory): runs and its loss falls."""
+    cfg = job(assets, tmp_path / "run", steps=6, optimizer_offload=True)
+    cfg["algorithm"]["name"] = "pt"
+    cfg["data"] = {"train_files": [str(Path(__file__).resolve().parents[2] / "README.md")], "seq_length": 64}
+    proc = trinity_run(cfg, tmp_path / "job.yaml", timeout=170)
+    assert proc.returncode == 0
+    b = losses(tmp_path / "run")
+    assert sorted(b) == list(range(1, 7)) and b[6] < b[1] - 0.1, b
