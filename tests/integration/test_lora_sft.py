@@ -213,3 +213,27 @@ def test_pretraining_with_lora_and_the_optimizer_in_host_memory(assets, baseline
     assert proc.returncode == 0
     b = losses(tmp_path / "run")
     assert sorted(b) == list(range(1, 7)) and b[6] < b[1] - 0.1, b
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_a_tp1_checkpoint_resumes_at_tp2(assets, baseline, tmp_path):
+    """The adapters' checkpoint is reshardable like the model's: step 2 of the TP=1 run, resumed at TP=2,
+    gives the TP=1 losses of steps 3-4 and the same adapter tensors at step 4 (linear_fc1's B is stored as
+    gate and up halves, as megatron stores the fused weight)."""
+    import shutil
+
+    out = tmp_path / "run"
+    (out / "checkpoints").mkdir(parents=True)
+    shutil.copytree(baseline / "checkpoints" / "step_2", out / "checkpoints" / "step_2")
+    proc = trinity_run(job(assets, out, save=2, nproc=2, tensor_model_parallel_size=2), tmp_path / "tp2.yaml", timeout=170)
+    assert proc.returncode == 0 and "at step 2" in proc.stdout
+    mine, ref = losses(out), losses(baseline)
+    assert sorted(mine) == [3, 4]
+    for step in mine:
+        assert mine[step] == pytest.approx(ref[step], rel=1e-5), (step, mine, ref)
+    a, b = stored_tensors(out / "checkpoints" / "step_4"), stored_tensors(baseline / "checkpoints" / "step_4")
+    lora = sorted(k for k in b if ".lora.lora_" in k and not k.startswith("optimizer."))
+    assert lora and all(k in a for k in lora)
+    for k in lora:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-6, msg=k)
