@@ -93,6 +93,32 @@ def test_only_adapters_reach_ddp_and_the_optimizer(tiny_qwen2_tp1):
     assert all(a.lora_B.abs().sum() > 0 for _, _, a in lora.lora_modules([model]))
 
 
+@pytest.mark.parametrize("granularity", ["full", "selective"])
+def test_recompute_gives_the_adapters_the_same_gradients(tiny_qwen2_tp1, granularity):
+    """Full recompute checkpoints each layer on its hidden-state input, which a frozen embedding leaves
+    without grad: the adapters would get none (apply_lora marks the embedding output)."""
+    from trinity.config.megatron import MegatronConfig
+    from trinity.models import lora
+    from trinity.models.build import build_model, causal_mask
+
+    facts, _ = tiny_qwen2_tp1
+    ids = torch.randint(0, facts.vocab_size, (2, 16), generator=torch.Generator().manual_seed(2))
+    grads = []
+    for block in (MegatronConfig(), MegatronConfig(override_transformer_config={"recompute_granularity": granularity})):
+        torch.manual_seed(0)
+        (model,) = build_model(facts, block, device="cpu", dtype=torch.float32)
+        lora.apply_lora([model], _cfg())
+        for _, _, a in lora.lora_modules([model]):
+            torch.nn.init.normal_(a.lora_B, std=0.05, generator=torch.Generator().manual_seed(1))
+        model(ids, torch.arange(16).expand(2, 16), causal_mask(16), labels=ids).mean().backward()
+        grads.append({k: p.grad for k, p in model.named_parameters() if p.requires_grad})
+    plain, recomputed = grads
+    assert plain.keys() == recomputed.keys() and len(plain) == 4 * facts.num_layers * 2
+    for k in plain:
+        assert recomputed[k] is not None, k
+        torch.testing.assert_close(recomputed[k], plain[k], rtol=0, atol=1e-6, msg=k)
+
+
 # ---------------------------------------------------------------- trinity run
 
 

@@ -237,7 +237,22 @@ def apply_lora(chunks: list[torch.nn.Module], cfg: Any) -> int:
             if hasattr(module, "sharded_state_dict"):
                 module.sharded_state_dict = _sharded_state_dict(module, module.sharded_state_dict)
             trainable += adapter.lora_A.numel() + adapter.lora_B.numel()
+        model = _unwrap(chunk)
+        embedding = getattr(model, "embedding", None) if getattr(model, "pre_process", False) else None
+        if embedding is not None and getattr(model.config, "recompute_granularity", None) == "full":
+            embedding.register_forward_hook(_input_requires_grad)
     return trainable
+
+
+def _input_requires_grad(module: torch.nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+    """Full recompute checkpoints each layer in an autograd.Function whose only tensor inputs are the
+    hidden states: with a frozen embedding they need no grad, so the layers' outputs would not either
+    and the adapters inside would get none. Marking the embedding output as requiring grad (what PEFT's
+    enable_input_require_grads does) keeps the graph; later pipeline stages receive activations that
+    require grad already."""
+    if torch.is_grad_enabled() and isinstance(output, torch.Tensor) and not output.requires_grad:
+        output.requires_grad_(True)
+    return output
 
 
 def lora_modules(chunks: list[torch.nn.Module]) -> Iterator[tuple[str, torch.nn.Module, LoraAdapter]]:
