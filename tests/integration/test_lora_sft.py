@@ -119,6 +119,27 @@ def test_recompute_gives_the_adapters_the_same_gradients(tiny_qwen2_tp1, granula
         torch.testing.assert_close(recomputed[k], plain[k], rtol=0, atol=1e-6, msg=k)
 
 
+def test_the_docs_cpu_example_validates_as_shown(tmp_path, monkeypatch, capsys):
+    """docs/lora.md's `trinity validate --config configs/lora_sft_cpu.yaml` on the quickstart assets
+    prints the lines the doc shows (its ```text block), in order."""
+    import re
+
+    from trinity.cli.commands import validate
+    from trinity.testing.tiny_assets import make_quickstart_assets
+
+    repo = Path(__file__).resolve().parents[2]
+    doc = (repo / "docs" / "lora.md").read_text()
+    assert "trinity tiny-assets quickstart_assets" in doc and "trinity run --config configs/lora_sft_cpu.yaml" in doc
+    shown = re.search(r"```text\n(LoRA: .*?)```", doc, re.S).group(1).strip().splitlines()
+    make_quickstart_assets(tmp_path / "quickstart_assets")
+    monkeypatch.chdir(tmp_path)  # the config's paths are relative to where trinity starts
+    assert validate(repo / "configs" / "lora_sft_cpu.yaml", []) == 0
+    printed = capsys.readouterr().out.splitlines()
+    at = 0
+    for line in shown:
+        at = printed.index(line, at) + 1  # ValueError: the doc shows a line validate does not print
+
+
 # ---------------------------------------------------------------- trinity run
 
 
