@@ -118,8 +118,10 @@ class RoleEngine:
     # ------------------------------------------------------------------ the step
 
     def train_batch(self, micro_batches: list[Any], loss_fn: LossFn) -> StepResult:
-        """One optimizer step over this rank's micro batches (every micro batch has `tokens` [b, s] of
-        one shape, or a `rollout` whose tokens do)."""
+        """One optimizer step over this rank's micro batches (every micro batch has `tokens` [b, s], or a
+        `rollout` whose tokens are). Their number may differ between DP ranks (RL's packed micro batches:
+        each rank's loss scale cancels its own count); at PP>1 the RL recipes give all of one call one
+        shape, as SFT's fixed-length rows have (the schedule is told the first one's)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         for chunk in self.model:
@@ -186,7 +188,7 @@ class RoleEngine:
 
 def _tokens(micro: Any) -> torch.Tensor:
     """A micro batch's token ids [b, s]: a packed-row dict's `tokens`, a rollout's (or an experience
-    dict's rollout's) tokens."""
+    dict's rollout's) tokens, a `PackedMicro`'s row [1, S]."""
     if isinstance(micro, dict):
         return micro["tokens"] if "tokens" in micro else micro["rollout"].tokens
     return micro.tokens
