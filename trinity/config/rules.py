@@ -55,6 +55,8 @@ def check_job(cfg: JobConfig, *, check_paths: bool = True) -> tuple[ModelFacts |
         _check_reward(cfg, problems, check_paths)
     _check_dapo(cfg, problems)
     _check_dpo(cfg, problems)
+    _check_lora(cfg, facts, problems)
+    _check_lora_ref(cfg, problems)
     _check_profile(cfg, problems)
     check_evaluation(cfg, problems, check_paths)
     return facts, problems, warnings
@@ -431,6 +433,46 @@ def _check_dpo(cfg: JobConfig, problems: list[str]) -> None:
         problems.append(
             "data.packing: dpo runs each sequence of a pair in its own row (its log-prob is a per-row sum); "
             "remove the key or set it to false"
+        )
+
+
+def _check_lora(cfg: JobConfig, facts: ModelFacts | None, problems: list[str]) -> None:
+    """actor.lora: target names known, settings only with rank >= 1, and only where adapters can act."""
+    lora = cfg.actor_rollout_ref.actor.lora
+    p = "actor_rollout_ref.actor.lora"
+    if lora.rank == 0:
+        for field in _non_default(lora, ["alpha", "dropout", "target_modules"]):
+            problems.append(f"{p}.{field}: has no effect while {p}.rank is 0 (LoRA off); set rank >= 1 or remove the key")
+        return
+    from trinity.models.lora_targets import resolve_targets
+
+    try:
+        targets = resolve_targets(lora.target_modules)
+    except ValueError as exc:
+        problems.append(f"{p}.target_modules: {exc}")
+        return
+    if not targets:
+        problems.append(f"{p}.target_modules: is empty; name at least one linear (e.g. all-linear)")
+    mlp = sorted(set(targets) & {"linear_fc1", "linear_fc2"})
+    if facts is not None and facts.is_moe and mlp:
+        problems.append(
+            f"{p}.target_modules: {', '.join(mlp)} of an MoE model are its experts, which LoRA does not adapt; "
+            "target linear_qkv and linear_proj only"
+        )
+
+
+def _check_lora_ref(cfg: JobConfig, problems: list[str]) -> None:
+    """With LoRA the reference policy (RL with KL, DPO) is the actor with its adapters off
+    (trinity.trainer.recipes.lora_ref): no ref model is built, so its megatron block cannot apply."""
+    if cfg.actor_rollout_ref.actor.lora.rank == 0:
+        return
+    ref = cfg.actor_rollout_ref.ref.megatron
+    for name in _non_default(ref, None):
+        if name in OFFLOAD_FLAGS and not cfg.needs_ref:
+            continue  # _check_roles_exist already says the ref does not exist
+        problems.append(
+            f"actor_rollout_ref.ref.megatron.{name}: with actor_rollout_ref.actor.lora the reference policy is "
+            "the actor with its adapters off (no ref model is built), so the ref block cannot apply; remove the key"
         )
 
 

@@ -28,6 +28,7 @@ from trinity.rollout.types import SamplingParams
 from trinity.trainer.engine.offload import memory_gib
 from trinity.trainer.recipes import Recipe
 from trinity.trainer.recipes import rollout_forward as F
+from trinity.trainer.recipes.lora_ref import AdaptersOff, rollout_weights, uses_lora
 from trinity.trainer.recipes.rl_update import Experience, actor_update
 
 
@@ -138,7 +139,8 @@ class RLRecipe(Recipe):
     `update_critic(...)`, and may replace `sample(...)` (DAPO)."""
 
     def roles(self) -> list[Role]:
-        return [Role.actor] + ([Role.ref] if self.cfg.needs_ref else [])
+        # with LoRA the ref is the actor with its adapters off: no ref engine (`ref`)
+        return [Role.actor] + ([Role.ref] if self.cfg.needs_ref and not uses_lora(self.cfg) else [])
 
     def build_data(self) -> Any:
         from trinity.data.loader import load_tokenizer, pad_token_id
@@ -208,7 +210,14 @@ class RLRecipe(Recipe):
 
     @property
     def ref(self) -> Any:
+        if uses_lora(self.cfg) and self.cfg.needs_ref:
+            return AdaptersOff(self.actor)
         return self.engines.get(Role.ref.value)
+
+    @property
+    def ref_engine(self) -> str:
+        """The engine whose parameters the ref phase needs: the actor's with LoRA."""
+        return Role.actor.value if uses_lora(self.cfg) else Role.ref.value
 
     @property
     def critic(self) -> Any:
@@ -240,8 +249,11 @@ class RLRecipe(Recipe):
     def generate(self, prompts: list[Any], gen: torch.Generator) -> Any:
         n = self.cfg.actor_rollout_ref.rollout.n
         ids = [p.prompt_ids for p in prompts for _ in range(n)]
-        return self.phases.run("rollout", {"actor": {"params": True}}, lambda: self.rollout_engine.generate(ids, self.sampling, gen),
-                               tokens=lambda r: r.response_mask.sum())
+        def run() -> Any:
+            with rollout_weights(self.actor):  # LoRA: the decoders read W + alpha/rank * B A
+                return self.rollout_engine.generate(ids, self.sampling, gen)
+
+        return self.phases.run("rollout", {"actor": {"params": True}}, run, tokens=lambda r: r.response_mask.sum())
 
     def score(self, prompts: list[Any], ro: Any) -> torch.Tensor:
         n = self.cfg.actor_rollout_ref.rollout.n
@@ -277,7 +289,7 @@ class RLRecipe(Recipe):
         bat = self.batching
         ref_logp = None
         if self.ref is not None:
-            ref_logp = ph.run("ref", {"ref": {"params": True}}, lambda: F.infer_logprobs(
+            ref_logp = ph.run("ref", {self.ref_engine: {"params": True}}, lambda: F.infer_logprobs(
                 self.ref, ro, self.vocab_size, bat["ref"].reset()), bat["ref"].counts)
         warmup = self.critic_warmup(step)
         old_logp = None
