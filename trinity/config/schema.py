@@ -455,6 +455,18 @@ class ActorConfig(StrictModel):
     """RL: KL estimator of the KL loss."""
     policy_loss: PolicyLossConfig = Field(default_factory=PolicyLossConfig)
     """RL: the policy loss (vanilla PPO-clip or GSPO)."""
+    use_dynamic_bsz: bool = True
+    """RL: pack each sequence's real tokens (prompt + response, no padding) into rows of at most
+    ppo_max_token_len_per_gpu tokens, one row per micro batch (first-fit decreasing), for the actor's
+    update and old log-probs; false: padded rows of trainer.micro_batch_size sequences (docs/rl.md, Packing)."""
+    ppo_max_token_len_per_gpu: int | None = Field(default=None, ge=1)
+    """RL, with use_dynamic_bsz: tokens per packed micro batch of the actor (update and old log-probs);
+    unset: trainer.micro_batch_size x (data.max_prompt_length + rollout.response_length), the tokens of one
+    padded micro batch. Must hold the longest sequence (max_prompt_length + response_length)."""
+    recompute_old_log_prob: bool = False
+    """RL: run the separate old log-prob pass on every step. By default on-policy steps (ppo_epochs 1 and
+    ppo_mini_batch_size = data.train_batch_size, no KL in the reward, not a critic warm-up step) take the
+    old log-probs from the update's own forward (detached: the ratio is exactly 1); true is the check."""
     lora: LoraConfig = Field(default_factory=LoraConfig)
     """LoRA: train low-rank adapters instead of the full model (rank >= 1 turns it on; docs/lora.md)."""
 
@@ -480,6 +492,12 @@ class RefConfig(StrictModel):
     accepted (this toolkit trains with megatron-core only); unset means megatron."""
     megatron: MegatronConfig = Field(default_factory=MegatronConfig)
     """Parallelism and memory options of the reference model."""
+    log_prob_use_dynamic_bsz: bool = True
+    """Pack the ref log-prob pass's sequences into rows of log_prob_max_token_len_per_gpu tokens (as
+    actor.use_dynamic_bsz); false: padded rows of trainer.micro_batch_size sequences."""
+    log_prob_max_token_len_per_gpu: int | None = Field(default=None, ge=1)
+    """Tokens per packed micro batch of the ref log-prob pass; unset: as actor.ppo_max_token_len_per_gpu's
+    default. Must hold the longest sequence (data.max_prompt_length + rollout.response_length)."""
 
 
 class RolloutConfig(StrictModel):
@@ -524,6 +542,12 @@ class CriticConfig(StrictModel):
     """Passes over each rollout batch."""
     warmup_steps: int = Field(default=0, ge=0)
     """Steps during which only the critic trains."""
+    use_dynamic_bsz: bool = True
+    """Pack the critic's sequences (values pass and update) into rows of ppo_max_token_len_per_gpu tokens
+    (as actor.use_dynamic_bsz); false: padded rows of trainer.micro_batch_size sequences."""
+    ppo_max_token_len_per_gpu: int | None = Field(default=None, ge=1)
+    """Tokens per packed micro batch of the critic; unset: as actor.ppo_max_token_len_per_gpu's default.
+    Must hold the longest sequence (data.max_prompt_length + rollout.response_length)."""
 
 
 class RewardConfig(StrictModel):

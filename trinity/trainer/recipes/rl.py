@@ -6,6 +6,11 @@ Data parallelism: each DP rank generates `rollout.n` responses for its own promp
 spans ranks and group statistics are local; PPO whitens advantages over the whole batch of the DP group
 (one all-reduce of sum, sum of squares and count), so they do not depend on the DP size. TP ranks of
 one DP replica see the same prompts and sample the same tokens (trinity.rollout.generate).
+
+Micro batches: by default each phase packs the sequences' real tokens into rows of a token budget
+(`actor.use_dynamic_bsz` / `ppo_max_token_len_per_gpu`, `ref.log_prob_*`, `critic.*`: verl's names;
+`rollout_forward.Batching`); results come back per sequence, [B, R] in the rollout's order. On-policy
+steps take the old log-probs from the actor update's own forward (`rl_update` module doc).
 """
 
 from __future__ import annotations
@@ -49,6 +54,8 @@ class Phases:
         self.metrics: dict[str, float] = {}
 
     def run(self, name: str, needs: dict[str, dict[str, bool]], fn: Any, tokens: Any = None) -> Any:
+        """`tokens`: the phase's real tokens, or (real, computed) where computed counts what the forward
+        passes ran, padding included (padding_fraction/<name>); a number, or a function of the result."""
         for role, engine in self.engines.items():
             engine.need(**needs.get(role, {"params": False}))
         self.metrics[f"mem/{name}_gib"] = memory_gib(self.device)
@@ -66,7 +73,10 @@ class Phases:
         self.metrics[f"time/{name}_s"] = dt
         n = tokens(result) if callable(tokens) else tokens
         if n is not None:
-            self.metrics[f"tokens_per_s/{name}"] = float(n) / max(dt, 1e-9)
+            real, computed = n if isinstance(n, tuple) else (n, None)
+            self.metrics[f"tokens_per_s/{name}"] = float(real) / max(dt, 1e-9)
+            if computed:
+                self.metrics[f"padding_fraction/{name}"] = 1.0 - float(real) / float(computed)
         return result
 
 
@@ -98,6 +108,23 @@ def _dp_stats(values: torch.Tensor) -> tuple[float, float]:
         torch.distributed.all_reduce(s, group=group)
     mean = s[0] / s[2]
     return float(mean), float(torch.sqrt(torch.clamp(s[1] / s[2] - mean * mean, min=0)))
+
+
+def _logprob_gap(rollout_logp: torch.Tensor, logp: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """Mean and max |rollout log-prob - training log-prob| over the response tokens of all DP ranks: the
+    rollout and the training forward run the same weights, so this is their numerical difference
+    (KV-cache decoding vs one whole-sequence pass, kernels, dtype)."""
+    _, dp, group = _dp_info()
+    m = mask.float()
+    d = (rollout_logp.float() - logp.float()).abs() * m
+    s = torch.stack([d.sum().double(), m.sum().double()])
+    mx = d.max().reshape(1) if d.numel() else d.new_zeros(1)
+    if dp > 1:
+        torch.distributed.all_reduce(s, group=group)
+        torch.distributed.all_reduce(mx, op=torch.distributed.ReduceOp.MAX, group=group)
+    if float(s[1]) == 0:
+        return {}
+    return {"rollout/logprob_diff_mean": float(s[0] / s[1]), "rollout/logprob_diff_max": float(mx)}
 
 
 def _masked_stats(prefix: str, x: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
@@ -141,14 +168,49 @@ class RLRecipe(Recipe):
         )
 
     def setup(self) -> None:
+        from trinity.distributed.sequence_parallel import RolloutWithoutSequenceParallel
         from trinity.rollout.generate import ActorRollout
 
         self.vocab_size = self.ctx.facts.vocab_size
-        self.rollout_engine = ActorRollout(self.actor.model[0], self.vocab_size, self.pad_id)
+        # Decoding feeds one token per step, which cannot be split over TP ranks: the rollout (and the
+        # evaluation, which uses this engine) runs the actor's modules with sequence parallel off.
+        self.rollout_engine = RolloutWithoutSequenceParallel(
+            ActorRollout(self.actor.model[0], self.vocab_size, self.pad_id), self.actor.model)
         self.phases = Phases(self.ctx.device, self.engines)
+        self.batching = self.make_batching()
 
     def describe(self) -> str:
         return f"{super().describe()}; roles: {', '.join(self.engines)}"
+
+    def make_batching(self) -> dict[str, Any]:
+        """Each role's `Batching` (rollout_forward): packed rows of its token budget, or padded rows."""
+        from megatron.core import parallel_state as ps
+
+        cfg = self.cfg
+        micro = cfg.trainer.micro_batch_size
+        arr = cfg.actor_rollout_ref
+        default = micro * (cfg.data.max_prompt_length + arr.rollout.response_length)
+        # sequence parallel splits a row over the TP ranks; at PP>1 one shape per schedule call
+        tp = ps.get_tensor_model_parallel_world_size()
+        multiple = tp if arr.actor.megatron.sequence_parallel and tp > 1 else 1
+        same = ps.get_pipeline_model_parallel_world_size() > 1
+
+        def make(on: bool, budget: int | None) -> F.Batching:
+            return F.Batching(micro, (budget or default) if on else None, multiple=multiple, same_length=same)
+
+        return {
+            "actor": make(arr.actor.use_dynamic_bsz, arr.actor.ppo_max_token_len_per_gpu),
+            "ref": make(arr.ref.log_prob_use_dynamic_bsz, arr.ref.log_prob_max_token_len_per_gpu),
+            "critic": make(cfg.critic.use_dynamic_bsz, cfg.critic.ppo_max_token_len_per_gpu) if cfg.critic else None,
+        }
+
+    def on_policy(self, ro: Any, warmup: bool) -> bool:
+        """Whether this step's old log-probs can come from the actor update's own forward: one epoch over
+        one mini-batch (the update starts from the weights that generated the rollout), no KL in the
+        reward (it needs them before the update), an actor update this step, and no forced recompute."""
+        actor = self.cfg.actor_rollout_ref.actor
+        return (not actor.recompute_old_log_prob and actor.ppo_epochs == 1 and not warmup
+                and self.seqs_per_update >= ro.tokens.shape[0] and not self.cfg.algorithm.use_kl_in_reward)
 
     @property
     def ref(self) -> Any:
@@ -175,7 +237,7 @@ class RLRecipe(Recipe):
         """Whether this step trains the critic only (PPO's critic.warmup_steps)."""
         return False
 
-    def update_critic(self, exp: Experience, micro: int, all_tokens: int) -> dict[str, Any]:
+    def update_critic(self, exp: Experience) -> dict[str, Any]:
         return {}
 
     # ---------------------------------------------------------------- one step
@@ -215,7 +277,6 @@ class RLRecipe(Recipe):
 
     def step(self, step: int) -> dict[str, Any]:
         cfg = self.cfg
-        micro = cfg.trainer.micro_batch_size
         dp_rank, _, _ = _dp_info()
         # The generator lives on the model's device: a CPU generator makes every decode step copy the
         # [batch, vocab] probabilities to the host and draw there (measured on an H100, 0.5B shape, 64 x 128
@@ -229,26 +290,32 @@ class RLRecipe(Recipe):
         ro, scores, groups, sampled = self.sample(step, gen)
         mask = ro.response_mask.float()
         lengths = ro.response_mask.sum(-1)
-        all_tokens = ro.tokens.numel()
+        bat = self.batching
         ref_logp = None
         if self.ref is not None:
-            ref_logp = ph.run("ref", {self.ref_engine: {"params": True}}, lambda: F.infer_logprobs(self.ref, ro, self.vocab_size, micro), all_tokens)
-        old_logp = ph.run("old_logp", {"actor": {"params": True}}, lambda: F.infer_logprobs(actor, ro, self.vocab_size, micro), all_tokens)
+            ref_logp = ph.run("ref", {self.ref_engine: {"params": True}}, lambda: F.infer_logprobs(
+                self.ref, ro, self.vocab_size, bat["ref"].reset()), bat["ref"].counts)
+        warmup = self.critic_warmup(step)
+        old_logp = None
+        if not self.on_policy(ro, warmup):
+            old_logp = ph.run("old_logp", {"actor": {"params": True}}, lambda: F.infer_logprobs(
+                actor, ro, self.vocab_size, bat["actor"].reset()), bat["actor"].counts)
         values = None
         if self.critic is not None:
-            values = ph.run("values", {"critic": {"params": True}}, lambda: F.infer_values(self.critic, ro, micro), all_tokens)
+            values = ph.run("values", {"critic": {"params": True}}, lambda: F.infer_values(
+                self.critic, ro, bat["critic"].reset()), bat["critic"].counts)
 
         exp, extra = self.experience(ro, scores, groups, old_logp, ref_logp, values)
         out: dict[str, Any] = {"step": step}
-        warmup = self.critic_warmup(step)
         full = {"params": True, "grads": True, "optim": True}
         if not warmup:
             # A step's updates share one LR (verl steps the schedule once per RL step).
             actor.advance_schedule()
             out.update(ph.run("update_actor", {"actor": full}, lambda: _from_last_stage(actor_update(
-                actor, exp, cfg.actor_rollout_ref.actor, self.vocab_size, seqs_per_update=self.seqs_per_update, micro=micro)),
-                all_tokens * cfg.actor_rollout_ref.actor.ppo_epochs))
-        out.update(self.update_critic(exp, micro, all_tokens))
+                actor, exp, cfg.actor_rollout_ref.actor, self.vocab_size, seqs_per_update=self.seqs_per_update,
+                micro=bat["actor"].reset())), bat["actor"].counts))
+            old_logp = exp.old_logp  # on-policy steps: from the update's forward
+        out.update(self.update_critic(exp))
 
         reward_mean, reward_std = _dp_stats(scores)
         len_mean, _ = _dp_stats(lengths.float())
@@ -256,6 +323,7 @@ class RLRecipe(Recipe):
             "reward/mean": reward_mean, "reward/std": reward_std, "response_length/mean": len_mean,
             "response_length/max": int(lengths.max()), "actor/lr": actor.lr(), "actor/warmup": warmup,
         })
+        out.update(_logprob_gap(ro.logprobs, old_logp, mask))
         if ref_logp is not None:
             from trinity.algorithms.kl import token_kl
 
@@ -269,19 +337,20 @@ class RLRecipe(Recipe):
         out["step_time_s"] = sum(v for k, v in ph.metrics.items() if k.startswith("time/"))
         return out
 
-    def experience(self, ro: Any, scores: torch.Tensor, groups: list[int], old_logp: torch.Tensor,
+    def experience(self, ro: Any, scores: torch.Tensor, groups: list[int], old_logp: torch.Tensor | None,
                    ref_logp: torch.Tensor | None, values: torch.Tensor | None) -> tuple[Experience, dict[str, float]]:
-        """Outcome reward on each response's last token, optional KL penalty, then the recipe's advantages."""
+        """Outcome reward on each response's last token, optional KL penalty, then the recipe's advantages.
+        `old_logp` None: the actor update computes them (on-policy steps)."""
         from trinity.algorithms.kl import apply_kl_penalty
 
         algo = self.cfg.algorithm
         mask = ro.response_mask
         last = (mask.sum(-1) - 1).clamp(min=0)
-        token_rewards = torch.zeros_like(old_logp)
+        token_rewards = torch.zeros(tuple(mask.shape), dtype=torch.float32, device=mask.device)
         token_rewards[torch.arange(mask.shape[0]), last] = scores * (mask.sum(-1) > 0)
         extra: dict[str, float] = {}
         if algo.use_kl_in_reward:
-            assert ref_logp is not None
+            assert ref_logp is not None and old_logp is not None
             token_rewards = apply_kl_penalty(token_rewards, old_logp, ref_logp, algo.kl_coef, algo.kl_penalty, mask)
             extra["reward/with_kl_penalty_mean"] = float(token_rewards.sum(-1).mean())
         adv, ret = self.advantages(token_rewards, groups, mask, values)
