@@ -301,3 +301,29 @@ def test_grpo_job_on_policy_old_logprobs_and_gap_metric(tmp_path):
                     "rollout/logprob_diff_mean", "rollout/logprob_diff_max"):
             assert fused[key] == pytest.approx(separate[key], rel=1e-5, abs=1e-6), (key, fused[key], separate[key])
         assert fused["actor/ppo_kl"] == 0.0 and fused["actor/pg_clipfrac"] == 0.0  # ratio 1 exactly
+
+
+def test_on_policy_decision(small_job, write_job):
+    """The update's own forward gives the old log-probs only when nothing needs them before it and the
+    update starts from the rollout's weights."""
+    from trinity.config.loader import load_config
+    from trinity.rollout.types import Rollout
+    from trinity.trainer.recipes.rl import RLRecipe
+
+    ro = Rollout(torch.zeros(16, 4, dtype=torch.long), torch.ones(16, 2), torch.ones(16, 2), torch.zeros(16, 2))
+
+    def decide(warmup: bool = False, algorithm: dict | None = None, **actor) -> bool:
+        job = _rl_job(small_job, **actor)
+        job["algorithm"].update(algorithm or {})
+        recipe = object.__new__(RLRecipe)
+        recipe.cfg = load_config(write_job(job)).config
+        a = recipe.cfg.actor_rollout_ref.actor
+        recipe.seqs_per_update = a.ppo_mini_batch_size * recipe.cfg.actor_rollout_ref.rollout.n
+        return recipe.on_policy(ro, warmup)
+
+    assert decide()  # 8 prompts x 2 = the 16 sequences in one update
+    assert not decide(recompute_old_log_prob=True)
+    assert not decide(ppo_epochs=2)
+    assert not decide(ppo_mini_batch_size=4)
+    assert not decide(warmup=True)  # critic-only step: no actor update to take them from
+    assert not decide(algorithm={"use_kl_in_reward": True})  # the KL penalty shapes rewards before the update
