@@ -131,14 +131,14 @@ def _check_sft_offload(cfg: JobConfig, problems: list[str]) -> None:
 
 
 def _check_rl_roles(cfg: JobConfig, problems: list[str]) -> None:
-    """What the RL loop cannot do yet: rollout over virtual pipeline stages or with sequence parallel,
-    and roles of different layouts (which would need resharding weights between them; dpo's ref too:
+    """What the RL loop cannot do yet: rollout over virtual pipeline stages (sequence parallel is
+    served: the rollout switches it off, trinity.distributed.sequence_parallel), and roles of different layouts (which would need resharding weights between them; dpo's ref too:
     all roles share one parallel state)."""
     roles = cfg.roles()
     actor = roles.pop("actor_rollout_ref.actor")
     a = "actor_rollout_ref.actor.megatron"
     if cfg.is_rl:
-        for field, text in rollout_problems(actor.layout(), sequence_parallel=actor.sequence_parallel):
+        for field, text in rollout_problems(actor.layout()):
             problems.append(f"{a}.{field}: {text}")
     for path, m in roles.items():
         for field, value, actor_value in differing_sizes(m.layout(), actor.layout()):
@@ -299,6 +299,14 @@ def _check_batches(cfg: JobConfig, problems: list[str]) -> None:
             problems.append(
                 f"trainer.global_batch_size: {cfg.trainer.global_batch_size} is not divisible by "
                 f"trainer.micro_batch_size x DP = {micro} x {dp}; use a multiple of {micro * dp}"
+            )
+        elif lay.vpp and lay.pp > 1 and (cfg.trainer.global_batch_size // (micro * dp)) % lay.pp:
+            # megatron's interleaved schedule runs micro batches in groups of PP and raises otherwise
+            m, step = cfg.trainer.global_batch_size // (micro * dp), micro * dp * lay.pp
+            problems.append(
+                f"trainer.global_batch_size: with virtual pipeline stages each step's micro batches per DP rank "
+                f"({m}) must be a multiple of PP = {lay.pp} (megatron's interleaved schedule); use a multiple of "
+                f"trainer.micro_batch_size x DP x PP = {step}"
             )
         return
     if cfg.data.train_batch_size % actor.ppo_mini_batch_size:

@@ -149,7 +149,7 @@ class RoleEngine:
             data_iterator=iterators if len(iterators) > 1 else iterators[0],
             model=self.model if len(self.model) > 1 else self.model[0],
             num_microbatches=len(micro_batches),
-            seq_length=s,
+            seq_length=_schedule_seq_length(self.model, s),
             micro_batch_size=b,
             forward_only=False,
         )
@@ -218,6 +218,14 @@ def _tokens(micro: Any) -> torch.Tensor:
     return micro.tokens
 
 
+def _schedule_seq_length(model: list[Any], s: int) -> int:
+    """The sequence length megatron's schedule sizes its pipeline buffers by: with sequence parallel the
+    forwards pad rows to a multiple of TP (`trinity.trainer.recipes.rollout_forward.forward_output`)."""
+    from trinity.distributed.sequence_parallel import round_up, sp_multiple
+
+    return round_up(s, sp_multiple(model[0]))
+
+
 @torch.no_grad()
 def forward_only(
     model: list[Any], micro_batches: list[Any], forward: Callable[[Any, Any], torch.Tensor],
@@ -225,7 +233,8 @@ def forward_only(
 ) -> torch.Tensor:
     """`reduce_fn(forward(chunk, micro), micro)` of every micro batch, concatenated along dim 0, on every
     rank. At PP>1 through megatron's pipeline schedule (forward only): the last stage computes it and
-    broadcasts it (fp32, `result_shape`) to the other stages."""
+    broadcasts it (fp32, `result_shape`) to the other stages. With virtual pipeline stages (several
+    chunks per rank) through megatron's interleaved schedule, forward only."""
     from megatron.core import parallel_state as ps
 
     if ps.get_pipeline_model_parallel_world_size() == 1:
@@ -237,6 +246,11 @@ def forward_only(
         output = forward(chunk, part)
         return output, lambda out: (out.new_zeros(()), {"out": reduce_fn(out, part)})
 
+    # The interleaved schedule runs micro batches in groups of PP per chunk and refuses a count that is
+    # not a multiple of PP: a short run is filled up with copies of its last micro batch, whose results
+    # are dropped (forward only: nothing else sees them).
+    group = ps.get_pipeline_model_parallel_world_size() if len(model) > 1 else 1
+
     out: list[torch.Tensor] = []
     # the schedule's point-to-point buffers have one shape: one call per run of equal-sized micro batches
     start = 0
@@ -246,11 +260,14 @@ def forward_only(
         end = start
         while end < len(micro_batches) and _tokens(micro_batches[end]).shape == shape:
             end += 1
+        run = micro_batches[start:end]
+        run = run + run[-1:] * (-len(run) % group)
         store = get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=iter(micro_batches[start:end]), model=model[0],
-            num_microbatches=end - start, seq_length=shape[1], micro_batch_size=shape[0], forward_only=True,
+            forward_step_func=forward_step, data_iterator=[iter(run) for _ in model] if len(model) > 1 else iter(run),
+            model=model if len(model) > 1 else model[0], num_microbatches=len(run),
+            seq_length=_schedule_seq_length(model, shape[1]), micro_batch_size=shape[0], forward_only=True,
         )
-        out.extend(d["out"] for d in store)
+        out.extend(d["out"] for d in list(store)[: end - start])
         start = end
     if ps.is_pipeline_last_stage(ignore_virtual=True):
         result = torch.cat(out).float().contiguous()

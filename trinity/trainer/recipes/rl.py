@@ -168,10 +168,14 @@ class RLRecipe(Recipe):
         )
 
     def setup(self) -> None:
+        from trinity.distributed.sequence_parallel import RolloutWithoutSequenceParallel
         from trinity.rollout.generate import ActorRollout
 
         self.vocab_size = self.ctx.facts.vocab_size
-        self.rollout_engine = ActorRollout(self.actor.model[0], self.vocab_size, self.pad_id)
+        # Decoding feeds one token per step, which cannot be split over TP ranks: the rollout (and the
+        # evaluation, which uses this engine) runs the actor's modules with sequence parallel off.
+        self.rollout_engine = RolloutWithoutSequenceParallel(
+            ActorRollout(self.actor.model[0], self.vocab_size, self.pad_id), self.actor.model)
         self.phases = Phases(self.ctx.device, self.engines)
         self.batching = self.make_batching()
 

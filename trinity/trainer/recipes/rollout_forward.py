@@ -34,11 +34,17 @@ def forward_output(model: Any, tokens: torch.Tensor, key_mask: torch.Tensor) -> 
     with those two documents (flash varlen on CUDA with our spec instead of a [B, 1, S, S] mask in every
     layer); real tokens see exactly what `trinity.rollout.generate.attention_mask(key_mask)` lets
     them see."""
-    from trinity.models.build import packed_attention
+    from trinity.distributed.sequence_parallel import pad_to_multiple, sp_multiple
+    from trinity.models.build import packed_attention, unwrap
     from trinity.models.logprobs import stage_output
 
+    # Sequence parallel splits the sequence over the TP ranks: pad at the right with masked positions
+    # and strip them from the last stage's (gathered) output; other stages pass their shard on as is.
+    s = tokens.shape[1]
+    tokens, key_mask = pad_to_multiple(tokens, key_mask, sp_multiple(model))
     pos = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
-    return stage_output(model, tokens, pos, **packed_attention(model, key_mask.long() - 1, tokens.device))
+    out = stage_output(model, tokens, pos, **packed_attention(model, key_mask.long() - 1, tokens.device))
+    return out[:s] if tokens.shape[1] != s and unwrap(model).post_process else out
 
 
 def response_slice(rollout: Rollout) -> slice:
