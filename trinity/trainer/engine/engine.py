@@ -49,13 +49,21 @@ class StepResult:
 class RoleEngine:
     def __init__(
         self, role: Role, chunks: list[Any], megatron: Any, optim: Any | None, *, dtype: torch.dtype, total_steps: int,
-        optimizer_on_host: bool = False,
+        optimizer_on_host: bool = False, lora: Any = None,
     ):
         """`optimizer_on_host`: `megatron.optimizer_offload` keeps the optimizer in host memory and steps it
         there (single-phase recipes: `trinity.trainer.engine.host_optimizer`) instead of moving it
-        between phases (RL: `trinity.trainer.engine.offload`)."""
+        between phases (RL: `trinity.trainer.engine.offload`). `lora` (actor.lora with rank >= 1, trained
+        roles only): adapters are added to the loaded chunks and only they are trained (trinity.models.lora);
+        DDP buffers, optimizer and checkpoints then hold the adapters only."""
         self.role, self.megatron = role, megatron
         self.optimizer = self.scheduler = self.host = None
+        self.lora = lora if optim is not None and lora is not None and lora.rank > 0 else None
+        self.lora_params = 0
+        if self.lora is not None:
+            from trinity.models.lora import apply_lora
+
+            self.lora_params = apply_lora(chunks, self.lora)  # before DDP: its buffers see only adapters
         if optim is None:
             for chunk in chunks:
                 chunk.eval()
@@ -76,7 +84,7 @@ class RoleEngine:
     def build(
         cls, role: Role, facts: Any, megatron: Any, optim: Any | None, source: WeightSource, *,
         device: str, dtype: torch.dtype, total_steps: int, chunks: list[Any] | None = None,
-        optimizer_on_host: bool = False,
+        optimizer_on_host: bool = False, lora: Any = None,
     ) -> "RoleEngine":
         """Build the role's GPTModel chunks (value head for the critic), load `source` into them and wrap
         them; `chunks` are already built and loaded ones (the worker's actor)."""
@@ -86,7 +94,8 @@ class RoleEngine:
 
             chunks = build_model(facts, megatron, device=device, dtype=dtype, value_head=role.value_head)
             load_weights(chunks, source, facts, value_head=role.value_head)
-        return cls(role, chunks, megatron, optim, dtype=dtype, total_steps=total_steps, optimizer_on_host=optimizer_on_host)
+        return cls(role, chunks, megatron, optim, dtype=dtype, total_steps=total_steps, optimizer_on_host=optimizer_on_host,
+                   lora=lora)
 
     # ------------------------------------------------------------------ what recipes read
 
@@ -118,8 +127,10 @@ class RoleEngine:
     # ------------------------------------------------------------------ the step
 
     def train_batch(self, micro_batches: list[Any], loss_fn: LossFn) -> StepResult:
-        """One optimizer step over this rank's micro batches (every micro batch has `tokens` [b, s] of
-        one shape, or a `rollout` whose tokens do)."""
+        """One optimizer step over this rank's micro batches (every micro batch has `tokens` [b, s], or a
+        `rollout` whose tokens are). Their number may differ between DP ranks (RL's packed micro batches:
+        each rank's loss scale cancels its own count); at PP>1 the RL recipes give all of one call one
+        shape, as SFT's fixed-length rows have (the schedule is told the first one's)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         for chunk in self.model:
@@ -162,11 +173,24 @@ class RoleEngine:
         from trinity.distributed import cpu_compat
         from trinity.trainer.engine.optimizer_state import ReshardableOptimizer
 
+        if self.lora is not None:  # adapters + optimizer only: the base comes from the weight source on resume
+            meta = {**meta, "lora": self.lora.model_dump(mode="json") if hasattr(self.lora, "model_dump") else vars(self.lora)}
         with cpu_compat.checkpoint_io():
             save_model_checkpoint(
                 self.model, path, hf_dir=hf_dir, extra_common=extra, optimizer=ReshardableOptimizer(self.optimizer),
-                force=True, meta=meta,
+                force=True, meta=meta, exclude=self.frozen_keys(),
             )
+
+    def frozen_keys(self) -> tuple[str, ...]:
+        """Sharded keys a checkpoint of this role leaves out: with LoRA every base tensor (frozen, as loaded
+        from the weight source), so a LoRA checkpoint holds the adapters, their optimizer state and the
+        job state only."""
+        if self.lora is None:
+            return ()
+        from trinity.convert.dist_ckpt import _flat_sharded
+
+        flat, _ = _flat_sharded(self.model)
+        return tuple(sorted({v.key for v in flat.values() if ".lora.lora_" not in v.key}))
 
     def load(self, path: Path) -> dict[str, Any]:
         """Model + optimizer from `path`; returns the checkpoint's `extra`. The optimizer's
@@ -177,7 +201,9 @@ class RoleEngine:
 
         with cpu_compat.checkpoint_io():
             extra = keep_config_hyperparams(
-                self.optimizer, lambda: load_model_checkpoint(self.model, path, optimizer=ReshardableOptimizer(self.optimizer))
+                self.optimizer, lambda: load_model_checkpoint(
+                    self.model, path, optimizer=ReshardableOptimizer(self.optimizer), exclude=self.frozen_keys()
+                )
             )
         if self.host is not None:
             self.host.relocate()  # the load put states beside their params, and fp32 masters are the model's
@@ -186,7 +212,7 @@ class RoleEngine:
 
 def _tokens(micro: Any) -> torch.Tensor:
     """A micro batch's token ids [b, s]: a packed-row dict's `tokens`, a rollout's (or an experience
-    dict's rollout's) tokens."""
+    dict's rollout's) tokens, a `PackedMicro`'s row [1, S]."""
     if isinstance(micro, dict):
         return micro["tokens"] if "tokens" in micro else micro["rollout"].tokens
     return micro.tokens
