@@ -37,10 +37,12 @@ def ppo_job(assets: dict[str, Path], out: Path, *, tp: int, sp: bool) -> dict:
     return {
         "algorithm": {"name": "ppo", "use_kl_in_reward": True},
         "model": {"path": str(assets["model"])},
-        "data": {"train_files": [str(assets["data"])], "max_prompt_length": 32, "train_batch_size": 4},
+        # val_files: the evaluation after the last step decodes through the same switch (greedy)
+        "data": {"train_files": [str(assets["data"])], "val_files": [str(assets["data"])], "max_prompt_length": 32,
+                 "train_batch_size": 4},
         "cluster": {"device": "cpu", "nproc_per_node": tp},
         "trainer": {"total_steps": 2, "micro_batch_size": 4, "output_dir": str(out), "save_interval": 100,
-                    "log_interval": 1, "tensorboard": False, "export_hf": True},
+                    "log_interval": 1, "tensorboard": False, "export_hf": True, "val_before_train": False},
         "actor_rollout_ref": {
             "actor": {"ppo_mini_batch_size": 2, "entropy_coeff": 0.01, "optim": {"lr": 1e-3, "weight_decay": 0.0},
                       "megatron": dict(block)},
@@ -57,6 +59,8 @@ def _run(assets: dict[str, Path], tmp: Path, name: str, **layout) -> tuple[list[
     proc = trinity_run(ppo_job(assets, out, **layout), tmp / f"{name}.yaml", timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    (val,) = [r for r in rows if "val/reward_mean" in r]
+    rows = [r for r in rows if "val/reward_mean" not in r] + [val]
     weights: dict[str, torch.Tensor] = {}
     for shard in sorted((out / "hf").glob("*.safetensors")):
         weights.update(load_file(str(shard)))
@@ -64,12 +68,15 @@ def _run(assets: dict[str, Path], tmp: Path, name: str, **layout) -> tuple[list[
 
 
 def _assert_same(a: list[dict], b: list[dict], what: str, skip: tuple[str, ...] = ()) -> None:
-    assert len(a) == len(b) == 2
+    """Two training steps, then the evaluation after the last one."""
+    assert len(a) == len(b) == 3
     for ra, rb in zip(a, b):
         numbers = sorted(k for k, v in ra.items() if isinstance(v, (int, float)) and not k.startswith(NOT_DETERMINISTIC)
                          and not k.endswith(skip))
-        for key in ("actor/pg_loss", "critic/vf_loss", "critic/vpred_mean", "actor/ref_kl", "reward/mean",
-                    "response_length/mean", "actor/grad_norm", "critic/grad_norm"):
+        keys = ("val/reward_mean", "val/response_length/mean") if "val/reward_mean" in ra else (
+            "actor/pg_loss", "critic/vf_loss", "critic/vpred_mean", "actor/ref_kl", "reward/mean",
+            "response_length/mean", "actor/grad_norm", "critic/grad_norm")
+        for key in keys:
             assert key in numbers, key
         assert sorted(k for k in rb if k in numbers) == numbers
         for key in numbers:
