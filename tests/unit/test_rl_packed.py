@@ -86,7 +86,8 @@ def _max_diff(a, b) -> float:
     return float((a - b).abs().max())
 
 
-def compare_packed_padded(facts, path, m: MegatronConfig, *, loss_agg_mode: str = "token-mean", critic: bool = True) -> dict:
+def compare_packed_padded(facts, path, m: MegatronConfig, *, loss_agg_mode: str = "token-mean", critic: bool = True,
+                          seed: int = 1, budget: int = 24) -> dict:
     """Every difference packed - padded: forward-only log-probs and values, one actor (and critic) update's
     losses and weights, and on-policy old log-probs against the separate pass. At PP>1 the packed rows
     have one length, as the RL recipe makes them (one schedule call for all of them)."""
@@ -95,16 +96,16 @@ def compare_packed_padded(facts, path, m: MegatronConfig, *, loss_agg_mode: str 
     from trinity.trainer.recipes.rollout_forward import Batching, infer_logprobs, infer_values
 
     res: dict = {}
-    padded, packed = Batching(3), Batching(3, budget=24, same_length=m.pipeline_model_parallel_size > 1)
+    padded, packed = Batching(3), Batching(3, budget=budget, same_length=m.pipeline_model_parallel_size > 1)
     a_pad, a_pack = _engine(facts, path, m), _engine(facts, path, m)
-    ro = _rollout(a_pad.modules[0], facts)
+    ro = _rollout(a_pad.modules[0], facts, seed)
     lengths = ro.response_mask.sum(-1)
     res["varied_lengths"] = int(lengths.min()) < int(lengths.max())
     lp_pad = infer_logprobs(a_pad, ro, facts.vocab_size, padded.reset())
     res["padding_padded"] = 1 - padded.real / padded.computed
     lp_pack = infer_logprobs(a_pack, ro, facts.vocab_size, packed.reset())
     res["padding_packed"] = 1 - packed.real / packed.computed
-    res["rows_packed"] = packed.computed
+    res["packed_micro_batches"] = len(packed.split(ro))
     res["logp"] = _max_diff(lp_pad, lp_pack)
     res["logp_vs_rollout"] = _max_diff(lp_pack, ro.logprobs)
     adv = torch.linspace(-1, 1, ro.tokens.shape[0]).unsqueeze(1) * ro.response_mask
@@ -246,10 +247,14 @@ def _worker(rank: int, port: int, model_dir: str, out: str, layout: str) -> None
     from trinity.distributed.parallel import destroy, init_parallel
     from trinity.models.facts import ModelFacts
 
-    m = MegatronConfig(tensor_model_parallel_size=2) if layout == "tp2" else MegatronConfig(pipeline_model_parallel_size=2)
+    m = {"tp2": MegatronConfig(tensor_model_parallel_size=2), "pp2": MegatronConfig(pipeline_model_parallel_size=2),
+         "dp2": MegatronConfig()}[layout]
     init_parallel(device="cpu", layout=m.layout(), seed=3)
     try:
-        res = compare_packed_padded(ModelFacts.from_hf_dir(model_dir), model_dir, m)
+        # DP=2: each rank its own rollout and budget, so the ranks run different numbers of micro batches
+        dp2 = layout == "dp2"
+        res = compare_packed_padded(ModelFacts.from_hf_dir(model_dir), model_dir, m, seed=1 + rank * dp2,
+                                    budget=16 if dp2 and rank else 24)
         Path(out, f"rank{rank}.json").write_text(json.dumps(res))
     finally:
         destroy()
@@ -257,7 +262,7 @@ def _worker(rank: int, port: int, model_dir: str, out: str, layout: str) -> None
 
 @pytest.mark.multiproc
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["tp2", "pp2"])
+@pytest.mark.parametrize("layout", ["tp2", "pp2", "dp2"])
 def test_packed_matches_padded_two_ranks(tmp_path, layout):
     from tests.conftest import run_two_ranks
     from trinity.testing.tiny_models import make_tiny_hf_model
@@ -269,6 +274,9 @@ def test_packed_matches_padded_two_ranks(tmp_path, layout):
         if layout == "pp2" and rank == 0:
             res.pop("values", None)  # the first stage's values / losses come from the last stage
         check(res)
+    if layout == "dp2":
+        counts = {json.loads((tmp_path / f"rank{r}.json").read_text())["packed_micro_batches"] for r in range(2)}
+        assert len(counts) == 2, counts  # the case where each rank's loss scale must cancel its own count
 
 
 # ---------------------------------------------------------------- a tiny GRPO job (trinity run)
@@ -301,3 +309,29 @@ def test_grpo_job_on_policy_old_logprobs_and_gap_metric(tmp_path):
                     "rollout/logprob_diff_mean", "rollout/logprob_diff_max"):
             assert fused[key] == pytest.approx(separate[key], rel=1e-5, abs=1e-6), (key, fused[key], separate[key])
         assert fused["actor/ppo_kl"] == 0.0 and fused["actor/pg_clipfrac"] == 0.0  # ratio 1 exactly
+
+
+def test_on_policy_decision(small_job, write_job):
+    """The update's own forward gives the old log-probs only when nothing needs them before it and the
+    update starts from the rollout's weights."""
+    from trinity.config.loader import load_config
+    from trinity.rollout.types import Rollout
+    from trinity.trainer.recipes.rl import RLRecipe
+
+    ro = Rollout(torch.zeros(16, 4, dtype=torch.long), torch.ones(16, 2), torch.ones(16, 2), torch.zeros(16, 2))
+
+    def decide(warmup: bool = False, algorithm: dict | None = None, **actor) -> bool:
+        job = _rl_job(small_job, **actor)
+        job["algorithm"].update(algorithm or {})
+        recipe = object.__new__(RLRecipe)
+        recipe.cfg = load_config(write_job(job)).config
+        a = recipe.cfg.actor_rollout_ref.actor
+        recipe.seqs_per_update = a.ppo_mini_batch_size * recipe.cfg.actor_rollout_ref.rollout.n
+        return recipe.on_policy(ro, warmup)
+
+    assert decide()  # 8 prompts x 2 = the 16 sequences in one update
+    assert not decide(recompute_old_log_prob=True)
+    assert not decide(ppo_epochs=2)
+    assert not decide(ppo_mini_batch_size=4)
+    assert not decide(warmup=True)  # critic-only step: no actor update to take them from
+    assert not decide(algorithm={"use_kl_in_reward": True})  # the KL penalty shapes rewards before the update

@@ -180,6 +180,21 @@ def _activations(f: ModelFacts, m: MegatronConfig, s: int, b: int, layers: int, 
     return int(stage * in_flight)
 
 
+def rl_token_budget(cfg: JobConfig, role: Role) -> int | None:
+    """Tokens per packed micro batch of an RL role (`use_dynamic_bsz` and its `*_max_token_len_per_gpu`,
+    unset: one padded micro batch's tokens); None: padded rows of trainer.micro_batch_size sequences."""
+    arr = cfg.actor_rollout_ref
+    if role is Role.actor:
+        on, budget = arr.actor.use_dynamic_bsz, arr.actor.ppo_max_token_len_per_gpu
+    elif role is Role.ref:
+        on, budget = arr.ref.log_prob_use_dynamic_bsz, arr.ref.log_prob_max_token_len_per_gpu
+    else:
+        on, budget = (cfg.critic.use_dynamic_bsz, cfg.critic.ppo_max_token_len_per_gpu) if cfg.critic else (False, None)
+    if not on:
+        return None
+    return budget or cfg.trainer.micro_batch_size * (cfg.data.max_prompt_length + arr.rollout.response_length)
+
+
 def build_plan(cfg: JobConfig, facts: ModelFacts, warnings: list[str]) -> JobPlan:
     world = cfg.cluster.world_size
     dtype = cfg.model.dtype
@@ -202,7 +217,11 @@ def build_plan(cfg: JobConfig, facts: ModelFacts, warnings: list[str]) -> JobPla
         rows = micro * (2 if cfg.algorithm.name.value == "dpo" else 1)
         lora = cfg.actor_rollout_ref.actor.lora
         adapted = (lora.rank, list(lora.target_modules)) if path == "actor_rollout_ref.actor" and lora.rank > 0 else None
-        mem = estimate_memory(facts, m, world=world, seq=seq, micro=rows, microbatches=mbs, bytes_per_param=bpp,
+        role_seq = seq
+        budget = rl_token_budget(cfg, Role.from_path(path)) if cfg.is_rl else None
+        if budget is not None:  # a packed micro batch is one row of `budget` tokens (estimates are linear in tokens)
+            role_seq, rows = budget, 1
+        mem = estimate_memory(facts, m, world=world, seq=role_seq, micro=rows, microbatches=mbs, bytes_per_param=bpp,
                               trained=trained, value_head=path == "critic",
                               optimizer_on_host=m.optimizer_offload and not cfg.is_rl, lora=adapted)
         roles.append(RolePlan(path=path, layout=lay.describe(world), dp=dp, microbatches=mbs, memory=mem))

@@ -186,22 +186,17 @@ class RLRecipe(Recipe):
         """Each role's `Batching` (rollout_forward): packed rows of its token budget, or padded rows."""
         from megatron.core import parallel_state as ps
 
+        from trinity.config.plan import rl_token_budget
+
         cfg = self.cfg
-        micro = cfg.trainer.micro_batch_size
-        arr = cfg.actor_rollout_ref
-        default = micro * (cfg.data.max_prompt_length + arr.rollout.response_length)
         # sequence parallel splits a row over the TP ranks; at PP>1 one shape per schedule call
         tp = ps.get_tensor_model_parallel_world_size()
-        multiple = tp if arr.actor.megatron.sequence_parallel and tp > 1 else 1
+        multiple = tp if cfg.actor_rollout_ref.actor.megatron.sequence_parallel and tp > 1 else 1
         same = ps.get_pipeline_model_parallel_world_size() > 1
-
-        def make(on: bool, budget: int | None) -> F.Batching:
-            return F.Batching(micro, (budget or default) if on else None, multiple=multiple, same_length=same)
-
         return {
-            "actor": make(arr.actor.use_dynamic_bsz, arr.actor.ppo_max_token_len_per_gpu),
-            "ref": make(arr.ref.log_prob_use_dynamic_bsz, arr.ref.log_prob_max_token_len_per_gpu),
-            "critic": make(cfg.critic.use_dynamic_bsz, cfg.critic.ppo_max_token_len_per_gpu) if cfg.critic else None,
+            role.value: F.Batching(cfg.trainer.micro_batch_size, rl_token_budget(cfg, role),
+                                   multiple=multiple, same_length=same)
+            for role in (Role.actor, Role.ref, Role.critic)
         }
 
     def on_policy(self, ro: Any, warmup: bool) -> bool:

@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
 from trinity.rollout.types import Rollout
@@ -98,7 +99,7 @@ class PackedMicro:
     pos: torch.Tensor  # [N] (device)
     seq: torch.Tensor  # [N] (device)
     t: torch.Tensor  # [N] (device)
-    targets: torch.Tensor  # [N] the response token ids at those positions (device)
+    next_tokens: torch.Tensor  # [S] the row's tokens shifted left by one: position k's target (device)
     response_len: int  # R of the rollout: results come back as [b, R]
     real_tokens: int
 
@@ -120,51 +121,62 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
+def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """arange(starts[k], starts[k] + lengths[k]) for every k, concatenated (no Python loop)."""
+    total = int(lengths.sum())
+    before = np.cumsum(lengths) - lengths
+    return np.repeat(starts - before, lengths) + np.arange(total)
+
+
 def pack_rollout(rollout: Rollout, budget: int, *, multiple: int = 1, same_length: bool = False) -> list[PackedMicro]:
     """The rollout's sequences packed into rows of at most `budget` tokens (first-fit decreasing,
     `trinity.data.packing.first_fit_decreasing`), one row per micro batch. A row is as long as what it
     holds, rounded up to `multiple` (TP with sequence parallel splits the row over TP ranks);
-    `same_length`: every row as long as the longest (one shape through a pipeline schedule)."""
+    `same_length`: every row as long as the longest (one shape through a pipeline schedule).
+
+    The index arithmetic runs on the host in numpy (vectorised per row) and reaches the device in one
+    copy; the token ids are gathered there (one kernel per row)."""
     from trinity.data.packing import first_fit_decreasing
 
-    p, r = sequence_lengths(rollout)
-    if int(p.min()) < 1:
+    p_t, r_t = sequence_lengths(rollout)
+    p, r = p_t.numpy(), r_t.numpy()
+    if len(p) and int(p.min()) < 1:
         raise ValueError("a rollout row has no prompt token: its first response token has no prediction")
-    lengths = (p + r).tolist()
-    bins = first_fit_decreasing(lengths, budget)
+    n_all = p + r
+    bins = first_fit_decreasing(n_all.tolist(), budget)
     width = rollout.tokens.shape[1]
     P, R = rollout.prompt_len, rollout.response_len
-    fills = [sum(lengths[i] for i in b) for b in bins]
+    fills = [int(n_all[b].sum()) for b in bins]
     row_lens = [_round_up(max(f, 1), multiple) for f in fills]
     if same_length and row_lens:
         row_lens = [max(row_lens)] * len(row_lens)
-    device = rollout.tokens.device
-    flat_tokens = rollout.tokens.reshape(-1)
-    out = []
+    # per row: [src (S) | position_ids (S) | pos (N) | seq (N) | t (N)], all rows in one host buffer
+    host, spans = [], []
     for b, fill, s in zip(bins, fills, row_lens):
-        src, pos_ids, docs, pos, seq, t = [], [], [], [], [], []
-        offset = 0
-        for j, i in enumerate(b):
-            pi, ri = int(p[i]), int(r[i])
-            n = pi + ri
-            src.append(torch.arange(i * width + P - pi, i * width + P + ri))
-            pos_ids.append(torch.arange(n))
-            docs.append(torch.full((n,), j, dtype=torch.long))
-            pos.append(torch.arange(offset + pi - 1, offset + n - 1))
-            seq.append(torch.full((ri,), j, dtype=torch.long))
-            t.append(torch.arange(ri))
-            offset += n
+        items = np.asarray(b, dtype=np.int64)
+        pi, ri, ni = p[items], r[items], n_all[items]
+        offsets = np.cumsum(ni) - ni
         pad = s - fill
-        src_idx = torch.cat(src).to(device, non_blocking=True)
-        tokens = torch.cat([flat_tokens[src_idx], flat_tokens.new_zeros(pad)]).unsqueeze(0)
-        pos_t = torch.cat(pos).to(device, non_blocking=True)
+        src = np.concatenate([_ranges(items * width + P - pi, ni), np.full(pad, -1, dtype=np.int64)])
+        pos_ids = np.concatenate([_ranges(np.zeros_like(ni), ni), np.zeros(pad, dtype=np.int64)])
+        j = np.arange(len(items))
+        fields = [src, pos_ids, _ranges(offsets + pi - 1, ri), np.repeat(j, ri), _ranges(np.zeros_like(ri), ri)]
+        host.extend(fields)
+        spans.append((s, int(ri.sum()), np.concatenate([np.repeat(j, ni), np.full(pad, -1, dtype=np.int64)])))
+    if not bins:
+        return []
+    dev = torch.from_numpy(np.concatenate(host)).to(rollout.tokens.device, non_blocking=True)
+    flat_tokens = torch.cat([rollout.tokens.reshape(-1), rollout.tokens.new_zeros(1)])  # index -1: padding id 0
+    out, at = [], 0
+    for b, fill, (s, n, docs) in zip(bins, fills, spans):
+        src, pos_ids, pos, seq, t = dev[at: at + s], dev[at + s: at + 2 * s], *dev[at + 2 * s: at + 2 * s + 3 * n].view(3, n)
+        at += 2 * s + 3 * n
+        tokens = flat_tokens[src].unsqueeze(0)
         out.append(PackedMicro(
-            index=torch.tensor(b, dtype=torch.long),
-            tokens=tokens,
-            position_ids=torch.cat(pos_ids + [torch.zeros(pad, dtype=torch.long)]).unsqueeze(0).to(device, non_blocking=True),
-            doc_ids=torch.cat(docs + [torch.full((pad,), -1, dtype=torch.long)]).unsqueeze(0),
-            pos=pos_t, seq=torch.cat(seq).to(device, non_blocking=True), t=torch.cat(t).to(device, non_blocking=True),
-            targets=tokens[0, pos_t + 1], response_len=R, real_tokens=fill,
+            index=torch.tensor(b, dtype=torch.long), tokens=tokens, position_ids=pos_ids.unsqueeze(0),
+            doc_ids=torch.from_numpy(docs).unsqueeze(0), pos=pos, seq=seq, t=t,
+            next_tokens=torch.cat([tokens[0, 1:], tokens.new_zeros(1)]),
+            response_len=R, real_tokens=fill,
         ))
     return out
 
@@ -193,11 +205,14 @@ def packed_response_logprobs(
     from trinity.algorithms.logprob import vocab_parallel_log_probs, vocab_parallel_log_probs_and_entropy
 
     group = ps.get_tensor_model_parallel_group() if ps.get_tensor_model_parallel_world_size() > 1 else None
-    shard = logits[part.pos, 0]  # [N, V / TP]
+    # Over the whole row, then the response positions picked from the [S] result: gathering the response
+    # positions' logits first would copy up to all of them ([N, V / TP], GBs at a 150k vocabulary); the
+    # padded layout's response slice is a view. The extra prompt positions cost only the softmax pass.
+    shard = logits[:, 0]  # [S, V / TP], a view (one row)
     if with_entropy:
-        logp, entropy = vocab_parallel_log_probs_and_entropy(shard, part.targets, group=group, vocab_size=vocab_size)
-        return _scatter(logp, part), _scatter(entropy, part)
-    return _scatter(vocab_parallel_log_probs(shard, part.targets, group=group, vocab_size=vocab_size), part), None
+        logp, entropy = vocab_parallel_log_probs_and_entropy(shard, part.next_tokens, group=group, vocab_size=vocab_size)
+        return _scatter(logp[part.pos], part), _scatter(entropy[part.pos], part)
+    return _scatter(vocab_parallel_log_probs(shard, part.next_tokens, group=group, vocab_size=vocab_size)[part.pos], part), None
 
 
 def packed_response_values(output: torch.Tensor, part: PackedMicro) -> torch.Tensor:
