@@ -2,6 +2,15 @@
 
     python benchmarks/generate.py --shape tiny --device cpu
     python benchmarks/generate.py --shape 0.5b --device cuda --batches 1 32 256
+    python benchmarks/generate.py --shape 7b --device cuda --lengths lognormal --batches 512 \
+        --prompt-len 256 --new-tokens 1024 --no-hf      # variable lengths: continuous vs static batch
+
+With `--lengths fixed|uniform|lognormal` each of `--batches` rows gets a response length drawn from
+the distribution (the benchmark-only EOS schedule of `trinity.rollout.continuous`; lognormal: mean 30%
+of `--new-tokens`) and one whole rollout is timed per engine: the continuous-batching engine
+(`--max-num-seqs` slots, `--kv-gib` budget) and the static batch (decoding to the longest row).
+"Useful tokens/s" counts the drawn lengths only; the floor of the continuous run is, summed over its
+decode steps, (weight bytes + the live rows' KV bytes) / bandwidth.
 
 Fixed-length decoding (no EOS) of `--new-tokens` tokens after `--prompt-len` random prompt tokens, on a
 random-weight Qwen2 of the chosen shape. "decode ms/step" is the time of one decode step alone: a
@@ -83,6 +92,11 @@ def main() -> None:
     ap.add_argument("--eager", action="store_true", help="decode steps without CUDA graphs")
     ap.add_argument("--compile", action="store_true", help="torch.compile the decode step")
     ap.add_argument("--profile", action="store_true", help="profile one trinity call at the last batch size")
+    ap.add_argument("--lengths", choices=["fixed", "uniform", "lognormal"], default=None,
+                    help="time whole rollouts with per-row response lengths (continuous vs static engine)")
+    ap.add_argument("--max-num-seqs", type=int, default=512, help="--lengths: slots of the continuous engine")
+    ap.add_argument("--kv-gib", type=float, default=None, help="--lengths: KV-cache budget (default: 0.8 of free memory)")
+    ap.add_argument("--engines", default="continuous,static", help="--lengths: engines to time")
     args = ap.parse_args()
     if args.new_tokens < 3:
         ap.error("--new-tokens: at least 3 (decode steps are timed against a 2-token call)")
@@ -112,6 +126,9 @@ def main() -> None:
             params = SamplingParams(temperature=0.0, max_new_tokens=args.new_tokens)
             print(f"shape {args.shape} on {args.device} ({'eager' if args.eager else 'CUDA graphs'}{', compiled' if args.compile else ''} decode steps): {weight_bytes / 2**30:.3f} GiB weights, "
                   f"copy bandwidth {bw / 1e9:.1f} GB/s (read + write), prompt {args.prompt_len}, {args.new_tokens} new tokens")
+            if args.lengths:
+                rollout_table(args, gpt, facts, device, weight_bytes, kv_per_token, bw)
+                return
             rows = []
             for batch in args.batches:
                 g = torch.Generator().manual_seed(batch)
@@ -168,6 +185,46 @@ def main() -> None:
                         print(prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=60))
         finally:
             destroy()
+
+
+def rollout_table(args, gpt, facts, device, weight_bytes: int, kv_per_token: int, bw: float) -> None:
+    """Whole rollouts with per-row lengths: continuous-batching engine vs static batch."""
+    from trinity.rollout.continuous import KVBudget, RolloutStats, draw_response_lengths, generate_continuous
+    from trinity.rollout.generate import SamplingParams, generate
+
+    print(f"\n| engine | rows | lengths | useful tokens | call s | useful tok/s | decode steps | mean batch | "
+          f"graph captures (s) | floor s | % of floor |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for batch in args.batches:
+        g = torch.Generator().manual_seed(batch)
+        prompts = torch.randint(1, facts.vocab_size, (batch, args.prompt_len), generator=g).tolist()
+        lengths = draw_response_lengths(args.lengths, batch, args.new_tokens, seed=batch)
+        useful = sum(lengths)
+        for engine in args.engines.split(","):
+            for attempt in ("warm-up", "timed"):  # the first call loads kernels; both capture their graphs
+                stats = RolloutStats()
+                _sync(device)
+                t0 = time.perf_counter()
+                if engine == "continuous":
+                    params = SamplingParams(temperature=0.0, max_new_tokens=args.new_tokens)
+                    generate_continuous(gpt, prompts, params, vocab_size=facts.vocab_size, pad_id=0,
+                                        budget=KVBudget(args.max_num_seqs, None, args.kv_gib),
+                                        response_lengths=lengths, stats=stats)
+                else:  # the static batch decodes every row to the longest
+                    params = SamplingParams(temperature=0.0, max_new_tokens=max(lengths))
+                    generate(gpt, prompts, params, vocab_size=facts.vocab_size, pad_id=0)
+                _sync(device)
+                dt = time.perf_counter() - t0
+            if engine == "continuous":
+                floor = (stats.decode_steps * weight_bytes + stats.live_kv_tokens * kv_per_token) / bw
+                extra = (f"{stats.decode_steps} | {stats.slot_steps / max(1, stats.decode_steps):.0f} | "
+                         f"{stats.graph_captures} ({stats.capture_s:.2f}) | {floor:.2f} | {100 * floor / dt:.1f}%")
+            else:
+                steps = max(lengths)
+                floor = (steps * weight_bytes + batch * steps * (args.prompt_len + steps / 2) * kv_per_token) / bw
+                extra = f"{steps} | {batch} | - | {floor:.2f} | {100 * floor / dt:.1f}% (of its own reads)"
+            print(f"| {engine} | {batch} | {args.lengths} (mean {useful / batch:.0f}) | {useful} | {dt:.2f} | "
+                  f"{useful / dt:.0f} | {extra} |", flush=True)
 
 
 if __name__ == "__main__":

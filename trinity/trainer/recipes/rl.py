@@ -139,10 +139,11 @@ class RLRecipe(Recipe):
         )
 
     def setup(self) -> None:
-        from trinity.rollout.generate import ActorRollout
+        from trinity.rollout.continuous import ActorRollout, KVBudget
 
         self.vocab_size = self.ctx.facts.vocab_size
-        self.rollout_engine = ActorRollout(self.actor.model[0], self.vocab_size, self.pad_id)
+        self.rollout_engine = ActorRollout(self.actor.model[0], self.vocab_size, self.pad_id,
+                                           KVBudget.from_config(self.cfg.actor_rollout_ref.rollout))
         self.phases = Phases(self.ctx.device, self.engines)
 
     def describe(self) -> str:
