@@ -454,6 +454,7 @@ def generate_continuous(
     slot_row = [-1] * slots  # host view: the row a slot holds (-1 = free)
     slot_admit = [0] * slots  # iteration of admission (flags snapshotted before it do not apply)
     slot_pos = [0] * slots  # upper bound of the slot's next position (host's estimate for L)
+    active_set: set[int] = set()  # slots holding a row that has not been retired
     flags = _DoneFlags(device, slots)
     was_training = gpt.training
     gpt.eval()
@@ -492,6 +493,7 @@ def generate_continuous(
             else:
                 break
             dst = [free.pop(0) for _ in part]
+            active_set.update(dst)
             take.append((tuple(prompts[part[0]]), list(zip(part, dst))))
         stats.waves += 1
         # prefill the admitted prompts in chunks of at most _PREFILL_TOKENS padded tokens
@@ -536,15 +538,17 @@ def generate_continuous(
         if snap is None:
             return
         it, ended = snap
-        for s in range(slots):
-            if slot_row[s] >= 0 and slot_admit[s] < it and bool(ended[s]):
+        flags_now = ended.tolist()  # one host read, not one per slot
+        for s in list(active_set):
+            if slot_admit[s] < it and flags_now[s]:
                 slot_row[s] = -1
+                active_set.discard(s)
                 free.append(s)
         free.sort()
 
     def compact(it: int) -> None:
         """No rows wait: move the live slots above the bucket of the live count into lower free slots."""
-        live = [s for s in range(slots) if slot_row[s] >= 0]
+        live = sorted(active_set)
         if not live or _bucket(live[-1] + 1, slots) <= _bucket(len(live), slots):
             return
         src = [s for s in live if s >= len(live)]
@@ -558,14 +562,16 @@ def generate_continuous(
         for s, d in zip(src, dst):
             slot_row[d], slot_admit[d], slot_pos[d] = slot_row[s], it, slot_pos[s]
             slot_row[s] = -1
+            active_set.discard(s)
+            active_set.add(d)
         free[:] = sorted(set(free) - set(dst) | set(src))
 
     it = 0
     try:
         while True:
-            active = [s for s in range(slots) if slot_row[s] >= 0]
             snap = None
-            if active:
+            if active_set:
+                active = sorted(active_set)
                 b = _bucket(active[-1] + 1, slots)
                 L = min(cache_len, -(-(max(slot_pos[s] for s in active) + 1) // _LEN_BUCKET) * _LEN_BUCKET)
                 live = ~done[:b]
@@ -577,11 +583,13 @@ def generate_continuous(
                 idx = dec.rows[:b]
                 record(idx, nxt, logp, live)
                 dec.pos[:b] += live.long()
+                live_ctx = 0
                 for s in active:
                     slot_pos[s] = min(slot_pos[s] + 1, cache_len - 1)
+                    live_ctx += slot_pos[s]
                 stats.decode_steps += 1
                 stats.slot_steps += b
-                stats.live_kv_tokens += sum(slot_pos[s] for s in active)
+                stats.live_kv_tokens += live_ctx
                 snap = flags.record(it, done)
             else:
                 snap = flags.flush()
