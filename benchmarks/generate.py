@@ -97,6 +97,9 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=512, help="--lengths: slots of the continuous engine")
     ap.add_argument("--kv-gib", type=float, default=None, help="--lengths: KV-cache budget (default: 0.8 of free memory)")
     ap.add_argument("--engines", default="continuous,static", help="--lengths: engines to time")
+    ap.add_argument("--n", type=int, default=8, help="--lengths: rows per distinct prompt (RL's rollout.n)")
+    ap.add_argument("--static-max-batch", type=int, default=256,
+                    help="--lengths: skip the static engine above this many rows (its unchunked prefill and full cache)")
     args = ap.parse_args()
     if args.new_tokens < 3:
         ap.error("--new-tokens: at least 3 (decode steps are timed against a 2-token call)")
@@ -197,10 +200,13 @@ def rollout_table(args, gpt, facts, device, weight_bytes: int, kv_per_token: int
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for batch in args.batches:
         g = torch.Generator().manual_seed(batch)
-        prompts = torch.randint(1, facts.vocab_size, (batch, args.prompt_len), generator=g).tolist()
+        # batch rows = batch / n prompts, each n times (the continuous engine prefills a prompt once)
+        distinct = torch.randint(1, facts.vocab_size, (max(1, batch // args.n), args.prompt_len), generator=g).tolist()
+        prompts = [p for p in distinct for _ in range(args.n)][:batch]
         lengths = draw_response_lengths(args.lengths, batch, args.new_tokens, seed=batch)
         useful = sum(lengths)
-        for k, engine in enumerate(args.engines.split(",")):
+        engines = [e for e in args.engines.split(",") if e == "continuous" or batch <= args.static_max_batch]
+        for k, engine in enumerate(engines):
             # the first call loads kernels (and compiles nothing): timed apart; each call captures its graphs
             for attempt in (("warm-up", "timed") if k == 0 else ("timed",)):
                 stats = RolloutStats()
@@ -226,6 +232,18 @@ def rollout_table(args, gpt, facts, device, weight_bytes: int, kv_per_token: int
                 extra = f"{steps} | {batch} | - | {floor:.2f} | {100 * floor / dt:.1f}% (of its own reads)"
             print(f"| {engine} | {batch} | {args.lengths} (mean {useful / batch:.0f}) | {useful} | {dt:.2f} | "
                   f"{useful / dt:.0f} | {extra} |", flush=True)
+    if args.profile:  # one more continuous call at the last batch size, under the profiler
+        from torch.profiler import ProfilerActivity, profile
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        params = SamplingParams(temperature=0.0, max_new_tokens=args.new_tokens)
+        with profile(activities=acts) as prof:
+            generate_continuous(gpt, prompts, params, vocab_size=facts.vocab_size, pad_id=0,
+                                budget=KVBudget(args.max_num_seqs, None, args.kv_gib), response_lengths=lengths)
+            _sync(device)
+        for key in ("self_cpu_time_total", "self_cuda_time_total" if device.type == "cuda" else None):
+            if key:
+                print(prof.key_averages().table(sort_by=key, row_limit=22, max_name_column_width=50))
 
 
 if __name__ == "__main__":

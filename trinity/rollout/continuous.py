@@ -293,6 +293,12 @@ class SlotDecoder:
         self.captures += 1
         self.capture_s += time.perf_counter() - start
 
+    def close(self) -> None:
+        """Drop the KV cache and the graphs now: `generate_continuous`'s nested functions reference this
+        decoder in a reference cycle, which only the garbage collector would break, late."""
+        self.keys, self.values = [], []
+        self._graphs.clear()
+
     @torch.no_grad()
     def move(self, src: list[int], dst: list[int]) -> None:
         """Move the KV cache rows of slots `src` to slots `dst` (compaction)."""
@@ -605,6 +611,7 @@ def generate_continuous(
             it += 1
     finally:
         gpt.train(was_training)
+        dec.close()
     stats.graph_captures, stats.capture_s = dec.captures, dec.capture_s
     lengths = out_len[:rows]
     width = int(lengths.max())
