@@ -65,6 +65,18 @@ def test_graphs_match_eager_and_static_fp32(built):
     # each (batch bucket, length bucket) captured once, then replayed
     assert 0 < graphed_stats.graph_captures < graphed_stats.decode_steps / 2, graphed_stats
     assert eager_stats.graph_captures == 0
+    assert graphed_stats.attention == "triton split-KV", graphed_stats  # per-row context reads
+    # the SDPA decode attention (masked reads up to the longest live row) gives the same tokens
+    import os
+
+    os.environ["TRINITY_DECODE_ATTENTION"] = "sdpa"
+    try:
+        sdpa_stats = RolloutStats()
+        sdpa = generate_continuous(gpt, prompts, params, budget=KVBudget(max_num_seqs=7), stats=sdpa_stats, **kw)
+    finally:
+        del os.environ["TRINITY_DECODE_ATTENTION"]
+    assert sdpa_stats.attention == "sdpa"
+    assert torch.equal(sdpa.tokens, want.tokens) and (sdpa.logprobs - want.logprobs).abs().max().item() <= 1e-4
 
 
 def test_bf16_prefix_matches_static(built):

@@ -126,11 +126,17 @@ class SlotDecoder:
         self.tok = torch.zeros(slots, dtype=torch.long, device=self.device)
         self.pos = torch.zeros(slots, dtype=torch.long, device=self.device)
         self.hidden = None if self.first else torch.zeros(1, slots, self.config.hidden_size, dtype=self.dtype, device=self.device)
+        # rows whose sequence ended (or that hold none): the split-KV kernel reads one key for them
+        self.done = torch.ones(slots, dtype=torch.bool, device=self.device)
         self.rows = torch.arange(slots, device=self.device)
         self.kpos = torch.arange(cache_len, device=self.device)
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.use_graph else None
         self.captures, self.capture_s = 0, 0.0
+        from trinity.rollout import decode_attention
+
+        self.split_kv = decode_attention.available(self.device, self.head_dim, self.heads // self.groups, self.dtype)
+        self.attention = "triton split-KV" if self.split_kv else "sdpa"
 
     # ---- layers ------------------------------------------------------------------------------------
     def _rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -145,6 +151,16 @@ class SlotDecoder:
         s = k.shape[2]
         self.keys[i][dst, :, :s] = k.index_select(0, src)
         self.values[i][dst, :, :s] = v.index_select(0, src)
+
+    def _attend_decode(self, i: int, q: torch.Tensor, ctx: dict) -> torch.Tensor:
+        """One query per row, a group's heads stacked: q [b, g, per, d] against the row's keys 0..pos."""
+        b, L = q.shape[0], ctx["L"]
+        if self.split_kv:
+            from trinity.rollout.decode_attention import decode_attention
+
+            return decode_attention(q, self.keys[i], self.values[i], ctx["nkeys"], L, self.scale)
+        return F.scaled_dot_product_attention(q, self.keys[i][:b, :, :L], self.values[i][:b, :, :L],
+                                              attn_mask=ctx["bias"], scale=self.scale)
 
     def _lean_layer(self, i: int, layer: Any, x: torch.Tensor, s: int, b: int, cos: torch.Tensor, sin: torch.Tensor,
                     ctx: dict) -> torch.Tensor:
@@ -166,10 +182,7 @@ class SlotDecoder:
             # L positions with the group's query heads stacked along the query axis (no repeated K/V)
             self.keys[i][self.rows[:b], :, self.pos[:b]] = k[0, :, :, 0]
             self.values[i][self.rows[:b], :, self.pos[:b]] = v[0]
-            L = ctx["L"]
-            out = F.scaled_dot_product_attention(q[0], self.keys[i][:b, :, :L], self.values[i][:b, :, :L],
-                                                 attn_mask=ctx["bias"], scale=self.scale)  # [b, g, per, d]
-            out = out.reshape(b, g * per * d)
+            out = self._attend_decode(i, q[0], ctx).reshape(b, g * per * d)  # q [b, g, per, d]
         else:
             kk, vv = k.squeeze(3).permute(1, 2, 0, 3), v.permute(1, 2, 0, 3)  # [b, g, s, d]
             self._store_prefill(i, kk, vv, ctx["src"], ctx["dst"])
@@ -193,9 +206,9 @@ class SlotDecoder:
         if ctx["decode"]:
             self.keys[i][self.rows[:b], :, self.pos[:b]] = k[0]
             self.values[i][self.rows[:b], :, self.pos[:b]] = v[0]
-            L = ctx["L"]
-            out = F.scaled_dot_product_attention(q.permute(1, 2, 0, 3), self.keys[i][:b, :, :L], self.values[i][:b, :, :L],
-                                                 attn_mask=ctx["bias"], scale=self.scale, enable_gqa=True)
+            per = self.heads // self.groups
+            out = self._attend_decode(i, q[0].reshape(b, self.groups, per, self.head_dim), ctx)
+            out = out.reshape(b, self.heads, 1, self.head_dim)
         else:
             kk, vv = k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3)
             self._store_prefill(i, kk, vv, ctx["src"], ctx["dst"])
@@ -251,9 +264,10 @@ class SlotDecoder:
     def _step(self, b: int, L: int) -> torch.Tensor:
         pos = self.pos[:b]
         # additive mask: a row attends to its positions 0..pos (written by its prefill and earlier steps)
-        bias = torch.zeros(b, 1, 1, L, dtype=self.dtype, device=self.device).masked_fill_(
+        bias = None if self.split_kv else torch.zeros(b, 1, 1, L, dtype=self.dtype, device=self.device).masked_fill_(
             (self.kpos[:L].view(1, 1, 1, L) > pos.view(b, 1, 1, 1)), float("-inf"))
-        ctx = {"decode": True, "L": L, "bias": bias}
+        nkeys = torch.where(self.done[:b], torch.ones_like(pos), pos + 1) if self.split_kv else None
+        ctx = {"decode": True, "L": L, "bias": bias, "nkeys": nkeys}
         x = self.gpt.embedding(input_ids=self.tok[:b].view(b, 1), position_ids=pos.view(b, 1)) if self.first else self.hidden[:, :b]
         x = self._layers(x, pos.view(1, b), ctx)
         return self._logits(x) if self.last else x
@@ -323,6 +337,7 @@ class RolloutStats:
     live_kv_tokens: int = 0  # sum over decode steps of the live rows' context lengths (KV read floor)
     slot_steps: int = 0  # sum over decode steps of the batch bucket (rows computed, live or not)
     tokens: int = 0
+    attention: str = ""  # the decode attention: "triton split-KV" (CUDA) or "sdpa"
     graph_captures: int = 0
     capture_s: float = 0.0
     waves: int = 0  # admissions
@@ -448,7 +463,7 @@ def generate_continuous(
     # per slot: its output row, tokens generated so far, whether its row has ended
     row_of = torch.full((slots,), rows, dtype=torch.long, device=device)
     count = torch.zeros(slots, dtype=torch.long, device=device)
-    done = torch.ones(slots, dtype=torch.bool, device=device)
+    done = dec.done
 
     # the waiting rows, grouped by prompt (a prompt's samples are prefilled once when admitted together)
     groups: dict[tuple[int, ...], list[int]] = {}
@@ -579,7 +594,10 @@ def generate_continuous(
             if active_set:
                 active = sorted(active_set)
                 b = _bucket(active[-1] + 1, slots)
-                L = min(cache_len, -(-(max(slot_pos[s] for s in active) + 1) // _LEN_BUCKET) * _LEN_BUCKET)
+                # SDPA reads all L keys of a row: L follows the longest live row; the split-KV kernel reads
+                # each row's own keys whatever L is: one L, one graph per batch bucket
+                L = cache_len if dec.split_kv else min(
+                    cache_len, -(-(max(slot_pos[s] for s in active) + 1) // _LEN_BUCKET) * _LEN_BUCKET)
                 live = ~done[:b]
                 hidden = pipe.recv(1, b)
                 out = dec.step(b, L, hidden)
@@ -612,7 +630,7 @@ def generate_continuous(
     finally:
         gpt.train(was_training)
         dec.close()
-    stats.graph_captures, stats.capture_s = dec.captures, dec.capture_s
+    stats.graph_captures, stats.capture_s, stats.attention = dec.captures, dec.capture_s, dec.attention
     lengths = out_len[:rows]
     width = int(lengths.max())
     stats.tokens = int(lengths.sum())
