@@ -2,6 +2,7 @@
 1 and 2 GPUs, GRPO and PPO, next to the decode floor.
 
     python benchmarks/rl_step.py --shape 0.5b --gpus 1,2 --algos grpo,ppo --offload no,yes
+    python benchmarks/rl_step.py --shape 1.5b --gpus 1 --algos grpo --offload no --lora-rank 0,16
 
 Each case is a real `trinity run` (config validation, HF -> dist checkpoint cache, torchrun, the RL loop)
 on a random-weight Qwen2 of the chosen shape with the tiny local tokenizer (sampled ids beyond its
@@ -35,7 +36,10 @@ REPO = Path(__file__).resolve().parents[1]
 PHASES = ("rollout", "reward", "ref", "old_logp", "values", "update_actor", "update_critic")
 
 
-def job(model: Path, prompts: Path, out: Path, *, algo: str, gpus: int, layout: str, offload: bool, args) -> dict:
+def job(model: Path, prompts: Path, out: Path, *, algo: str, gpus: int, layout: str, offload: bool, args,
+        lora: int = 0) -> dict:
+    """`lora` > 0: LoRA adapters of that rank on every linear; the ref is then the actor with its adapters off
+    (no ref block, no second model: docs/lora.md)."""
     par = {"tensor_model_parallel_size": 2} if gpus == 2 and layout == "tp" else {}
     flags = {"param_offload": offload, "grad_offload": offload, "optimizer_offload": offload}
     cfg = {
@@ -51,12 +55,15 @@ def job(model: Path, prompts: Path, out: Path, *, algo: str, gpus: int, layout: 
                       "optim": {"lr": 1e-6, "weight_decay": 0.0}, "megatron": {**par, **flags}},
             "ref": {"megatron": {**par, "param_offload": offload}},
             "rollout": {"n": args.n, "response_length": args.response_length, "temperature": 1.0,
-                        "max_num_seqs": args.max_num_seqs},
+                        **({"max_num_seqs": args.max_num_seqs} if args.max_num_seqs else {})},
         },
         "reward": {"function": "trinity.rollout.arithmetic_reward:closeness"},
     }
     if algo == "ppo":
         cfg["critic"] = {"optim": {"lr": 1e-6, "weight_decay": 0.0}, "megatron": {**par, **flags}}
+    if lora:
+        cfg["actor_rollout_ref"]["actor"]["lora"] = {"rank": lora, "alpha": 2.0 * lora, "target_modules": ["all-linear"]}
+        del cfg["actor_rollout_ref"]["ref"]
     return cfg
 
 
@@ -116,12 +123,13 @@ def main() -> None:
     ap.add_argument("--micro", type=int, default=8)
     ap.add_argument("--lengths", choices=["fixed", "uniform", "lognormal"], default="fixed",
                     help="response lengths per row: fixed (to --response-length), uniform, lognormal (mean 30%%)")
-    ap.add_argument("--max-num-seqs", type=int, default=512, help="actor_rollout_ref.rollout.max_num_seqs")
+    ap.add_argument("--max-num-seqs", type=int, default=None, help="actor_rollout_ref.rollout.max_num_seqs (default: the config's)")
     ap.add_argument("--timeout", type=int, default=400, help="seconds per case")
     ap.add_argument("--profile-step", type=int, default=None,
                     help="trainer.profile_step: profile this step of each case and print rank 0's GPU time per kind")
     ap.add_argument("--log-tail", type=int, default=0, help="print this many last lines of each job's output")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--lora-rank", default="0", help="comma list of actor LoRA ranks, one case each (0 = full training)")
     args = ap.parse_args()
 
     from trinity.testing.tiny_assets import write_prompt_dataset
@@ -139,10 +147,10 @@ def main() -> None:
         results = []
         for algo in args.algos.split(","):
             for gpus in (int(g) for g in args.gpus.split(",")):
-                for off in args.offload.split(","):
-                    name = f"{algo}_{gpus}gpu_offload-{off}"
+                for off, lora in ((o, int(r)) for o in args.offload.split(",") for r in args.lora_rank.split(",")):
+                    name = f"{algo}_{gpus}gpu_offload-{off}" + (f"_lora-{lora}" if lora else "")
                     cfg = job(model, prompts, root / name, algo=algo, gpus=gpus, layout=args.layout,
-                              offload=off == "yes", args=args)
+                              offload=off == "yes", args=args, lora=lora)
                     med = summarize(run_case(cfg, root / f"{name}.yaml", args.timeout, args.log_tail, args.lengths))
                     if args.profile_step:
                         from trinity.trainer.profiling import summary_path

@@ -8,6 +8,7 @@ metrics, next to `benchmarks/train_step.py`'s bare model step of the same shape.
     python benchmarks/sft_run.py --shape tiny --device cpu --seq 256 --mbs 2 --steps 3    # CPU smoke
     python benchmarks/sft_run.py --shape 1.5b --seq 4096 --mbs 2 --optimizer-offload no,yes
     python benchmarks/sft_run.py --shape 7b --seq 4096 --mbs 1 --steps 5 --optimizer-offload yes --no-final-checkpoint
+    python benchmarks/sft_run.py --shape 7b --seq 4096 --mbs 1 --steps 5 --lora-rank 16 --no-final-checkpoint
 
 Each case is a real `trinity run` (validation, HF -> dist checkpoint cache, torchrun, the SFT loop with
 megatron-core's schedule, DDP and mixed-precision optimizer) on a random-weight Qwen2 of the shape
@@ -25,6 +26,9 @@ block for every layout (overlap_grad_reduce, use_distributed_optimizer, sequence
 `--optimizer-offload no,yes` runs each layout without and with `optimizer_offload` (the optimizer in host
 memory, stepped on the CPU: trinity.trainer.engine.host_optimizer); "host optim s" is the part of the step
 spent in that host step (device -> host gradients, AdamW on the CPU, host -> device weights).
+`--lora-rank 0,16` runs each case with full fine-tuning (0) and with LoRA adapters of that rank on every
+linear (actor.lora, alpha = 2 x rank; docs/lora.md): the frozen bf16 base plus the adapters' gradients and
+optimizer, against full fine-tuning, which at 7B fits one H100 only with optimizer_offload.
 """
 
 from __future__ import annotations
@@ -78,6 +82,8 @@ def main() -> None:
                     help="stop each job once its last step's metrics are written, before the checkpoint every job "
                          "saves at its end (7B: ~106 GB with the optimizer state, more than a lent machine's disk)")
     ap.add_argument("--compile", choices=["none", "layers", "model"], default="none", help="megatron.torch_compile")
+    ap.add_argument("--lora-rank", default="0", help="comma list of LoRA ranks, one run each (0 = full fine-tuning; "
+                    "actor_rollout_ref.actor.lora.rank, all linears, alpha = 2 x rank)")
     ap.add_argument("--timeout", type=int, default=500, help="seconds for each run")
     ap.add_argument("--profile-step", type=int, default=None,
                     help="trainer.profile_step: profile this step and print GPU time per kind of kernel")
@@ -95,8 +101,9 @@ def main() -> None:
         model = make_job_model(args.shape, root, args.device)
         hf = json.loads((model / "config.json").read_text())
         params = sum(p.numel() for p in _meta_model(model).parameters())
-        cases = [(layout, off) for layout in layouts for off in args.optimizer_offload.split(",")]
-        for layout, off in cases:
+        ranks = [int(r) for r in args.lora_rank.split(",")]
+        cases = [(layout, off, rank) for layout in layouts for off in args.optimizer_offload.split(",") for rank in ranks]
+        for layout, off, rank in cases:
             if off not in ("no", "yes"):
                 ap.error(f"--optimizer-offload: {off!r} is not no or yes")
             gpus, tp = LAYOUTS[layout]
@@ -106,7 +113,7 @@ def main() -> None:
             # before --layouts, kept so that runs at seq 4096 train on the same data as before
             n_docs = max(args.steps * rows_per_step * args.seq // 1000, args.steps * rows_per_step * 3) + 16
             docs = write_documents(root / f"sft_{layout}.jsonl", n_docs, seed=0, seq=args.seq)
-            out = root / f"run_{layout}_offload-{off}"
+            out = root / f"run_{layout}_offload-{off}_lora-{rank}"
             cfg = {
                 "algorithm": {"name": "sft"},
                 "model": {"path": str(model)},
@@ -116,11 +123,14 @@ def main() -> None:
                             "micro_batch_size": args.mbs, "output_dir": str(out), "save_interval": None,
                             "log_interval": 1, "tensorboard": False, "export_hf": False,
                             "profile_step": args.profile_step},
-                "actor_rollout_ref": {"actor": {"optim": {"lr": 1e-5, "weight_decay": 0.0},
+                "actor_rollout_ref": {"actor": {"optim": {"lr": 1e-4 if rank else 1e-5, "weight_decay": 0.0},
                                                 "megatron": {**megatron, "tensor_model_parallel_size": tp,
                                                              "optimizer_offload": off == "yes"}}},
             }
-            job = root / f"job_{layout}_offload-{off}.yaml"
+            if rank:
+                cfg["actor_rollout_ref"]["actor"]["lora"] = {"rank": rank, "alpha": 2.0 * rank,
+                                                             "target_modules": ["all-linear"]}
+            job = root / f"job_{layout}_offload-{off}_lora-{rank}.yaml"
             rows = (run_steps_only(cfg, job, args.timeout, args.steps) if args.no_final_checkpoint
                     else run_case(cfg, job, args.timeout))
             if args.profile_step:
@@ -130,24 +140,26 @@ def main() -> None:
             tokens = args.seq * rows_per_step
             flops = step_flops(params, hf["num_hidden_layers"], hf["hidden_size"], args.seq, tokens)
             host_s = statistics.median(r.get("host_optimizer_s", 0.0) for r in steady)
-            results.append({"layout": layout, "offload": off, "host_s": host_s, "gpus": gpus, "step_s": step_s,
+            results.append({"layout": layout, "offload": off, "lora": rank, "host_s": host_s, "gpus": gpus, "step_s": step_s,
                             "tokens_per_s": tokens / step_s,
                             "tflops_per_gpu": flops / step_s / 1e12 / gpus,
                             "peak_gib": max(r["mem_peak_gib"] for r in rows),
                             "loss": (rows[0]["loss"], rows[-1]["loss"])})
 
-    base = {off: next((r["tokens_per_s"] for r in results if r["gpus"] == 1 and r["offload"] == off), None)
-            for off in ("no", "yes")}
+    base = {(off, rank): next((r["tokens_per_s"] for r in results if r["gpus"] == 1 and r["offload"] == off
+                               and r["lora"] == rank), None) for off in ("no", "yes") for rank in ranks}
     where = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     extra = " ".join(args.megatron) or "defaults"
     print(f"\ntrinity run (SFT) on {where}, shape {args.shape}, seq {args.seq}, {args.mbs} rows per DP rank, "
           f"{args.steps} steps, torch_compile {args.compile}, megatron: {extra}, torch {torch.__version__}")
-    print("layout | optimizer offload | gpus | step s | host optim s | tokens/s | tokens/s per gpu | efficiency "
-          "| TFLOP/s per gpu | peak GiB (rank 0) | loss first -> last")
+    # TFLOP/s count full training's 6 x params x tokens also for LoRA (which skips the base weight gradients)
+    print("layout | optimizer offload | lora rank | gpus | step s | host optim s | tokens/s | tokens/s per gpu | "
+          "efficiency | TFLOP/s per gpu | peak GiB (rank 0) | loss first -> last")
     for r in results:
         per_gpu = r["tokens_per_s"] / r["gpus"]
-        eff = f"{per_gpu / base[r['offload']]:.2f}" if base[r["offload"]] else "-"
-        print(f"{r['layout']} | {r['offload']} | {r['gpus']} | {r['step_s']:.4f} | {r['host_s']:.4f} | "
+        b = base[(r["offload"], r["lora"])]
+        eff = f"{per_gpu / b:.2f}" if b else "-"
+        print(f"{r['layout']} | {r['offload']} | {r['lora']} | {r['gpus']} | {r['step_s']:.4f} | {r['host_s']:.4f} | "
               f"{r['tokens_per_s']:.0f} | {per_gpu:.0f} | {eff} | "
               f"{r['tflops_per_gpu']:.1f} | {r['peak_gib']:.2f} | {r['loss'][0]:.3f} -> {r['loss'][1]:.3f}")
 

@@ -7,6 +7,8 @@ quick look at a model before or after training.
   `<output_dir>/checkpoints/step_N`, or an RL one's `step_N/actor`;
 - an RL checkpoint `step_N` (its `actor/` is used) or a run's output folder (its newest complete
   checkpoint; without checkpoints, its `hf/` export).
+A LoRA job's checkpoint holds the adapters only: the base model its job started from (named in the
+checkpoint's resolved_config.yaml) is loaded, then the adapters, merged into the weights for decoding.
 
 The model runs in one process (TP = PP = 1) in fp32 on CPU and bf16 on CUDA, the same GPTModel and the
 same decode loop as the RL rollout, so what it answers is what the rollout would sample.
@@ -148,16 +150,27 @@ def generate_answers(
     init_parallel(device=dev, layout=megatron.layout(), seed=seed)
     try:
         chunks = build_model(facts, megatron, device=dev, dtype=dtype)
+        lora = None
         if source.kind == "hf":
             load_hf_weights(chunks, source.weights, facts)
         else:
-            load_model_checkpoint(chunks, source.weights)
+            from trinity.convert.dist_ckpt import read_meta
+            from trinity.trainer.export import load_lora_checkpoint, lora_of
+
+            lora = lora_of(read_meta(source.weights))
+            if lora is None:
+                load_model_checkpoint(chunks, source.weights)
+            else:  # a LoRA job's checkpoint: its base model + the adapters
+                load_lora_checkpoint(chunks, source.weights, facts, lora)
         params = SamplingParams(
             temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
             eos_token_ids=eos_ids(tokenizer, source.hf_dir),
         )
         generator = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
+        from trinity.trainer.recipes.lora_ref import rollout_weights
+
+        # LoRA: the decoder reads W + alpha/rank * B A, as the job's rollout does
+        with torch.no_grad(), rollout_weights(chunks):
             ro = generate_continuous(chunks[0], ids, params, vocab_size=facts.vocab_size,
                                      pad_id=pad_token_id(tokenizer), generator=generator)
     finally:

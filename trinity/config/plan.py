@@ -36,6 +36,8 @@ class MemoryEstimate:
     trained: bool
     offloaded: list[str] = field(default_factory=list)
     host_optimizer: int = 0  # bytes of optimizer state in host memory per rank (SFT optimizer_offload)
+    trainable_per_gpu: int | None = None  # LoRA: adapter parameters on the busiest GPU (None: all are trained)
+    lora_saved: int = 0  # LoRA: grad + optimizer bytes that full fine-tuning of the same layout would add
 
     @property
     def active(self) -> int:
@@ -71,6 +73,7 @@ class JobPlan:
     peak_per_gpu: int
     warnings: list[str]
     reward: str | None = None  # RL: the reward function, and for a user function the file of code it runs
+    trainable_parameters: int | None = None  # LoRA: the adapters' parameters (whole model); None: every parameter
     data: dict | None = None  # pt: tokens, rows and steps per epoch (trinity.data.pretrain.PTData.describe)
 
     def to_dict(self) -> dict:
@@ -89,10 +92,12 @@ def padded_vocab(vocab: int, tp: int, multiple: int = 128) -> int:
 def estimate_memory(
     f: ModelFacts, m: MegatronConfig, *, world: int, seq: int, micro: int, microbatches: int,
     bytes_per_param: int, trained: bool, value_head: bool = False, optimizer_on_host: bool = False,
+    lora: tuple[int, list[str]] | None = None,
 ) -> MemoryEstimate:
     """`optimizer_on_host`: the optimizer lives in host memory (SFT / pt `optimizer_offload`): its bytes
     leave the GPU and are reported as `host_optimizer`, with the host copy of fp32 master weights
-    that fp32 training adds there."""
+    that fp32 training adds there. `lora` (rank, target modules): only the adapters are trained, so
+    grads and optimizer are sized by them; the weights add theirs to the frozen base."""
     lay = m.layout()
     tp, pp, cp, dp = lay.tp, lay.pp, lay.cp, lay.dp(world)
     h, L = f.hidden_size, f.num_layers
@@ -115,14 +120,25 @@ def estimate_memory(
     params = dense_params + expert_params
     weights = params * bytes_per_param
     grads = optimizer = acts = logits = 0
+    adapters = saved = 0
+    if trained and lora is not None:
+        from trinity.models.lora_targets import adapter_parameters_per_gpu
+
+        adapters = adapter_parameters_per_gpu(f, lora[0], lora[1], tp=tp, layers=layers)
+        weights += adapters * bytes_per_param
     if trained:
-        grads = params * 4  # fp32 gradient buffers (grad_reduce_in_fp32)
         per_param = 12 if bytes_per_param < 4 else 8  # fp32 master + Adam m, v (fp32 params are their own master)
+        edp = lay.expert_dp(world) if f.is_moe else dp
+        full_grads = params * 4  # fp32 gradient buffers (grad_reduce_in_fp32)
         if m.use_distributed_optimizer:
-            edp = lay.expert_dp(world) if f.is_moe else dp
-            optimizer = per_param * (dense_params // dp + expert_params // max(edp, 1))
+            full_optimizer = per_param * (dense_params // dp + expert_params // max(edp, 1))
         else:
-            optimizer = per_param * params
+            full_optimizer = per_param * params
+        grads, optimizer = full_grads, full_optimizer
+        if lora is not None:  # DDP buffers and the optimizer hold the adapters only
+            grads = adapters * 4
+            optimizer = per_param * (adapters // dp if m.use_distributed_optimizer else adapters)
+            saved = full_grads + full_optimizer - grads - optimizer
         acts = _activations(f, m, seq // cp, micro, layers, microbatches)
     else:
         acts = ACT_PER_LAYER * (seq // cp) * micro * h * 2 // (tp if m.sequence_parallel else 1)
@@ -133,7 +149,8 @@ def estimate_memory(
     if trained and optimizer_on_host:
         host = optimizer * 12 // (12 if bytes_per_param < 4 else 8)  # + the fp32 masters' host copy
         optimizer = 0
-    return MemoryEstimate(params, weights, grads, optimizer, acts, logits, trained, offloaded, host)
+    return MemoryEstimate(params, weights, grads, optimizer, acts, logits, trained, offloaded, host,
+                          trainable_per_gpu=adapters if lora is not None and trained else None, lora_saved=saved)
 
 
 def _activations(f: ModelFacts, m: MegatronConfig, s: int, b: int, layers: int, microbatches: int) -> int:
@@ -163,6 +180,21 @@ def _activations(f: ModelFacts, m: MegatronConfig, s: int, b: int, layers: int, 
     return int(stage * in_flight)
 
 
+def rl_token_budget(cfg: JobConfig, role: Role) -> int | None:
+    """Tokens per packed micro batch of an RL role (`use_dynamic_bsz` and its `*_max_token_len_per_gpu`,
+    unset: one padded micro batch's tokens); None: padded rows of trainer.micro_batch_size sequences."""
+    arr = cfg.actor_rollout_ref
+    if role is Role.actor:
+        on, budget = arr.actor.use_dynamic_bsz, arr.actor.ppo_max_token_len_per_gpu
+    elif role is Role.ref:
+        on, budget = arr.ref.log_prob_use_dynamic_bsz, arr.ref.log_prob_max_token_len_per_gpu
+    else:
+        on, budget = (cfg.critic.use_dynamic_bsz, cfg.critic.ppo_max_token_len_per_gpu) if cfg.critic else (False, None)
+    if not on:
+        return None
+    return budget or cfg.trainer.micro_batch_size * (cfg.data.max_prompt_length + arr.rollout.response_length)
+
+
 def build_plan(cfg: JobConfig, facts: ModelFacts, warnings: list[str]) -> JobPlan:
     world = cfg.cluster.world_size
     dtype = cfg.model.dtype
@@ -183,9 +215,15 @@ def build_plan(cfg: JobConfig, facts: ModelFacts, warnings: list[str]) -> JobPla
         trained = Role.from_path(path).trained
         # dpo: a micro batch of `micro` pairs runs 2 x micro sequences
         rows = micro * (2 if cfg.algorithm.name.value == "dpo" else 1)
-        mem = estimate_memory(facts, m, world=world, seq=seq, micro=rows, microbatches=mbs, bytes_per_param=bpp,
+        lora = cfg.actor_rollout_ref.actor.lora
+        adapted = (lora.rank, list(lora.target_modules)) if path == "actor_rollout_ref.actor" and lora.rank > 0 else None
+        role_seq = seq
+        budget = rl_token_budget(cfg, Role.from_path(path)) if cfg.is_rl else None
+        if budget is not None:  # a packed micro batch is one row of `budget` tokens (estimates are linear in tokens)
+            role_seq, rows = budget, 1
+        mem = estimate_memory(facts, m, world=world, seq=role_seq, micro=rows, microbatches=mbs, bytes_per_param=bpp,
                               trained=trained, value_head=path == "critic",
-                              optimizer_on_host=m.optimizer_offload and not cfg.is_rl)
+                              optimizer_on_host=m.optimizer_offload and not cfg.is_rl, lora=adapted)
         roles.append(RolePlan(path=path, layout=lay.describe(world), dp=dp, microbatches=mbs, memory=mem))
     # Roles share the GPUs: the peak is one role active while the others keep what is not offloaded.
     peak = max(r.memory.active + sum(o.memory.idle for o in roles if o is not r) for r in roles)
@@ -195,10 +233,16 @@ def build_plan(cfg: JobConfig, facts: ModelFacts, warnings: list[str]) -> JobPla
         from trinity.data.pretrain import plan_data  # reads (and tokenises) the data, as each rank will
 
         data = plan_data(cfg)
+    trainable = None
+    lora = cfg.actor_rollout_ref.actor.lora
+    if lora.rank > 0:
+        from trinity.models.lora_targets import adapter_parameter_count
+
+        trainable = adapter_parameter_count(facts, lora.rank, lora.target_modules)
     return JobPlan(
         algorithm=cfg.algorithm.name.value, device=cfg.cluster.device, world_size=world,
         model=f"{facts.architecture} ({cfg.model.path})", num_parameters=facts.num_parameters(),
-        roles=roles, peak_per_gpu=peak, warnings=list(warnings), reward=reward, data=data,
+        roles=roles, peak_per_gpu=peak, warnings=list(warnings), reward=reward, data=data, trainable_parameters=trainable,
     )
 
 
@@ -232,9 +276,15 @@ def render_plan(plan: JobPlan) -> str:
     n = plan.num_parameters
     size = f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.2f} M"
     lines = [f"job: {plan.algorithm} on {plan.world_size} x {plan.device}; model {plan.model}, {size} parameters"]
+    if plan.trainable_parameters is not None:
+        t = plan.trainable_parameters
+        lines.append(f"LoRA: {t:,} trainable adapter parameters ({100 * t / max(n, 1):.2f}% of the model); the base is frozen")
     for r in plan.roles:
         m = r.memory
         lines.append(f"{r.path}: {r.layout}, {r.microbatches} micro batches per step per DP rank")
+        if m.trainable_per_gpu is not None:
+            lines.append(f"  LoRA: {m.trainable_per_gpu / 1e6:,.2f} M trainable params/GPU; grads and optimizer "
+                         f"hold only them: {g(m.lora_saved)} less than full fine-tuning")
         lines.append(f"  params/GPU {m.params_per_gpu / 1e6:,.1f} M   weights {g(m.weights)}   grads {g(m.grads)}   optimizer {g(m.optimizer)}"
                      + (f" (in host memory: {g(m.host_optimizer)} per rank, optimizer_offload)" if m.host_optimizer else ""))
         lines.append(f"  activations {g(m.activations)}   logits {g(m.logits)}   active {g(m.active)}   idle {g(m.idle)}"

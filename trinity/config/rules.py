@@ -55,6 +55,8 @@ def check_job(cfg: JobConfig, *, check_paths: bool = True) -> tuple[ModelFacts |
         _check_reward(cfg, problems, check_paths)
     _check_dapo(cfg, problems)
     _check_dpo(cfg, problems)
+    _check_lora(cfg, facts, problems)
+    _check_lora_ref(cfg, problems)
     _check_profile(cfg, problems)
     check_evaluation(cfg, problems, check_paths)
     return facts, problems, warnings
@@ -129,14 +131,14 @@ def _check_sft_offload(cfg: JobConfig, problems: list[str]) -> None:
 
 
 def _check_rl_roles(cfg: JobConfig, problems: list[str]) -> None:
-    """What the RL loop cannot do yet: rollout over virtual pipeline stages or with sequence parallel,
-    and roles of different layouts (which would need resharding weights between them; dpo's ref too:
+    """What the RL loop cannot do yet: rollout over virtual pipeline stages (sequence parallel is
+    served: the rollout switches it off, trinity.distributed.sequence_parallel), and roles of different layouts (which would need resharding weights between them; dpo's ref too:
     all roles share one parallel state)."""
     roles = cfg.roles()
     actor = roles.pop("actor_rollout_ref.actor")
     a = "actor_rollout_ref.actor.megatron"
     if cfg.is_rl:
-        for field, text in rollout_problems(actor.layout(), sequence_parallel=actor.sequence_parallel):
+        for field, text in rollout_problems(actor.layout()):
             problems.append(f"{a}.{field}: {text}")
     for path, m in roles.items():
         for field, value, actor_value in differing_sizes(m.layout(), actor.layout()):
@@ -298,6 +300,14 @@ def _check_batches(cfg: JobConfig, problems: list[str]) -> None:
                 f"trainer.global_batch_size: {cfg.trainer.global_batch_size} is not divisible by "
                 f"trainer.micro_batch_size x DP = {micro} x {dp}; use a multiple of {micro * dp}"
             )
+        elif lay.vpp and lay.pp > 1 and (cfg.trainer.global_batch_size // (micro * dp)) % lay.pp:
+            # megatron's interleaved schedule runs micro batches in groups of PP and raises otherwise
+            m, step = cfg.trainer.global_batch_size // (micro * dp), micro * dp * lay.pp
+            problems.append(
+                f"trainer.global_batch_size: with virtual pipeline stages each step's micro batches per DP rank "
+                f"({m}) must be a multiple of PP = {lay.pp} (megatron's interleaved schedule); use a multiple of "
+                f"trainer.micro_batch_size x DP x PP = {step}"
+            )
         return
     if cfg.data.train_batch_size % actor.ppo_mini_batch_size:
         problems.append(
@@ -317,6 +327,32 @@ def _check_batches(cfg: JobConfig, problems: list[str]) -> None:
     if ro.gpu_memory_utilization is not None and ro.kv_cache_memory_gib is not None:
         problems.append("actor_rollout_ref.rollout.kv_cache_memory_gib: set either kv_cache_memory_gib or "
                         "gpu_memory_utilization (the rollout's KV-cache budget), not both")
+    _check_token_budgets(cfg, problems)
+
+
+def _check_token_budgets(cfg: JobConfig, problems: list[str]) -> None:
+    """Packed (dynamic) micro batches never split a sequence: each budget must hold the longest one; a
+    budget without packing would be ignored, so it is refused."""
+    arr = cfg.actor_rollout_ref
+    longest = cfg.data.max_prompt_length + arr.rollout.response_length
+    budgets = [("actor_rollout_ref.actor", "use_dynamic_bsz", arr.actor.use_dynamic_bsz, "ppo_max_token_len_per_gpu",
+                arr.actor.ppo_max_token_len_per_gpu),
+               ("actor_rollout_ref.ref", "log_prob_use_dynamic_bsz", arr.ref.log_prob_use_dynamic_bsz,
+                "log_prob_max_token_len_per_gpu", arr.ref.log_prob_max_token_len_per_gpu)]
+    if cfg.critic is not None:
+        budgets.append(("critic", "use_dynamic_bsz", cfg.critic.use_dynamic_bsz, "ppo_max_token_len_per_gpu",
+                        cfg.critic.ppo_max_token_len_per_gpu))
+    for path, switch, on, key, budget in budgets:
+        if budget is None:
+            continue
+        if not on:
+            problems.append(f"{path}.{key}: a token budget applies to packed micro batches only, and {path}.{switch} "
+                            "is false; remove the key or set the switch to true")
+        elif budget < longest:
+            problems.append(
+                f"{path}.{key}: {budget} tokens cannot hold the longest sequence (prompt + response length > budget): "
+                f"data.max_prompt_length + actor_rollout_ref.rollout.response_length = {longest}; raise it to at "
+                f"least {longest}")
 
 
 # Algorithms whose baseline comes from the other responses to the same prompt (RLOO: the mean of the
@@ -359,7 +395,9 @@ DPO_REFUSED = {
     "algorithm": ("gamma", "lam", "norm_adv_by_std_in_grpo", "use_kl_in_reward", "kl_penalty", "kl_coef", "filter_groups"),
     "data": ("answer_key", "response_key", "max_prompt_length", "train_batch_size", "train_weights", "text_key"),
     "actor_rollout_ref.actor": ("ppo_mini_batch_size", "ppo_epochs", "clip_ratio_low", "clip_ratio_high", "clip_ratio_c",
-                                "use_kl_loss", "kl_loss_coef", "kl_loss_type", "entropy_coeff", "loss_agg_mode"),
+                                "use_kl_loss", "kl_loss_coef", "kl_loss_type", "entropy_coeff", "loss_agg_mode",
+                                "use_dynamic_bsz", "ppo_max_token_len_per_gpu", "recompute_old_log_prob"),
+    "actor_rollout_ref.ref": ("log_prob_use_dynamic_bsz", "log_prob_max_token_len_per_gpu"),
     "actor_rollout_ref.rollout": None,  # every field
     "reward": None,
     "reward_model": None,
@@ -407,6 +445,46 @@ def _check_dpo(cfg: JobConfig, problems: list[str]) -> None:
         problems.append(
             "data.packing: dpo runs each sequence of a pair in its own row (its log-prob is a per-row sum); "
             "remove the key or set it to false"
+        )
+
+
+def _check_lora(cfg: JobConfig, facts: ModelFacts | None, problems: list[str]) -> None:
+    """actor.lora: target names known, settings only with rank >= 1, and only where adapters can act."""
+    lora = cfg.actor_rollout_ref.actor.lora
+    p = "actor_rollout_ref.actor.lora"
+    if lora.rank == 0:
+        for field in _non_default(lora, ["alpha", "dropout", "target_modules"]):
+            problems.append(f"{p}.{field}: has no effect while {p}.rank is 0 (LoRA off); set rank >= 1 or remove the key")
+        return
+    from trinity.models.lora_targets import resolve_targets
+
+    try:
+        targets = resolve_targets(lora.target_modules)
+    except ValueError as exc:
+        problems.append(f"{p}.target_modules: {exc}")
+        return
+    if not targets:
+        problems.append(f"{p}.target_modules: is empty; name at least one linear (e.g. all-linear)")
+    mlp = sorted(set(targets) & {"linear_fc1", "linear_fc2"})
+    if facts is not None and facts.is_moe and mlp:
+        problems.append(
+            f"{p}.target_modules: {', '.join(mlp)} of an MoE model are its experts, which LoRA does not adapt; "
+            "target linear_qkv and linear_proj only"
+        )
+
+
+def _check_lora_ref(cfg: JobConfig, problems: list[str]) -> None:
+    """With LoRA the reference policy (RL with KL, DPO) is the actor with its adapters off
+    (trinity.trainer.recipes.lora_ref): no ref model is built, so its megatron block cannot apply."""
+    if cfg.actor_rollout_ref.actor.lora.rank == 0:
+        return
+    ref = cfg.actor_rollout_ref.ref.megatron
+    for name in _non_default(ref, None):
+        if name in OFFLOAD_FLAGS and not cfg.needs_ref:
+            continue  # _check_roles_exist already says the ref does not exist
+        problems.append(
+            f"actor_rollout_ref.ref.megatron.{name}: with actor_rollout_ref.actor.lora the reference policy is "
+            "the actor with its adapters off (no ref model is built), so the ref block cannot apply; remove the key"
         )
 
 

@@ -402,6 +402,23 @@ class PolicyLossConfig(StrictModel):
     GSPO's 3e-4 / 4e-4 and an unset loss_agg_mode to seq-mean-token-mean (docs/rl.md)."""
 
 
+class LoraConfig(StrictModel):
+    """LoRA adapters on the actor (docs/lora.md): only the adapters are trained, the base weights stay
+    frozen as loaded. Off while `rank` is 0."""
+
+    rank: int = Field(default=0, ge=0)
+    """Rank r of every adapter; 0 (default) trains the full model. PEFT's `r`."""
+    alpha: float = Field(default=16.0, gt=0)
+    """Scale numerator: each adapter adds alpha / rank x B A x to its layer's output. PEFT's `lora_alpha`."""
+    dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
+    """Dropout on the adapters' input (not on the base layer). PEFT's `lora_dropout`."""
+    target_modules: list[str] = Field(default_factory=lambda: ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"])
+    """Linears that get an adapter, by megatron-core name (`linear_qkv`, `linear_proj`, `linear_fc1`,
+    `linear_fc2`) or Hugging Face name (q_proj/k_proj/v_proj -> linear_qkv, o_proj -> linear_proj,
+    gate_proj/up_proj -> linear_fc1, down_proj -> linear_fc2; `all-linear` = all four). One adapter
+    covers a fused megatron linear: q_proj alone adapts q, k and v."""
+
+
 class ActorConfig(StrictModel):
     """The trained policy."""
 
@@ -438,6 +455,20 @@ class ActorConfig(StrictModel):
     """RL: KL estimator of the KL loss."""
     policy_loss: PolicyLossConfig = Field(default_factory=PolicyLossConfig)
     """RL: the policy loss (vanilla PPO-clip or GSPO)."""
+    use_dynamic_bsz: bool = True
+    """RL: pack each sequence's real tokens (prompt + response, no padding) into rows of at most
+    ppo_max_token_len_per_gpu tokens, one row per micro batch (first-fit decreasing), for the actor's
+    update and old log-probs; false: padded rows of trainer.micro_batch_size sequences (docs/rl.md, Packing)."""
+    ppo_max_token_len_per_gpu: int | None = Field(default=None, ge=1)
+    """RL, with use_dynamic_bsz: tokens per packed micro batch of the actor (update and old log-probs);
+    unset: trainer.micro_batch_size x (data.max_prompt_length + rollout.response_length), the tokens of one
+    padded micro batch. Must hold the longest sequence (max_prompt_length + response_length)."""
+    recompute_old_log_prob: bool = False
+    """RL: run the separate old log-prob pass on every step. By default on-policy steps (ppo_epochs 1 and
+    ppo_mini_batch_size = data.train_batch_size, no KL in the reward, not a critic warm-up step) take the
+    old log-probs from the update's own forward (detached: the ratio is exactly 1); true is the check."""
+    lora: LoraConfig = Field(default_factory=LoraConfig)
+    """LoRA: train low-rank adapters instead of the full model (rank >= 1 turns it on; docs/lora.md)."""
 
     @model_validator(mode="before")
     @classmethod
@@ -461,6 +492,12 @@ class RefConfig(StrictModel):
     accepted (this toolkit trains with megatron-core only); unset means megatron."""
     megatron: MegatronConfig = Field(default_factory=MegatronConfig)
     """Parallelism and memory options of the reference model."""
+    log_prob_use_dynamic_bsz: bool = True
+    """Pack the ref log-prob pass's sequences into rows of log_prob_max_token_len_per_gpu tokens (as
+    actor.use_dynamic_bsz); false: padded rows of trainer.micro_batch_size sequences."""
+    log_prob_max_token_len_per_gpu: int | None = Field(default=None, ge=1)
+    """Tokens per packed micro batch of the ref log-prob pass; unset: as actor.ppo_max_token_len_per_gpu's
+    default. Must hold the longest sequence (data.max_prompt_length + rollout.response_length)."""
 
 
 class RolloutConfig(StrictModel):
@@ -476,10 +513,10 @@ class RolloutConfig(StrictModel):
     """Keep only the k most likely tokens (0 = off)."""
     response_length: int = Field(default=128, ge=1)
     """Maximum new tokens per response."""
-    max_num_seqs: int = Field(default=256, ge=1)
+    max_num_seqs: int = Field(default=1024, ge=1)
     """Sequences decoded at once at most (the continuous-batching engine's slots, as in vLLM); fewer when
-    the KV-cache budget holds fewer. A rollout with more rows (prompts x n) runs in waves: a row that
-    ends frees its slot for a waiting one."""
+    the KV-cache budget holds fewer. A rollout with more rows (a DP rank's prompts x n) runs in waves: a
+    row that ends frees its slot for a waiting one."""
     gpu_memory_utilization: float | None = Field(default=None, gt=0, le=1)
     """Fraction of the device memory free when the rollout starts that its KV cache may take (default
     0.8; on CPU: of the available host memory). Set this or `kv_cache_memory_gib`, not both."""
@@ -515,6 +552,12 @@ class CriticConfig(StrictModel):
     """Passes over each rollout batch."""
     warmup_steps: int = Field(default=0, ge=0)
     """Steps during which only the critic trains."""
+    use_dynamic_bsz: bool = True
+    """Pack the critic's sequences (values pass and update) into rows of ppo_max_token_len_per_gpu tokens
+    (as actor.use_dynamic_bsz); false: padded rows of trainer.micro_batch_size sequences."""
+    ppo_max_token_len_per_gpu: int | None = Field(default=None, ge=1)
+    """Tokens per packed micro batch of the critic; unset: as actor.ppo_max_token_len_per_gpu's default.
+    Must hold the longest sequence (data.max_prompt_length + rollout.response_length)."""
 
 
 class RewardConfig(StrictModel):
@@ -575,7 +618,8 @@ class JobConfig(StrictModel):
     def roles(self) -> dict[str, MegatronConfig]:
         """Megatron blocks of the roles that exist in this job, keyed by their config path."""
         out = {"actor_rollout_ref.actor": self.actor_rollout_ref.actor.megatron}
-        if self.needs_ref:
+        # with LoRA the reference policy is the actor with its adapters off: no ref model is built
+        if self.needs_ref and self.actor_rollout_ref.actor.lora.rank == 0:
             out["actor_rollout_ref.ref"] = self.actor_rollout_ref.ref.megatron
         if self.critic is not None:
             out["critic"] = self.critic.megatron

@@ -108,6 +108,10 @@ def _entries(models: list[torch.nn.Module], facts: ModelFacts, wmap: WeightMap, 
         model = unwrap(chunk)
         layers = [layer.layer_number - 1 for layer in model.decoder.layers] if hasattr(model, "decoder") else []
         for name, param in model.named_parameters():
+            if ".lora.lora_" in name:
+                # LoRA adapters (trinity.models.lora) are no HF weight: a LoRA job's HF export merges them
+                # into the base weights first (trinity.trainer.export), its PEFT folder holds them apart.
+                continue
             found = wmap.for_mcore(name, facts.tie_word_embeddings)
             if found is None:
                 raise UserError(

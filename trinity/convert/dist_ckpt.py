@@ -167,6 +167,7 @@ def save_model_checkpoint(
     extra_common: dict[str, Any] | None = None,
     optimizer: Any = None,
     force: bool = False,
+    exclude: tuple[str, ...] = (),
 ) -> Path:
     """Save model chunks (and optionally a megatron-core optimizer) as a dist checkpoint. All ranks call.
 
@@ -176,6 +177,7 @@ def save_model_checkpoint(
     extra_common: plain picklable objects (step, RNG, data position...) saved once by rank 0;
     read back by `load_model_checkpoint(...)` or `read_extra(dir)`.
     optimizer: a megatron-core MegatronOptimizer; its `sharded_state_dict` is saved under "optimizer".
+    exclude: sharded keys not to save (a LoRA job's frozen base weights: they come from its weight source).
     """
     from megatron.core import dist_checkpointing
 
@@ -189,6 +191,7 @@ def save_model_checkpoint(
     tmp = Path(_broadcast(str(tmp)))
     try:
         flat, _ = _flat_sharded(models)
+        flat = {k: v for k, v in flat.items() if getattr(v, "key", None) not in exclude}
         state: dict[str, Any] = {"model": flat, "extra": dict(extra_common or {})}
         if optimizer is not None:
             state["optimizer"] = optimizer.sharded_state_dict(flat)

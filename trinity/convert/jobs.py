@@ -179,12 +179,21 @@ def run_mcore_to_hf(
     megatron = megatron_config()
     start = time.perf_counter()
     phase = _Phases()
-    with parallel_session(device, megatron):
+    from trinity.trainer.export import load_lora_checkpoint, lora_of
+
+    lora = lora_of(meta)
+    with parallel_session(device, megatron), contextlib.ExitStack() as merged:
         models = _holder(facts, megatron, ckpt_dtype)
         phase("build")
-        load_model_checkpoint(models, mcore_path)
+        if lora is None:
+            load_model_checkpoint(models, mcore_path)
+        else:  # a LoRA job's checkpoint: its base model + the adapters, exported merged
+            from trinity.models.lora import adapters_merged
+
+            load_lora_checkpoint(models, mcore_path, facts, lora)
+            merged.enter_context(adapters_merged(models))
         phase("load")
-        total = sum(p.numel() for p in models[0].parameters()) * out_dtype.itemsize
+        total = sum(p.numel() for n, p in models[0].named_parameters() if ".lora." not in n) * out_dtype.itemsize
         with progress("writing HF tensors", total) as cb:
             written, count = save_hf_folder(
                 export_hf_weights(models, facts), output, hf_src, out_dtype, force=force, on_tensor=cb
@@ -225,7 +234,8 @@ def _verify_export(
     # The holder cannot run: the logits come from a float32 model holding the exported (rounded) values.
     model = _build(facts, megatron_config(), device, torch.float32)[0]
     with torch.no_grad():
-        for p, held in zip(model.parameters(), models[0].parameters(), strict=True):
+        held_params = [p for n, p in models[0].named_parameters() if ".lora.lora_" not in n]  # merged already
+        for p, held in zip(model.parameters(), held_params, strict=True):
             p.copy_(held.to(out_dtype).float())
     tokens = random_tokens(facts.vocab_size)
     ours = mcore_logits(model, tokens, facts.vocab_size)

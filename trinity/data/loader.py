@@ -286,21 +286,25 @@ def build_sft_data(
     return SFTData(rows, sampler, stats, source=names)
 
 
-def sft_data_from_job(job: Any, *, dp_rank: int, dp_size: int, tokenizer: Any = None) -> SFTData:
-    """`build_sft_data` with the settings of a validated JobConfig (data.*, trainer.*, model.*)."""
+def job_data_settings(job: Any, tokenizer: Any = None) -> dict[str, Any]:
+    """The data settings every training-data builder takes from a validated JobConfig (data.*, trainer.*,
+    model.*): one place, so SFT and PT read the same keys the same way."""
     data, trainer = job.data, job.trainer
+    return {
+        "tokenizer": tokenizer if tokenizer is not None else (job.model.tokenizer_path or job.model.path),
+        "seq_len": data.seq_length,
+        "packing": data.packing,
+        "global_batch_size": trainer.global_batch_size,
+        "micro_batch_size": trainer.micro_batch_size,
+        "seed": trainer.seed,
+        "shuffle": data.shuffle,
+    }
+
+
+def sft_data_from_job(job: Any, *, dp_rank: int, dp_size: int, tokenizer: Any = None) -> SFTData:
+    """`build_sft_data` with the settings of a validated JobConfig."""
+    data = job.data
     return build_sft_data(
-        data.train_files,
-        tokenizer if tokenizer is not None else (job.model.tokenizer_path or job.model.path),
-        seq_len=data.seq_length,
-        packing=data.packing,
-        global_batch_size=trainer.global_batch_size,
-        micro_batch_size=trainer.micro_batch_size,
-        seed=trainer.seed,
-        dp_rank=dp_rank,
-        dp_size=dp_size,
-        shuffle=data.shuffle,
-        prompt_key=data.prompt_key,
-        response_key=data.response_key,
-        messages_key=data.messages_key,
+        data.train_files, dp_rank=dp_rank, dp_size=dp_size, prompt_key=data.prompt_key,
+        response_key=data.response_key, messages_key=data.messages_key, **job_data_settings(job, tokenizer),
     )

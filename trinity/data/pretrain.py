@@ -481,22 +481,13 @@ def build_pt_data(
 def pt_data_from_job(
     job: Any, *, dp_rank: int, dp_size: int, tokenizer: Any = None, check_vocab: bool = True
 ) -> PTData:
-    """`build_pt_data` with the settings of a validated JobConfig (as loader.sft_data_from_job)."""
-    data, trainer = job.data, job.trainer
+    """`build_pt_data` with the settings of a validated JobConfig (`loader.job_data_settings`)."""
+    from trinity.data.loader import job_data_settings
+
+    data = job.data
     return build_pt_data(
-        data.train_files,
-        tokenizer if tokenizer is not None else (job.model.tokenizer_path or job.model.path),
-        seq_len=data.seq_length,
-        packing=data.packing,
-        global_batch_size=trainer.global_batch_size,
-        micro_batch_size=trainer.micro_batch_size,
-        seed=trainer.seed,
-        weights=data.train_weights,
-        dp_rank=dp_rank,
-        dp_size=dp_size,
-        shuffle=data.shuffle,
-        text_key=data.text_key,
-        check_vocab=check_vocab,
+        data.train_files, weights=data.train_weights, dp_rank=dp_rank, dp_size=dp_size, text_key=data.text_key,
+        check_vocab=check_vocab, **job_data_settings(job, tokenizer),
     )
 
 

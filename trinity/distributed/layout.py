@@ -142,15 +142,21 @@ def layout_problems(
         if f.is_moe and lay.ep > 1 and lay.tp > 1 and sequence_parallel is False:
             out.append(("sequence_parallel", "megatron-core needs sequence_parallel with both TP>1 and EP>1; set it to true"))
     if rollout:
-        out.extend(rollout_problems(lay, sequence_parallel=bool(sequence_parallel)))
+        out.extend(rollout_problems(lay))
     return out
 
 
-def rollout_problems(lay: ParallelLayout, *, sequence_parallel: bool) -> list[tuple[str, str]]:
-    """What the rollout engine cannot serve yet (the actor of an RL job), as (field, message) pairs."""
+def rollout_problems(lay: ParallelLayout) -> list[tuple[str, str]]:
+    """What the built-in rollout engine cannot serve (the actor of an RL job), as (field, message) pairs.
+
+    Sequence parallel is served: the training and log-prob / value forwards run with it, the rollout
+    runs the same modules with it switched off (`trinity.distributed.sequence_parallel`). Virtual
+    pipeline stages are not: the rollout's decode loop hands hidden states from one pipeline stage to
+    the next once per token, one model chunk per stage (`trinity.rollout.generate`), while the
+    interleaved order visits every stage once per chunk."""
     out = []
     if lay.pp > 1 and (lay.vpp or 1) > 1:
-        out.append((FIELDS["vpp"], "rollout runs one model chunk per pipeline stage; unset it (plain PP is supported)"))
-    if sequence_parallel:
-        out.append(("sequence_parallel", "rollout with sequence parallel is not supported yet; set it to false"))
+        out.append((FIELDS["vpp"], "the built-in rollout decodes through one model chunk per pipeline stage, so RL "
+                                   "jobs run without virtual pipeline stages (VPP works for sft, pt and dpo); "
+                                   "unset it and keep pipeline_model_parallel_size (plain PP is supported)"))
     return out

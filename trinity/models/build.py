@@ -193,7 +193,13 @@ class ValueHead(torch.nn.Linear):
         super().__init__(config.hidden_size, 1, bias=False, dtype=config.params_dtype)
         self.sequence_parallel = config.sequence_parallel
         self.weight.sequence_parallel = config.sequence_parallel
-        torch.nn.init.normal_(self.weight, mean=0.0, std=config.init_method_std)
+        # Its own generator seeded from the job's seed: the default stream's state here depends on how
+        # much the layers' init drew before, i.e. on the layout, and a job must start from the same
+        # critic at any TP/PP (init_parallel seeds seed + 100 * PP rank; the head is on the last stage).
+        seed = torch.initial_seed() - 100 * ps.get_pipeline_model_parallel_rank()
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            self.weight.copy_(torch.randn(self.weight.shape, generator=gen) * config.init_method_std)
 
     def forward(self, hidden: torch.Tensor, weight: Any = None, runtime_gather_output: Any = None):  # type: ignore[override]
         values = super().forward(hidden)

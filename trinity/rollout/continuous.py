@@ -53,7 +53,7 @@ class KVBudget:
     """How many sequences the engine decodes at once (`actor_rollout_ref.rollout`'s fields of the same
     names). kv_cache_memory_gib wins over gpu_memory_utilization (the config refuses both set)."""
 
-    max_num_seqs: int = 256
+    max_num_seqs: int = 1024
     gpu_memory_utilization: float | None = None
     kv_cache_memory_gib: float | None = None
 
@@ -328,6 +328,7 @@ class SlotDecoder:
 class RolloutStats:
     """What the last `generate` call did (benchmarks/rl_step.py and the tests read it)."""
 
+    rows: int = 0
     slots: int = 0
     cache_len: int = 0
     kv_bytes_per_token: int = 0
@@ -341,6 +342,12 @@ class RolloutStats:
     graph_captures: int = 0
     capture_s: float = 0.0
     waves: int = 0  # admissions
+
+    @property
+    def computed_tokens(self) -> int:
+        """Tokens the engine computed: each row's first (from its prefill) and every decode step's batch
+        bucket, rows that had ended or held nothing included."""
+        return self.rows + self.slot_steps
 
 
 class _DoneFlags:
@@ -450,7 +457,7 @@ def generate_continuous(
     slots = plan_slots(gpt, budget, rows, cache_len, device)
     pipe = _Pipeline(gpt, device, param.dtype)
     dec = SlotDecoder(gpt, slots, cache_len, cuda_graphs=cuda_graphs)
-    stats.slots, stats.cache_len, stats.kv_bytes_per_token = slots, cache_len, kv_bytes_per_token(gpt)
+    stats.rows, stats.slots, stats.cache_len, stats.kv_bytes_per_token = rows, slots, cache_len, kv_bytes_per_token(gpt)
     eos = torch.tensor(sorted(set(params.eos_token_ids)) or [-1], device=device)
 
     # outputs: one extra row (`rows`) takes the writes of slots that hold no live row

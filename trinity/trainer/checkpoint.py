@@ -174,6 +174,12 @@ class CheckpointManager:
         for name, engine in self.engines.items():
             engine.save(self._role_dir(tmp, name), hf_dir=self.hf_dir, extra=extra,
                         meta={"kind": "training", "role": name, "step": step})
+            if getattr(engine, "lora", None) is not None:  # a LoRA actor: its adapters as a PEFT folder too
+                from trinity.models.facts import ModelFacts
+                from trinity.trainer.export import ADAPTER_DIR, write_adapter_folder
+
+                write_adapter_folder(engine.modules, engine.lora, ModelFacts.from_hf_dir(self.hf_dir), self.hf_dir,
+                                     tmp / ADAPTER_DIR)
         if self.is_rank0:
             (tmp / "rng").mkdir(exist_ok=True)
             if self.config is not None:

@@ -49,7 +49,9 @@ class WorkerContext:
         from trinity.trainer.engine import RoleEngine
 
         cfg = self.config
+        lora = cfg.actor_rollout_ref.actor.lora if role is Role.actor else None  # the trained policy only
         return RoleEngine.build(
             role, self.facts, role.megatron(cfg), role.optim(cfg), weight_source(cfg, role),
             device=cfg.cluster.device, dtype=self.dtype, total_steps=total_steps, optimizer_on_host=optimizer_on_host,
+            lora=lora,
         )

@@ -120,6 +120,7 @@ class Evaluator:
         self.batch = max(1, cfg.data.train_batch_size * cfg.actor_rollout_ref.rollout.n // dp_size)
 
     def _rl(self, step: int) -> dict[str, float]:
+        from trinity.trainer.recipes.lora_ref import rollout_weights
         from trinity.trainer.recipes.rl import _dp_stats
 
         recipe = self.recipe
@@ -131,7 +132,8 @@ class Evaluator:
         samples: list[dict[str, Any]] = []
         for start in range(0, len(self.prompts), self.batch):
             part = self.prompts[start:start + self.batch]
-            ro = recipe.rollout_engine.generate([p.prompt_ids for p in part], self.sampling, gen)
+            with rollout_weights(recipe.actor):  # LoRA: the decoders read W + alpha/rank * B A
+                ro = recipe.rollout_engine.generate([p.prompt_ids for p in part], self.sampling, gen)
             n = ro.response_mask.sum(-1).tolist()
             texts = [recipe.tokenizer.decode(row[: int(k)].tolist(), skip_special_tokens=True) for row, k in zip(ro.responses, n)]
             s = [float(x) for x in recipe.reward_fn([p.text for p in part], texts, [p.answer for p in part])]

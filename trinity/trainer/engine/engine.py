@@ -49,13 +49,21 @@ class StepResult:
 class RoleEngine:
     def __init__(
         self, role: Role, chunks: list[Any], megatron: Any, optim: Any | None, *, dtype: torch.dtype, total_steps: int,
-        optimizer_on_host: bool = False,
+        optimizer_on_host: bool = False, lora: Any = None,
     ):
         """`optimizer_on_host`: `megatron.optimizer_offload` keeps the optimizer in host memory and steps it
         there (single-phase recipes: `trinity.trainer.engine.host_optimizer`) instead of moving it
-        between phases (RL: `trinity.trainer.engine.offload`)."""
+        between phases (RL: `trinity.trainer.engine.offload`). `lora` (actor.lora with rank >= 1, trained
+        roles only): adapters are added to the loaded chunks and only they are trained (trinity.models.lora);
+        DDP buffers, optimizer and checkpoints then hold the adapters only."""
         self.role, self.megatron = role, megatron
         self.optimizer = self.scheduler = self.host = None
+        self.lora = lora if optim is not None and lora is not None and lora.rank > 0 else None
+        self.lora_params = 0
+        if self.lora is not None:
+            from trinity.models.lora import apply_lora
+
+            self.lora_params = apply_lora(chunks, self.lora)  # before DDP: its buffers see only adapters
         if optim is None:
             for chunk in chunks:
                 chunk.eval()
@@ -76,7 +84,7 @@ class RoleEngine:
     def build(
         cls, role: Role, facts: Any, megatron: Any, optim: Any | None, source: WeightSource, *,
         device: str, dtype: torch.dtype, total_steps: int, chunks: list[Any] | None = None,
-        optimizer_on_host: bool = False,
+        optimizer_on_host: bool = False, lora: Any = None,
     ) -> "RoleEngine":
         """Build the role's GPTModel chunks (value head for the critic), load `source` into them and wrap
         them; `chunks` are already built and loaded ones (the worker's actor)."""
@@ -86,7 +94,8 @@ class RoleEngine:
 
             chunks = build_model(facts, megatron, device=device, dtype=dtype, value_head=role.value_head)
             load_weights(chunks, source, facts, value_head=role.value_head)
-        return cls(role, chunks, megatron, optim, dtype=dtype, total_steps=total_steps, optimizer_on_host=optimizer_on_host)
+        return cls(role, chunks, megatron, optim, dtype=dtype, total_steps=total_steps, optimizer_on_host=optimizer_on_host,
+                   lora=lora)
 
     # ------------------------------------------------------------------ what recipes read
 
@@ -118,8 +127,10 @@ class RoleEngine:
     # ------------------------------------------------------------------ the step
 
     def train_batch(self, micro_batches: list[Any], loss_fn: LossFn) -> StepResult:
-        """One optimizer step over this rank's micro batches (every micro batch has `tokens` [b, s] of
-        one shape, or a `rollout` whose tokens do)."""
+        """One optimizer step over this rank's micro batches (every micro batch has `tokens` [b, s], or a
+        `rollout` whose tokens are). Their number may differ between DP ranks (RL's packed micro batches:
+        each rank's loss scale cancels its own count); at PP>1 the RL recipes give all of one call one
+        shape, as SFT's fixed-length rows have (the schedule is told the first one's)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         for chunk in self.model:
@@ -138,7 +149,7 @@ class RoleEngine:
             data_iterator=iterators if len(iterators) > 1 else iterators[0],
             model=self.model if len(self.model) > 1 else self.model[0],
             num_microbatches=len(micro_batches),
-            seq_length=s,
+            seq_length=_schedule_seq_length(self.model, s),
             micro_batch_size=b,
             forward_only=False,
         )
@@ -162,11 +173,24 @@ class RoleEngine:
         from trinity.distributed import cpu_compat
         from trinity.trainer.engine.optimizer_state import ReshardableOptimizer
 
+        if self.lora is not None:  # adapters + optimizer only: the base comes from the weight source on resume
+            meta = {**meta, "lora": self.lora.model_dump(mode="json") if hasattr(self.lora, "model_dump") else vars(self.lora)}
         with cpu_compat.checkpoint_io():
             save_model_checkpoint(
                 self.model, path, hf_dir=hf_dir, extra_common=extra, optimizer=ReshardableOptimizer(self.optimizer),
-                force=True, meta=meta,
+                force=True, meta=meta, exclude=self.frozen_keys(),
             )
+
+    def frozen_keys(self) -> tuple[str, ...]:
+        """Sharded keys a checkpoint of this role leaves out: with LoRA every base tensor (frozen, as loaded
+        from the weight source), so a LoRA checkpoint holds the adapters, their optimizer state and the
+        job state only."""
+        if self.lora is None:
+            return ()
+        from trinity.convert.dist_ckpt import _flat_sharded
+
+        flat, _ = _flat_sharded(self.model)
+        return tuple(sorted({v.key for v in flat.values() if ".lora.lora_" not in v.key}))
 
     def load(self, path: Path) -> dict[str, Any]:
         """Model + optimizer from `path`; returns the checkpoint's `extra`. The optimizer's
@@ -177,7 +201,9 @@ class RoleEngine:
 
         with cpu_compat.checkpoint_io():
             extra = keep_config_hyperparams(
-                self.optimizer, lambda: load_model_checkpoint(self.model, path, optimizer=ReshardableOptimizer(self.optimizer))
+                self.optimizer, lambda: load_model_checkpoint(
+                    self.model, path, optimizer=ReshardableOptimizer(self.optimizer), exclude=self.frozen_keys()
+                )
             )
         if self.host is not None:
             self.host.relocate()  # the load put states beside their params, and fp32 masters are the model's
@@ -186,10 +212,18 @@ class RoleEngine:
 
 def _tokens(micro: Any) -> torch.Tensor:
     """A micro batch's token ids [b, s]: a packed-row dict's `tokens`, a rollout's (or an experience
-    dict's rollout's) tokens."""
+    dict's rollout's) tokens, a `PackedMicro`'s row [1, S]."""
     if isinstance(micro, dict):
         return micro["tokens"] if "tokens" in micro else micro["rollout"].tokens
     return micro.tokens
+
+
+def _schedule_seq_length(model: list[Any], s: int) -> int:
+    """The sequence length megatron's schedule sizes its pipeline buffers by: with sequence parallel the
+    forwards pad rows to a multiple of TP (`trinity.trainer.recipes.rollout_forward.forward_output`)."""
+    from trinity.distributed.sequence_parallel import round_up, sp_multiple
+
+    return round_up(s, sp_multiple(model[0]))
 
 
 @torch.no_grad()
@@ -199,7 +233,8 @@ def forward_only(
 ) -> torch.Tensor:
     """`reduce_fn(forward(chunk, micro), micro)` of every micro batch, concatenated along dim 0, on every
     rank. At PP>1 through megatron's pipeline schedule (forward only): the last stage computes it and
-    broadcasts it (fp32, `result_shape`) to the other stages."""
+    broadcasts it (fp32, `result_shape`) to the other stages. With virtual pipeline stages (several
+    chunks per rank) through megatron's interleaved schedule, forward only."""
     from megatron.core import parallel_state as ps
 
     if ps.get_pipeline_model_parallel_world_size() == 1:
@@ -211,6 +246,11 @@ def forward_only(
         output = forward(chunk, part)
         return output, lambda out: (out.new_zeros(()), {"out": reduce_fn(out, part)})
 
+    # The interleaved schedule runs micro batches in groups of PP per chunk and refuses a count that is
+    # not a multiple of PP: a short run is filled up with copies of its last micro batch, whose results
+    # are dropped (forward only: nothing else sees them).
+    group = ps.get_pipeline_model_parallel_world_size() if len(model) > 1 else 1
+
     out: list[torch.Tensor] = []
     # the schedule's point-to-point buffers have one shape: one call per run of equal-sized micro batches
     start = 0
@@ -220,11 +260,14 @@ def forward_only(
         end = start
         while end < len(micro_batches) and _tokens(micro_batches[end]).shape == shape:
             end += 1
+        run = micro_batches[start:end]
+        run = run + run[-1:] * (-len(run) % group)
         store = get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=iter(micro_batches[start:end]), model=model[0],
-            num_microbatches=end - start, seq_length=shape[1], micro_batch_size=shape[0], forward_only=True,
+            forward_step_func=forward_step, data_iterator=[iter(run) for _ in model] if len(model) > 1 else iter(run),
+            model=model if len(model) > 1 else model[0], num_microbatches=len(run),
+            seq_length=_schedule_seq_length(model, shape[1]), micro_batch_size=shape[0], forward_only=True,
         )
-        out.extend(d["out"] for d in store)
+        out.extend(d["out"] for d in list(store)[: end - start])
         start = end
     if ps.is_pipeline_last_stage(ignore_virtual=True):
         result = torch.cat(out).float().contiguous()

@@ -18,6 +18,7 @@ from trinity.config.roles import Role
 from trinity.errors import UserError
 from trinity.trainer.metrics import peak_memory_gib
 from trinity.trainer.recipes import Recipe
+from trinity.trainer.recipes.lora_ref import AdaptersOff, uses_lora
 from trinity.trainer.recipes.sft import SFTLoss, _sync
 
 # Per-pair sums each micro batch reports (last stage), averaged over the global batch's pairs: the
@@ -72,7 +73,8 @@ class DPORecipe(Recipe):
     optimizer_on_host = True  # one trained role, one update a step: optimizer_offload steps it in host memory, as SFT
 
     def roles(self) -> list[Role]:
-        return [Role.actor, Role.ref]
+        # with LoRA the ref is the actor with its adapters off: no second model (`ref`)
+        return [Role.actor] + ([] if uses_lora(self.cfg) else [Role.ref])
 
     def build_data(self) -> Any:
         from megatron.core import parallel_state as ps
@@ -92,12 +94,13 @@ class DPORecipe(Recipe):
 
     def describe(self) -> str:
         d = self.cfg.algorithm.dpo
+        ref = "the actor with its LoRA adapters off" if uses_lora(self.cfg) else "the frozen initial policy"
         return (f"{super().describe()}; dpo loss {d.loss_type.value}, beta {d.beta}, label_smoothing "
-                f"{d.label_smoothing}; reference: the frozen initial policy")
+                f"{d.label_smoothing}; reference: {ref}")
 
     @property
     def ref(self) -> Any:
-        return self.engines[Role.ref.value]
+        return AdaptersOff(self.actor) if uses_lora(self.cfg) else self.engines[Role.ref.value]
 
     def ref_logps(self, micro: list[dict[str, Any]]) -> None:
         """Attach the ref's sequence log-probs to each micro batch (`ref_logps`, [2 x pairs]): one forward

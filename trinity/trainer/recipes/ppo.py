@@ -27,10 +27,11 @@ class PPORecipe(RLRecipe):
     def critic_warmup(self, step: int) -> bool:
         return step <= self.cfg.critic.warmup_steps
 
-    def update_critic(self, exp: Experience, micro: int, all_tokens: int) -> dict[str, Any]:
+    def update_critic(self, exp: Experience) -> dict[str, Any]:
         cfg, critic = self.cfg, self.critic
         critic.advance_schedule()
         full = {"params": True, "grads": True, "optim": True}
+        batching = self.batching["critic"].reset()
         return self.phases.run("update_critic", {"critic": full}, lambda: _from_last_stage(critic_update(
             critic, exp, cfg.critic, cfg.actor_rollout_ref.actor.loss_agg_mode,
-            seqs_per_update=self.seqs_per_update, micro=micro)), all_tokens * cfg.critic.ppo_epochs)
+            seqs_per_update=self.seqs_per_update, micro=batching)), batching.counts)

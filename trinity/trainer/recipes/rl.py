@@ -6,6 +6,11 @@ Data parallelism: each DP rank generates `rollout.n` responses for its own promp
 spans ranks and group statistics are local; PPO whitens advantages over the whole batch of the DP group
 (one all-reduce of sum, sum of squares and count), so they do not depend on the DP size. TP ranks of
 one DP replica see the same prompts and sample the same tokens (trinity.rollout.generate).
+
+Micro batches: by default each phase packs the sequences' real tokens into rows of a token budget
+(`actor.use_dynamic_bsz` / `ppo_max_token_len_per_gpu`, `ref.log_prob_*`, `critic.*`: verl's names;
+`rollout_forward.Batching`); results come back per sequence, [B, R] in the rollout's order. On-policy
+steps take the old log-probs from the actor update's own forward (`rl_update` module doc).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from trinity.rollout.types import SamplingParams
 from trinity.trainer.engine.offload import memory_gib
 from trinity.trainer.recipes import Recipe
 from trinity.trainer.recipes import rollout_forward as F
+from trinity.trainer.recipes.lora_ref import AdaptersOff, rollout_weights, uses_lora
 from trinity.trainer.recipes.rl_update import Experience, actor_update
 
 
@@ -48,6 +54,8 @@ class Phases:
         self.metrics: dict[str, float] = {}
 
     def run(self, name: str, needs: dict[str, dict[str, bool]], fn: Any, tokens: Any = None) -> Any:
+        """`tokens`: the phase's real tokens, or (real, computed) where computed counts what the forward
+        passes ran, padding included (padding_fraction/<name>); a number, or a function of the result."""
         for role, engine in self.engines.items():
             engine.need(**needs.get(role, {"params": False}))
         self.metrics[f"mem/{name}_gib"] = memory_gib(self.device)
@@ -65,7 +73,10 @@ class Phases:
         self.metrics[f"time/{name}_s"] = dt
         n = tokens(result) if callable(tokens) else tokens
         if n is not None:
-            self.metrics[f"tokens_per_s/{name}"] = float(n) / max(dt, 1e-9)
+            real, computed = n if isinstance(n, tuple) else (n, None)
+            self.metrics[f"tokens_per_s/{name}"] = float(real) / max(dt, 1e-9)
+            if computed:
+                self.metrics[f"padding_fraction/{name}"] = 1.0 - float(real) / float(computed)
         return result
 
 
@@ -99,6 +110,23 @@ def _dp_stats(values: torch.Tensor) -> tuple[float, float]:
     return float(mean), float(torch.sqrt(torch.clamp(s[1] / s[2] - mean * mean, min=0)))
 
 
+def _logprob_gap(rollout_logp: torch.Tensor, logp: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """Mean and max |rollout log-prob - training log-prob| over the response tokens of all DP ranks: the
+    rollout and the training forward run the same weights, so this is their numerical difference
+    (KV-cache decoding vs one whole-sequence pass, kernels, dtype)."""
+    _, dp, group = _dp_info()
+    m = mask.float()
+    d = (rollout_logp.float() - logp.float()).abs() * m
+    s = torch.stack([d.sum().double(), m.sum().double()])
+    mx = d.max().reshape(1) if d.numel() else d.new_zeros(1)
+    if dp > 1:
+        torch.distributed.all_reduce(s, group=group)
+        torch.distributed.all_reduce(mx, op=torch.distributed.ReduceOp.MAX, group=group)
+    if float(s[1]) == 0:
+        return {}
+    return {"rollout/logprob_diff_mean": float(s[0] / s[1]), "rollout/logprob_diff_max": float(mx)}
+
+
 def _masked_stats(prefix: str, x: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
     sel = x[mask.bool()]
     if sel.numel() == 0:
@@ -111,7 +139,8 @@ class RLRecipe(Recipe):
     `update_critic(...)`, and may replace `sample(...)` (DAPO)."""
 
     def roles(self) -> list[Role]:
-        return [Role.actor] + ([Role.ref] if self.cfg.needs_ref else [])
+        # with LoRA the ref is the actor with its adapters off: no ref engine (`ref`)
+        return [Role.actor] + ([Role.ref] if self.cfg.needs_ref and not uses_lora(self.cfg) else [])
 
     def build_data(self) -> Any:
         from trinity.data.loader import load_tokenizer, pad_token_id
@@ -139,19 +168,56 @@ class RLRecipe(Recipe):
         )
 
     def setup(self) -> None:
+        from trinity.distributed.sequence_parallel import RolloutWithoutSequenceParallel
         from trinity.rollout.continuous import ActorRollout, KVBudget
 
         self.vocab_size = self.ctx.facts.vocab_size
-        self.rollout_engine = ActorRollout(self.actor.model[0], self.vocab_size, self.pad_id,
-                                           KVBudget.from_config(self.cfg.actor_rollout_ref.rollout))
+        # Decoding feeds one token per step, which cannot be split over TP ranks: the rollout (and the
+        # evaluation, which uses this engine) runs the actor's modules with sequence parallel off.
+        self.rollout_engine = RolloutWithoutSequenceParallel(
+            ActorRollout(self.actor.model[0], self.vocab_size, self.pad_id,
+                         KVBudget.from_config(self.cfg.actor_rollout_ref.rollout)), self.actor.model)
         self.phases = Phases(self.ctx.device, self.engines)
+        self.batching = self.make_batching()
 
     def describe(self) -> str:
         return f"{super().describe()}; roles: {', '.join(self.engines)}"
 
+    def make_batching(self) -> dict[str, Any]:
+        """Each role's `Batching` (rollout_forward): packed rows of its token budget, or padded rows."""
+        from megatron.core import parallel_state as ps
+
+        from trinity.config.plan import rl_token_budget
+
+        cfg = self.cfg
+        # sequence parallel splits a row over the TP ranks; at PP>1 one shape per schedule call
+        tp = ps.get_tensor_model_parallel_world_size()
+        multiple = tp if cfg.actor_rollout_ref.actor.megatron.sequence_parallel and tp > 1 else 1
+        same = ps.get_pipeline_model_parallel_world_size() > 1
+        return {
+            role.value: F.Batching(cfg.trainer.micro_batch_size, rl_token_budget(cfg, role),
+                                   multiple=multiple, same_length=same)
+            for role in (Role.actor, Role.ref, Role.critic)
+        }
+
+    def on_policy(self, ro: Any, warmup: bool) -> bool:
+        """Whether this step's old log-probs can come from the actor update's own forward: one epoch over
+        one mini-batch (the update starts from the weights that generated the rollout), no KL in the
+        reward (it needs them before the update), an actor update this step, and no forced recompute."""
+        actor = self.cfg.actor_rollout_ref.actor
+        return (not actor.recompute_old_log_prob and actor.ppo_epochs == 1 and not warmup
+                and self.seqs_per_update >= ro.tokens.shape[0] and not self.cfg.algorithm.use_kl_in_reward)
+
     @property
     def ref(self) -> Any:
+        if uses_lora(self.cfg) and self.cfg.needs_ref:
+            return AdaptersOff(self.actor)
         return self.engines.get(Role.ref.value)
+
+    @property
+    def ref_engine(self) -> str:
+        """The engine whose parameters the ref phase needs: the actor's with LoRA."""
+        return Role.actor.value if uses_lora(self.cfg) else Role.ref.value
 
     @property
     def critic(self) -> Any:
@@ -167,7 +233,7 @@ class RLRecipe(Recipe):
         """Whether this step trains the critic only (PPO's critic.warmup_steps)."""
         return False
 
-    def update_critic(self, exp: Experience, micro: int, all_tokens: int) -> dict[str, Any]:
+    def update_critic(self, exp: Experience) -> dict[str, Any]:
         return {}
 
     # ---------------------------------------------------------------- one step
@@ -183,8 +249,22 @@ class RLRecipe(Recipe):
     def generate(self, prompts: list[Any], gen: torch.Generator) -> Any:
         n = self.cfg.actor_rollout_ref.rollout.n
         ids = [p.prompt_ids for p in prompts for _ in range(n)]
-        return self.phases.run("rollout", {"actor": {"params": True}}, lambda: self.rollout_engine.generate(ids, self.sampling, gen),
-                               tokens=lambda r: r.response_mask.sum())
+        def run() -> Any:
+            with rollout_weights(self.actor):  # LoRA: the decoders read W + alpha/rank * B A
+                return self.rollout_engine.generate(ids, self.sampling, gen)
+
+        def tokens(r: Any) -> Any:
+            # the built-in engine also counts the rows its decode steps computed (padding_fraction/rollout)
+            stats = getattr(self.rollout_engine, "stats", None)
+            return r.response_mask.sum() if stats is None else (r.response_mask.sum(), stats.computed_tokens)
+
+        ro = self.phases.run("rollout", {"actor": {"params": True}}, run, tokens=tokens)
+        stats = getattr(self.rollout_engine, "stats", None)
+        if stats is not None:  # the engine's shape of this rollout: slots (KV budget), steps, graph captures
+            self.phases.metrics.update({"rollout/slots": stats.slots, "rollout/decode_steps": stats.decode_steps,
+                                        "rollout/graph_captures": stats.graph_captures,
+                                        "rollout/graph_capture_s": stats.capture_s})
+        return ro
 
     def score(self, prompts: list[Any], ro: Any) -> torch.Tensor:
         n = self.cfg.actor_rollout_ref.rollout.n
@@ -204,7 +284,6 @@ class RLRecipe(Recipe):
 
     def step(self, step: int) -> dict[str, Any]:
         cfg = self.cfg
-        micro = cfg.trainer.micro_batch_size
         dp_rank, _, _ = _dp_info()
         # The generator lives on the model's device: a CPU generator makes every decode step copy the
         # [batch, vocab] probabilities to the host and draw there (measured on an H100, 0.5B shape, 64 x 128
@@ -218,26 +297,32 @@ class RLRecipe(Recipe):
         ro, scores, groups, sampled = self.sample(step, gen)
         mask = ro.response_mask.float()
         lengths = ro.response_mask.sum(-1)
-        all_tokens = ro.tokens.numel()
+        bat = self.batching
         ref_logp = None
         if self.ref is not None:
-            ref_logp = ph.run("ref", {"ref": {"params": True}}, lambda: F.infer_logprobs(self.ref, ro, self.vocab_size, micro), all_tokens)
-        old_logp = ph.run("old_logp", {"actor": {"params": True}}, lambda: F.infer_logprobs(actor, ro, self.vocab_size, micro), all_tokens)
+            ref_logp = ph.run("ref", {self.ref_engine: {"params": True}}, lambda: F.infer_logprobs(
+                self.ref, ro, self.vocab_size, bat["ref"].reset()), bat["ref"].counts)
+        warmup = self.critic_warmup(step)
+        old_logp = None
+        if not self.on_policy(ro, warmup):
+            old_logp = ph.run("old_logp", {"actor": {"params": True}}, lambda: F.infer_logprobs(
+                actor, ro, self.vocab_size, bat["actor"].reset()), bat["actor"].counts)
         values = None
         if self.critic is not None:
-            values = ph.run("values", {"critic": {"params": True}}, lambda: F.infer_values(self.critic, ro, micro), all_tokens)
+            values = ph.run("values", {"critic": {"params": True}}, lambda: F.infer_values(
+                self.critic, ro, bat["critic"].reset()), bat["critic"].counts)
 
         exp, extra = self.experience(ro, scores, groups, old_logp, ref_logp, values)
         out: dict[str, Any] = {"step": step}
-        warmup = self.critic_warmup(step)
         full = {"params": True, "grads": True, "optim": True}
         if not warmup:
             # A step's updates share one LR (verl steps the schedule once per RL step).
             actor.advance_schedule()
             out.update(ph.run("update_actor", {"actor": full}, lambda: _from_last_stage(actor_update(
-                actor, exp, cfg.actor_rollout_ref.actor, self.vocab_size, seqs_per_update=self.seqs_per_update, micro=micro)),
-                all_tokens * cfg.actor_rollout_ref.actor.ppo_epochs))
-        out.update(self.update_critic(exp, micro, all_tokens))
+                actor, exp, cfg.actor_rollout_ref.actor, self.vocab_size, seqs_per_update=self.seqs_per_update,
+                micro=bat["actor"].reset())), bat["actor"].counts))
+            old_logp = exp.old_logp  # on-policy steps: from the update's forward
+        out.update(self.update_critic(exp))
 
         reward_mean, reward_std = _dp_stats(scores)
         len_mean, _ = _dp_stats(lengths.float())
@@ -245,6 +330,7 @@ class RLRecipe(Recipe):
             "reward/mean": reward_mean, "reward/std": reward_std, "response_length/mean": len_mean,
             "response_length/max": int(lengths.max()), "actor/lr": actor.lr(), "actor/warmup": warmup,
         })
+        out.update(_logprob_gap(ro.logprobs, old_logp, mask))
         if ref_logp is not None:
             from trinity.algorithms.kl import token_kl
 
@@ -258,19 +344,20 @@ class RLRecipe(Recipe):
         out["step_time_s"] = sum(v for k, v in ph.metrics.items() if k.startswith("time/"))
         return out
 
-    def experience(self, ro: Any, scores: torch.Tensor, groups: list[int], old_logp: torch.Tensor,
+    def experience(self, ro: Any, scores: torch.Tensor, groups: list[int], old_logp: torch.Tensor | None,
                    ref_logp: torch.Tensor | None, values: torch.Tensor | None) -> tuple[Experience, dict[str, float]]:
-        """Outcome reward on each response's last token, optional KL penalty, then the recipe's advantages."""
+        """Outcome reward on each response's last token, optional KL penalty, then the recipe's advantages.
+        `old_logp` None: the actor update computes them (on-policy steps)."""
         from trinity.algorithms.kl import apply_kl_penalty
 
         algo = self.cfg.algorithm
         mask = ro.response_mask
         last = (mask.sum(-1) - 1).clamp(min=0)
-        token_rewards = torch.zeros_like(old_logp)
+        token_rewards = torch.zeros(tuple(mask.shape), dtype=torch.float32, device=mask.device)
         token_rewards[torch.arange(mask.shape[0]), last] = scores * (mask.sum(-1) > 0)
         extra: dict[str, float] = {}
         if algo.use_kl_in_reward:
-            assert ref_logp is not None
+            assert ref_logp is not None and old_logp is not None
             token_rewards = apply_kl_penalty(token_rewards, old_logp, ref_logp, algo.kl_coef, algo.kl_penalty, mask)
             extra["reward/with_kl_penalty_mean"] = float(token_rewards.sum(-1).mean())
         adv, ret = self.advantages(token_rewards, groups, mask, values)

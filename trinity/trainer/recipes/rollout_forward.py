@@ -7,12 +7,19 @@ per-response-token tensors `[B, R]`: logits at position t predict token t + 1, s
 tokens' predictions sit at positions P - 1 ... P + R - 2; a value V_t is read at the position of
 response token t (the state after it was generated is not what PPO's critic scores: verl reads the
 value at the same positions as the log-probs, and so do we).
+
+Two layouts of micro batches (`Batching`): padded rows, `trainer.micro_batch_size` rollout rows at a
+time; or packed rows (`pack_rollout`, the default): each sequence's real tokens only, first-fit
+decreasing into rows of a token budget, one row per micro batch, attending through the document-packed
+attention SFT uses. Both give [B, R] results in the rollout's order.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
 from trinity.rollout.types import Rollout
@@ -27,11 +34,17 @@ def forward_output(model: Any, tokens: torch.Tensor, key_mask: torch.Tensor) -> 
     with those two documents (flash varlen on CUDA with our spec instead of a [B, 1, S, S] mask in every
     layer); real tokens see exactly what `trinity.rollout.generate.attention_mask(key_mask)` lets
     them see."""
-    from trinity.models.build import packed_attention
+    from trinity.distributed.sequence_parallel import pad_to_multiple, sp_multiple
+    from trinity.models.build import packed_attention, unwrap
     from trinity.models.logprobs import stage_output
 
+    # Sequence parallel splits the sequence over the TP ranks: pad at the right with masked positions
+    # and strip them from the last stage's (gathered) output; other stages pass their shard on as is.
+    s = tokens.shape[1]
+    tokens, key_mask = pad_to_multiple(tokens, key_mask, sp_multiple(model))
     pos = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
-    return stage_output(model, tokens, pos, **packed_attention(model, key_mask.long() - 1, tokens.device))
+    out = stage_output(model, tokens, pos, **packed_attention(model, key_mask.long() - 1, tokens.device))
+    return out[:s] if tokens.shape[1] != s and unwrap(model).post_process else out
 
 
 def response_slice(rollout: Rollout) -> slice:
@@ -66,26 +79,218 @@ def _rollout_forward(chunk: Any, part: Rollout) -> torch.Tensor:
     return forward_output(chunk, part.tokens, part.attention_pad_mask())
 
 
-def _infer(model: Any, rollout: Rollout, micro_batch: int,
-           reduce: Callable[[torch.Tensor, Rollout], torch.Tensor]) -> torch.Tensor:
-    parts = [rollout.select(slice(s, s + micro_batch)) for s in range(0, rollout.tokens.shape[0], micro_batch)]
+# ---------------------------------------------------------------- packed (padding-free) micro batches
+
+
+@dataclass
+class PackedMicro:
+    """One packed row: the real tokens (prompt without its left padding, then the response up to and
+    including EOS, nothing else) of the rollout rows `index`, back to back, then padding up to the row
+    length. Token ids are on the model's device; `doc_ids` stay on the host (the varlen boundaries are
+    computed there without a device sync).
+
+    The logits at row position `pos[k]` predict the response token `t[k]` of the micro batch's sequence
+    `seq[k]`; a value is read one position later (at the token itself, see the module doc)."""
+
+    index: torch.Tensor  # [b] rows of the packed rollout, in row order (host, int64)
+    tokens: torch.Tensor  # [1, S] (device)
+    position_ids: torch.Tensor  # [1, S] 0, 1, ... restarting at each sequence (device)
+    doc_ids: torch.Tensor  # [1, S] sequence within the row, -1 on padding (host)
+    pos: torch.Tensor  # [N] (device)
+    seq: torch.Tensor  # [N] (device)
+    t: torch.Tensor  # [N] (device)
+    next_tokens: torch.Tensor  # [S] the row's tokens shifted left by one: position k's target (device)
+    response_len: int  # R of the rollout: results come back as [b, R]
+    real_tokens: int
+
+    @property
+    def size(self) -> int:
+        return int(self.index.numel())
+
+
+def sequence_lengths(rollout: Rollout) -> tuple[torch.Tensor, torch.Tensor]:
+    """(real prompt tokens, response tokens) per row, host int64: the response runs up to its last
+    masked-in token (EOS included), so a mask with holes still packs every scored token."""
+    p = rollout.prompt_mask.sum(-1).long().cpu()
+    m = rollout.response_mask.bool().cpu()
+    last = torch.where(m, torch.arange(1, m.shape[1] + 1).expand_as(m), torch.zeros_like(m, dtype=torch.long))
+    return p, last.max(-1).values if m.shape[1] else torch.zeros_like(p)
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """arange(starts[k], starts[k] + lengths[k]) for every k, concatenated (no Python loop)."""
+    total = int(lengths.sum())
+    before = np.cumsum(lengths) - lengths
+    return np.repeat(starts - before, lengths) + np.arange(total)
+
+
+def pack_rollout(rollout: Rollout, budget: int, *, multiple: int = 1, same_length: bool = False) -> list[PackedMicro]:
+    """The rollout's sequences packed into rows of at most `budget` tokens (first-fit decreasing,
+    `trinity.data.packing.first_fit_decreasing`), one row per micro batch. A row is as long as what it
+    holds, rounded up to `multiple` (TP with sequence parallel splits the row over TP ranks);
+    `same_length`: every row as long as the longest (one shape through a pipeline schedule).
+
+    The index arithmetic runs on the host in numpy (vectorised per row) and reaches the device in one
+    copy; the token ids are gathered there (one kernel per row)."""
+    from trinity.data.packing import first_fit_decreasing
+
+    p_t, r_t = sequence_lengths(rollout)
+    p, r = p_t.numpy(), r_t.numpy()
+    if len(p) and int(p.min()) < 1:
+        raise ValueError("a rollout row has no prompt token: its first response token has no prediction")
+    n_all = p + r
+    bins = first_fit_decreasing(n_all.tolist(), budget)
+    width = rollout.tokens.shape[1]
+    P, R = rollout.prompt_len, rollout.response_len
+    fills = [int(n_all[b].sum()) for b in bins]
+    row_lens = [_round_up(max(f, 1), multiple) for f in fills]
+    if same_length and row_lens:
+        row_lens = [max(row_lens)] * len(row_lens)
+    # per row: [src (S) | position_ids (S) | pos (N) | seq (N) | t (N)], all rows in one host buffer
+    host, spans = [], []
+    for b, fill, s in zip(bins, fills, row_lens):
+        items = np.asarray(b, dtype=np.int64)
+        pi, ri, ni = p[items], r[items], n_all[items]
+        offsets = np.cumsum(ni) - ni
+        pad = s - fill
+        src = np.concatenate([_ranges(items * width + P - pi, ni), np.full(pad, -1, dtype=np.int64)])
+        pos_ids = np.concatenate([_ranges(np.zeros_like(ni), ni), np.zeros(pad, dtype=np.int64)])
+        j = np.arange(len(items))
+        fields = [src, pos_ids, _ranges(offsets + pi - 1, ri), np.repeat(j, ri), _ranges(np.zeros_like(ri), ri)]
+        host.extend(fields)
+        spans.append((s, int(ri.sum()), np.concatenate([np.repeat(j, ni), np.full(pad, -1, dtype=np.int64)])))
+    if not bins:
+        return []
+    dev = torch.from_numpy(np.concatenate(host)).to(rollout.tokens.device, non_blocking=True)
+    flat_tokens = torch.cat([rollout.tokens.reshape(-1), rollout.tokens.new_zeros(1)])  # index -1: padding id 0
+    out, at = [], 0
+    for b, fill, (s, n, docs) in zip(bins, fills, spans):
+        src, pos_ids, pos, seq, t = dev[at: at + s], dev[at + s: at + 2 * s], *dev[at + 2 * s: at + 2 * s + 3 * n].view(3, n)
+        at += 2 * s + 3 * n
+        tokens = flat_tokens[src].unsqueeze(0)
+        out.append(PackedMicro(
+            index=torch.tensor(b, dtype=torch.long), tokens=tokens, position_ids=pos_ids.unsqueeze(0),
+            doc_ids=torch.from_numpy(docs).unsqueeze(0), pos=pos, seq=seq, t=t,
+            next_tokens=torch.cat([tokens[0, 1:], tokens.new_zeros(1)]),
+            response_len=R, real_tokens=fill,
+        ))
+    return out
+
+
+def packed_forward(model: Any, part: PackedMicro) -> torch.Tensor:
+    """The model's output over one packed row ([S, 1, vocab / TP] logits or [S, 1, 1] values on the
+    last stage): each sequence attends only to itself (flash varlen on CUDA with our spec)."""
+    from trinity.models.build import packed_attention
+    from trinity.models.logprobs import stage_output
+
+    return stage_output(model, part.tokens, part.position_ids, **packed_attention(model, part.doc_ids, part.tokens.device))
+
+
+def _scatter(values: torch.Tensor, part: PackedMicro) -> torch.Tensor:
+    """[N] per response token -> [b, R] (0 past each response), differentiable."""
+    out = values.new_zeros(part.size, part.response_len)
+    return out.index_put((part.seq, part.t), values)
+
+
+def packed_response_logprobs(
+    logits: torch.Tensor, part: PackedMicro, vocab_size: int, *, with_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`response_logprobs` of a packed row: [b, R] fp32 in the row's sequence order."""
+    from megatron.core import parallel_state as ps
+
+    from trinity.algorithms.logprob import vocab_parallel_log_probs, vocab_parallel_log_probs_and_entropy
+
+    group = ps.get_tensor_model_parallel_group() if ps.get_tensor_model_parallel_world_size() > 1 else None
+    # Over the whole row, then the response positions picked from the [S] result: gathering the response
+    # positions' logits first would copy up to all of them ([N, V / TP], GBs at a 150k vocabulary); the
+    # padded layout's response slice is a view. The extra prompt positions cost only the softmax pass.
+    shard = logits[:, 0]  # [S, V / TP], a view (one row)
+    if with_entropy:
+        logp, entropy = vocab_parallel_log_probs_and_entropy(shard, part.next_tokens, group=group, vocab_size=vocab_size)
+        return _scatter(logp[part.pos], part), _scatter(entropy[part.pos], part)
+    return _scatter(vocab_parallel_log_probs(shard, part.next_tokens, group=group, vocab_size=vocab_size)[part.pos], part), None
+
+
+def packed_response_values(output: torch.Tensor, part: PackedMicro) -> torch.Tensor:
+    """`response_values` of a packed row: [b, R] fp32."""
+    return _scatter(output[part.pos + 1, 0, 0].float(), part)
+
+
+@dataclass
+class Batching:
+    """How a phase cuts its sequences into micro batches: padded rows, `micro` per micro batch
+    (`budget` None), or packed rows of at most `budget` real tokens (dynamic micro batches).
+
+    `real` / `computed` count the tokens of what `split` handed out since `reset()`: real prompt and
+    response tokens, and what the forward passes computed (padding included), for the phase metrics."""
+
+    micro: int
+    budget: int | None = None
+    multiple: int = 1
+    same_length: bool = False
+    real: int = 0
+    computed: int = 0
+
+    def reset(self) -> "Batching":
+        self.real = self.computed = 0
+        return self
+
+    def split(self, rollout: Rollout) -> list[Any]:
+        if self.budget is not None:
+            parts = pack_rollout(rollout, self.budget, multiple=self.multiple, same_length=self.same_length)
+            self.real += sum(m.real_tokens for m in parts)
+            self.computed += sum(m.tokens.shape[1] for m in parts)
+            return parts
+        p, r = sequence_lengths(rollout)
+        self.real += int((p + r).sum())
+        self.computed += rollout.tokens.numel()
+        return [rollout.select(slice(s, s + self.micro)) for s in range(0, rollout.tokens.shape[0], self.micro)]
+
+    def counts(self, _result: Any = None) -> tuple[int, int]:
+        return self.real, self.computed
+
+
+def _infer(model: Any, rollout: Rollout, batching: Batching | int,
+           reduce: Callable[[torch.Tensor, Rollout], torch.Tensor],
+           packed_reduce: Callable[[torch.Tensor, PackedMicro], torch.Tensor]) -> torch.Tensor:
+    if isinstance(batching, int):
+        batching = Batching(batching)
+    parts = batching.split(rollout)
     shape = tuple(rollout.response_mask.shape)
+    packed = batching.budget is not None
+    forward = packed_forward if packed else _rollout_forward
+    fn = packed_reduce if packed else reduce
     if hasattr(model, "infer_batch"):  # a RoleEngine
-        return model.infer_batch(parts, _rollout_forward, reduce, shape)
-    return forward_only(model, parts, _rollout_forward, reduce, shape)
+        result = model.infer_batch(parts, forward, fn, shape)
+    else:
+        result = forward_only(model, parts, forward, fn, shape)
+    if not packed:
+        return result
+    # rows came back in packing order: put them back in the rollout's
+    order = torch.cat([m.index for m in parts]).to(result.device)
+    out = torch.empty_like(result)
+    out[order] = result
+    return out
 
 
 @torch.no_grad()
-def infer_logprobs(model: Any, rollout: Rollout, vocab_size: int, micro_batch: int) -> torch.Tensor:
+def infer_logprobs(model: Any, rollout: Rollout, vocab_size: int, micro_batch: Batching | int) -> torch.Tensor:
     """Forward-only log-probs of the responses, micro batch by micro batch (ref and old log-probs); at
     PP>1 through megatron's pipeline schedule, returned on every stage. `model`: a RoleEngine or its
-    chunks."""
+    chunks; `micro_batch`: a `Batching`, or rows per padded micro batch."""
     def reduce(logits: torch.Tensor, part: Rollout) -> torch.Tensor:
         return response_logprobs(logits, part, vocab_size, with_entropy=False)[0]
 
-    return _infer(model, rollout, micro_batch, reduce) * rollout.response_mask
+    def packed_reduce(logits: torch.Tensor, part: PackedMicro) -> torch.Tensor:
+        return packed_response_logprobs(logits, part, vocab_size, with_entropy=False)[0]
+
+    return _infer(model, rollout, micro_batch, reduce, packed_reduce) * rollout.response_mask
 
 
 @torch.no_grad()
-def infer_values(model: Any, rollout: Rollout, micro_batch: int) -> torch.Tensor:
-    return _infer(model, rollout, micro_batch, response_values) * rollout.response_mask
+def infer_values(model: Any, rollout: Rollout, micro_batch: Batching | int) -> torch.Tensor:
+    return _infer(model, rollout, micro_batch, response_values, packed_response_values) * rollout.response_mask

@@ -101,6 +101,16 @@ class SFTRecipe(Recipe):
             row["host_optimizer_s"] = actor.host.last_step_s
         return row
 
+    def describe(self) -> str:
+        lora = self.cfg.actor_rollout_ref.actor.lora
+        if lora.rank == 0:
+            return super().describe()
+        from trinity.models.lora_targets import adapter_parameter_count, resolve_targets
+
+        n = adapter_parameter_count(self.ctx.facts, lora.rank, lora.target_modules)
+        return (f"{super().describe()}; LoRA rank {lora.rank} on {', '.join(resolve_targets(lora.target_modules))}: "
+                f"{n:,} trainable parameters, the base model frozen")
+
     def line(self, metrics: dict[str, Any]) -> list[str]:
         return sft_line(metrics)
 

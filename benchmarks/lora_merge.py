@@ -1,0 +1,128 @@
+"""What merging LoRA adapters around a rollout costs: `adapters_merged` (every adapted base weight
+becomes W + alpha/rank * B A, the original bits kept in host memory) and its restore, next to one rollout
+of the same model with the rollout engine (trinity.rollout.generate), on one GPU in bf16.
+
+    python benchmarks/lora_merge.py --shapes 1.5b,7b --rank 16
+
+A random-weight Qwen2 of each shape (benchmarks/generate.py's shapes) is built straight on the GPU
+(megatron-core's init; no HF file), adapters of `--rank` go on every linear with random non-zero B, and
+the benchmark checks that every base weight is bit for bit the same after the restore (torch.equal
+against a GPU copy). Merge and restore times are medians of `--repeats`; the rollout is its second call
+(the first captures the CUDA graphs), `--batch` prompts of `--prompt-len` tokens, `--new-tokens` new
+tokens each, fixed length.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from generate import SHAPES  # noqa: E402
+
+
+def _sync() -> None:
+    torch.cuda.synchronize()
+
+
+def measure(shape: str, rank: int, repeats: int, batch: int, prompt_len: int, new_tokens: int) -> dict:
+    from transformers import Qwen2Config
+
+    from trinity.config.megatron import MegatronConfig
+    from trinity.models.build import build_model
+    from trinity.models.facts import ModelFacts
+    from trinity.models.lora import adapters_merged, apply_lora, lora_modules
+    from trinity.rollout.generate import SamplingParams, generate
+
+    with tempfile.TemporaryDirectory() as tmp:
+        Qwen2Config(**SHAPES[shape], max_position_embeddings=4096, tie_word_embeddings=shape != "7b").save_pretrained(tmp)
+        facts = ModelFacts.from_hf_dir(tmp)
+    chunks = build_model(facts, MegatronConfig(), device="cuda", dtype=torch.bfloat16)
+    lora = SimpleNamespace(rank=rank, alpha=2.0 * rank, dropout=0.0, target_modules=["all-linear"])
+    apply_lora(chunks, lora)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    with torch.no_grad():
+        for _, _, a in lora_modules(chunks):
+            a.lora_B.normal_(0.0, 0.02, generator=g)
+    weights = [m.weight for _, m, _ in lora_modules(chunks)]
+    merged_bytes = sum(w.numel() * w.element_size() for w in weights)
+    originals = [w.detach().clone() for w in weights]
+    merge_s, restore_s = [], []
+    for _ in range(repeats):
+        _sync()
+        t0 = time.perf_counter()
+        ctx = adapters_merged(chunks)
+        ctx.__enter__()
+        _sync()
+        t1 = time.perf_counter()
+        ctx.__exit__(None, None, None)
+        _sync()
+        t2 = time.perf_counter()
+        merge_s.append(t1 - t0)
+        restore_s.append(t2 - t1)
+    exact = all(torch.equal(w, o) for w, o in zip(weights, originals))
+    del originals
+    torch.cuda.empty_cache()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    prompts = torch.randint(1, facts.vocab_size, (batch, prompt_len), generator=gen).tolist()
+    params = SamplingParams(temperature=1.0, max_new_tokens=new_tokens)
+    rollout_s = float("nan")
+    with torch.no_grad():
+        for _ in range(2):
+            _sync()
+            t0 = time.perf_counter()
+            generate(chunks[0], prompts, params, vocab_size=facts.vocab_size, pad_id=0, generator=gen)
+            _sync()
+            rollout_s = time.perf_counter() - t0
+    out = {"shape": shape, "rank": rank, "merged_gib": merged_bytes / 2**30, "merge_s": statistics.median(merge_s),
+           "restore_s": statistics.median(restore_s), "exact": exact, "rollout_s": rollout_s}
+    del chunks, weights
+    torch.cuda.empty_cache()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shapes", default="1.5b,7b", help=f"comma list of {', '.join(SHAPES)}")
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--new-tokens", type=int, default=256)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA GPU")
+    from trinity.distributed.layout import ParallelLayout
+    from trinity.distributed.parallel import destroy, init_parallel
+    from trinity.launch import quiet
+
+    quiet.install(False)
+    init_parallel(device="cuda", layout=ParallelLayout(), seed=0)
+    rows = []
+    try:
+        for shape in args.shapes.split(","):
+            rows.append(measure(shape, args.rank, args.repeats, args.batch, args.prompt_len, args.new_tokens))
+            r = rows[-1]
+            print(f"{shape}: merge {r['merge_s']:.3f} s, restore {r['restore_s']:.3f} s, rollout {r['rollout_s']:.2f} s",
+                  flush=True)
+    finally:
+        destroy()
+    print(f"\nLoRA merge/restore around a rollout on {torch.cuda.get_device_name()}, bf16, rank {args.rank} on every "
+          f"linear, rollout {args.batch} x ({args.prompt_len} prompt + {args.new_tokens} new tokens), torch {torch.__version__}")
+    print("| shape | adapted weights GiB | merge s | restore s | bit-exact after restore | rollout s | (merge + restore) / rollout |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        share = (r["merge_s"] + r["restore_s"]) / r["rollout_s"]
+        print(f"| {r['shape']} | {r['merged_gib']:.2f} | {r['merge_s']:.3f} | {r['restore_s']:.3f} | {r['exact']} | "
+              f"{r['rollout_s']:.2f} | {100 * share:.1f}% |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,28 @@
+"""Shared set-up of the GPU tests: a small random Qwen2 (8 layers, hidden 1024) saved as an HF folder,
+with megatron-core initialised on one CUDA device (TP=PP=1) for the module's tests."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="module")
+def qwen2_small_cuda(tmp_path_factory):
+    """(ModelFacts, HF folder) of the small Qwen2; megatron's parallel state is up for the module."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from trinity.distributed.layout import ParallelLayout
+    from trinity.distributed.parallel import destroy, init_parallel
+    from trinity.models.facts import ModelFacts
+
+    path = tmp_path_factory.mktemp("qwen2_small")
+    cfg = Qwen2Config(num_hidden_layers=8, hidden_size=1024, intermediate_size=2816, num_attention_heads=16,
+                      num_key_value_heads=4, vocab_size=32000, max_position_embeddings=2048, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(cfg).save_pretrained(str(path), safe_serialization=True)
+    init_parallel(device="cuda", layout=ParallelLayout(), seed=1)
+    yield ModelFacts.from_hf_dir(path), path
+    destroy()

@@ -1,0 +1,206 @@
+"""LoRA adapters as a PEFT folder (trinity.models.peft_io) and the merged HF export, against PEFT and
+transformers themselves, in fp32 on CPU.
+
+The tiny Qwen2 has GQA (4 heads, 2 query groups), so megatron's fused linear_qkv interleaves
+[q q k v] per group: a wrong de-interleaving of B gives other logits. Every adapter gets a random
+non-zero A and B (a fresh adapter's B is zero and would hide any mistake).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from trinity.errors import UserError
+
+RANK, ALPHA = 4, 8.0
+LORA = SimpleNamespace(rank=RANK, alpha=ALPHA, dropout=0.0,
+                       target_modules=["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"])
+TOKENS = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(5))
+
+
+def _build(facts, hf_dir, *, tp: int = 1):
+    from trinity.config.megatron import MegatronConfig
+    from trinity.convert.builtin import load_hf_weights
+    from trinity.models.build import build_model
+    from trinity.models.lora import apply_lora
+
+    chunks = build_model(facts, MegatronConfig(tensor_model_parallel_size=tp), device="cpu", dtype=torch.float32)
+    load_hf_weights(chunks, hf_dir, facts)
+    apply_lora(chunks, LORA)
+    return chunks
+
+
+def _randomise(chunks, seed: int = 0) -> None:
+    from trinity.models.lora import lora_modules
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, _, a in lora_modules(chunks):
+            a.lora_A.copy_(torch.randn(a.lora_A.shape, generator=g) * 0.2)
+            a.lora_B.copy_(torch.randn(a.lora_B.shape, generator=g) * 0.2)
+
+
+def _ours(chunks, vocab: int) -> torch.Tensor:
+    from trinity.models.build import causal_mask
+
+    model = chunks[0]
+    pos = torch.arange(TOKENS.shape[1]).expand_as(TOKENS)
+    with torch.no_grad():
+        out = model(TOKENS, pos, causal_mask(TOKENS.shape[1]), runtime_gather_output=True)
+    return out[..., :vocab].float()
+
+
+def _peft_logits(hf_dir: Path, folder: Path) -> torch.Tensor:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32)
+    model = PeftModel.from_pretrained(base, str(folder)).eval()
+    with torch.no_grad():
+        return model(TOKENS).logits.float()
+
+
+def _hf_logits(hf_dir: Path) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(TOKENS).logits.float()
+
+
+@pytest.fixture(scope="module")
+def adapted(tiny_qwen2_tp1, tmp_path_factory):
+    """(facts, HF folder, chunks with random adapters, their logits, their PEFT folder)."""
+    from trinity.models.peft_io import save_peft_folder
+
+    facts, hf_dir = tiny_qwen2_tp1
+    chunks = _build(facts, hf_dir)
+    base = _ours(chunks, facts.vocab_size)
+    _randomise(chunks)
+    logits = _ours(chunks, facts.vocab_size)
+    assert (logits - base).abs().max() > 1e-2  # the adapters change the model: the checks below can fail
+    folder = save_peft_folder(chunks, facts, tmp_path_factory.mktemp("peft") / "adapter", rank=RANK, alpha=ALPHA,
+                              dropout=0.0, base_model=str(hf_dir))
+    return SimpleNamespace(facts=facts, hf_dir=hf_dir, chunks=chunks, logits=logits, folder=folder)
+
+
+def test_peft_loads_our_adapters_and_gives_our_logits(adapted):
+    cfg = json.loads((adapted.folder / "adapter_config.json").read_text())
+    assert (cfg["r"], cfg["lora_alpha"], cfg["peft_type"]) == (RANK, ALPHA, "LORA")
+    assert cfg["target_modules"] == ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
+    theirs = _peft_logits(adapted.hf_dir, adapted.folder)
+    assert (theirs - adapted.logits).abs().max() < 1e-4
+
+
+def test_q_k_v_share_a_and_take_their_rows_of_b(adapted):
+    from safetensors.torch import load_file
+
+    from trinity.models.lora import lora_modules
+
+    t = load_file(str(adapted.folder / "adapter_model.safetensors"))
+    att = "base_model.model.model.layers.1.self_attn"
+    a = [t[f"{att}.{p}_proj.lora_A.weight"] for p in "qkv"]
+    assert torch.equal(a[0], a[1]) and torch.equal(a[0], a[2])
+    qkv = {n: ad for n, _, ad in lora_modules(adapted.chunks)}["decoder.layers.1.self_attention.linear_qkv"]
+    assert torch.equal(a[0], qkv.lora_A.detach())
+    # group 0's rows of the fused B are [q heads 0-1; k head 0; v head 0] (head_dim 16)
+    b = qkv.lora_B.detach()
+    hd = adapted.facts.head_dim
+    assert torch.equal(t[f"{att}.q_proj.lora_B.weight"][: 2 * hd], b[: 2 * hd])
+    assert torch.equal(t[f"{att}.k_proj.lora_B.weight"][:hd], b[2 * hd: 3 * hd])
+    assert torch.equal(t[f"{att}.v_proj.lora_B.weight"][:hd], b[3 * hd: 4 * hd])
+
+
+def test_peft_folder_loads_back_exactly(adapted):
+    from trinity.models.lora import lora_modules
+    from trinity.models.peft_io import load_peft_adapters
+
+    fresh = _build(adapted.facts, adapted.hf_dir)
+    assert load_peft_adapters(fresh, adapted.folder, adapted.facts, rank=RANK, alpha=ALPHA) == 8
+    for (n1, _, a1), (n2, _, a2) in zip(lora_modules(adapted.chunks), lora_modules(fresh), strict=True):
+        assert n1 == n2 and torch.equal(a1.lora_A, a2.lora_A) and torch.equal(a1.lora_B, a2.lora_B), n1
+    with pytest.raises(UserError, match=r"adapter_config.json: r 4, lora_alpha 8.0 but the model's adapters have rank 8, alpha 8.0"):
+        load_peft_adapters(fresh, adapted.folder, adapted.facts, rank=8, alpha=ALPHA)
+
+
+def test_foreign_adapter_with_its_own_a_per_projection_is_refused(adapted, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from trinity.models.peft_io import load_peft_adapters
+
+    folder = tmp_path / "foreign"
+    shutil.copytree(adapted.folder, folder)
+    t = load_file(str(folder / "adapter_model.safetensors"))
+    key = "base_model.model.model.layers.0.self_attn.k_proj.lora_A.weight"
+    t[key] = t[key] + 1.0
+    save_file(t, str(folder / "adapter_model.safetensors"))
+    fresh = _build(adapted.facts, adapted.hf_dir)
+    with pytest.raises(UserError, match=r"foreign/adapter_model.safetensors: model.layers.0.self_attn.k_proj and "
+                                         r"model.layers.0.self_attn.q_proj have different lora_A"):
+        load_peft_adapters(fresh, folder, adapted.facts, rank=RANK, alpha=ALPHA)
+
+
+def test_merged_export_gives_the_adapted_logits_and_restores_the_weights(adapted, tmp_path):
+    from trinity.convert.builtin import export_hf_weights
+    from trinity.convert.jobs import save_hf_folder
+    from trinity.models.lora import adapters_merged
+
+    before = {n: p.detach().clone() for n, p in adapted.chunks[0].named_parameters()}
+    with adapters_merged(adapted.chunks):
+        # written inside: at TP=1 the exported tensors are views of the (merged) parameters
+        save_hf_folder(export_hf_weights(adapted.chunks, adapted.facts), tmp_path / "merged", adapted.hf_dir,
+                       torch.float32)
+    from trinity.convert.hf_io import HFCheckpoint
+
+    assert all(".lora" not in name for name in HFCheckpoint(tmp_path / "merged").names())
+    assert (_hf_logits(tmp_path / "merged") - adapted.logits).abs().max() < 1e-4
+    for n, p in adapted.chunks[0].named_parameters():
+        assert torch.equal(p, before[n]), n
+
+
+# ---------------------------------------------------------------- a TP=2 job's adapters
+
+
+def _tp2_worker(rank: int, port: int, hf_dir: str, folder: str, out: str) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
+                      LOCAL_RANK=str(rank))
+    from trinity.distributed.layout import ParallelLayout
+    from trinity.distributed.parallel import destroy, init_parallel
+    from trinity.models.facts import ModelFacts
+    from trinity.models.peft_io import load_peft_adapters, save_peft_folder
+
+    init_parallel(device="cpu", layout=ParallelLayout(tp=2), seed=3, timeout_s=120)
+    facts = ModelFacts.from_hf_dir(hf_dir)
+    chunks = _build(facts, Path(hf_dir), tp=2)
+    load_peft_adapters(chunks, folder, facts, rank=RANK, alpha=ALPHA)  # each rank cuts its shards
+    logits = _ours(chunks, facts.vocab_size)
+    save_peft_folder(chunks, facts, Path(out) / "adapter", rank=RANK, alpha=ALPHA, dropout=0.0, base_model=hf_dir)
+    if rank == 0:
+        torch.save(logits, Path(out) / "logits.pt")
+    destroy()
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(240)
+def test_tp2_job_gathers_and_splits_adapters_exactly(adapted, tmp_path):
+    from safetensors.torch import load_file
+
+    from tests.conftest import run_two_ranks
+
+    run_two_ranks(_tp2_worker, str(adapted.hf_dir), str(adapted.folder), str(tmp_path))
+    # TP=2 ran the TP=1 job's adapters (split per rank) and gathered them back bit for bit
+    ours = load_file(str(adapted.folder / "adapter_model.safetensors"))
+    back = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
+    assert sorted(ours) == sorted(back)
+    for k in ours:
+        assert torch.equal(ours[k], back[k]), k
+    assert (torch.load(tmp_path / "logits.pt") - adapted.logits).abs().max() < 1e-4
