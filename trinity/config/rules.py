@@ -323,6 +323,10 @@ def _check_batches(cfg: JobConfig, problems: list[str]) -> None:
     name = cfg.algorithm.name
     if name in GROUP_ALGORITHMS and cfg.actor_rollout_ref.rollout.n < 2:
         problems.append(f"actor_rollout_ref.rollout.n: {GROUP_ALGORITHMS[name]} compares responses within a group; use n >= 2")
+    ro = cfg.actor_rollout_ref.rollout
+    if ro.gpu_memory_utilization is not None and ro.kv_cache_memory_gib is not None:
+        problems.append("actor_rollout_ref.rollout.kv_cache_memory_gib: set either kv_cache_memory_gib or "
+                        "gpu_memory_utilization (the rollout's KV-cache budget), not both")
     _check_token_budgets(cfg, problems)
 
 
