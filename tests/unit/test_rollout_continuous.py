@@ -192,6 +192,9 @@ def test_config_fields(write_job, small_job):
                        ("kv_cache_memory_gib", -1)):
         probs = problems_of(write_job(job), [f"{key}.{field}={bad}"])
         assert any(p.startswith(f"{key}.{field}: ") for p in probs), probs
+    # an explicit budget below one sequence (0.5B: 12 KiB of bf16 KV per token) is refused before anything runs
+    probs = problems_of(write_job(job), [f"{key}.kv_cache_memory_gib=0.001"])
+    assert any(p.startswith(f"{key}.kv_cache_memory_gib: the KV cache budget (0.001 GiB) holds no sequence") for p in probs), probs
     probs = problems_of(write_job(job), [f"{key}.gpu_memory_utilization=0.5"])
     assert any(p.startswith(f"{key}.kv_cache_memory_gib: set either kv_cache_memory_gib or gpu_memory_utilization")
                for p in probs), probs
