@@ -242,6 +242,39 @@ def _cpu_sliding_window_causal_mask(sq: int, skv: int, window_size: tuple[int, i
 # --- enable / disable -----------------------------------------------------------------------------
 
 
+def _host_splits(original: Callable[..., Any]) -> Callable[..., Any]:
+    def maybe_move_tensor_to_cpu(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+        out = original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+        return out.numpy() if as_numpy and torch.is_tensor(out) else out
+
+    return maybe_move_tensor_to_cpu
+
+
+def _uneven_gather(original: Callable[..., Any]) -> Callable[..., Any]:
+    def gather(input_: torch.Tensor, group: Any, output_split_sizes: Any = None, use_global_buffer: bool = False) -> torch.Tensor:
+        if output_split_sizes is None or group.size() == 1:
+            return original(input_, group, output_split_sizes, use_global_buffer)
+        sizes = [int(n) for n in output_split_sizes]
+        padded = input_.new_zeros((max(sizes), *input_.shape[1:]))
+        padded[: input_.shape[0]] = input_
+        parts = [torch.empty_like(padded) for _ in sizes]
+        torch.distributed.all_gather(parts, padded.contiguous(), group=group)
+        return torch.cat([part[:n] for part, n in zip(parts, sizes)])
+
+    return gather
+
+
+def _uneven_reduce_scatter(original: Callable[..., Any]) -> Callable[..., Any]:
+    def reduce_scatter(input_: torch.Tensor, group: Any, input_split_sizes: Any = None, use_global_buffer: bool = False) -> torch.Tensor:
+        if input_split_sizes is None or group.size() == 1:
+            return original(input_, group, input_split_sizes, use_global_buffer)
+        total = input_.clone()
+        torch.distributed.all_reduce(total, group=group)
+        return list(torch.split(total, [int(n) for n in input_split_sizes], dim=0))[group.rank()].contiguous()
+
+    return reduce_scatter
+
+
 def enable() -> None:
     """Apply every CPU accommodation once; later calls do nothing."""
     if _patches:
@@ -287,6 +320,17 @@ def enable() -> None:
     # tracker with device="cuda" (save_to_aux_losses_tracker).
     _patch(token_dispatcher, "torch", _CpuFactoryTorch())
     _patch(moe_utils, "torch", _CpuFactoryTorch())
+    # token_dispatcher.py: the alltoall dispatcher's split sizes go through maybe_move_tensor_to_cpu(...,
+    # as_numpy=True), which converts only CUDA tensors; a CPU tensor stays a tensor, and
+    # all_to_all_single refuses tensor split sizes (EP > 1 on CPU raised TypeError in every MoE forward).
+    _patch(token_dispatcher, "maybe_move_tensor_to_cpu", _host_splits(token_dispatcher.maybe_move_tensor_to_cpu))
+    # tensor_parallel/mappings.py: with expert TP (MoE at TP > 1) the alltoall dispatcher gathers and
+    # reduce-scatters rows of uneven sizes per rank (all_gather / reduce_scatter of tensor lists), which
+    # gloo refuses ("invalid tensor size"); equal-size collectives do the same on the CPU.
+    import megatron.core.tensor_parallel.mappings as mappings
+
+    _patch(mappings, "_gather_along_first_dim", _uneven_gather(mappings._gather_along_first_dim))
+    _patch(mappings, "_reduce_scatter_along_first_dim", _uneven_reduce_scatter(mappings._reduce_scatter_along_first_dim))
     # optimizer/clip_grads.py: device='cuda' buffers and `param.grad.type() == 'torch.cuda.FloatTensor'`;
     # optimizer.py imports these three by name.
     for name in ("get_grad_norm_fp32", "clip_grad_by_total_norm_fp32", "count_zeros_fp32"):

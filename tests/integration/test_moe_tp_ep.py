@@ -1,0 +1,116 @@
+"""MoE with TP x EP (#20, ROLL's layout family): TP=2, EP=2 with sequence parallel (megatron-core needs SP
+when both are > 1) over 4 gloo ranks trains a tiny Qwen3-MoE to the losses and weights of TP=1 EP=1.
+
+Each job is a real `trinity run`. SFT: one step at TP=2 EP=2 (DP=2) against one at TP=1 EP=1 (DP=1;
+the loss is normalised over the global batch, so DP does not change it). GRPO: one step at TP=2 EP=2
+(DP=2) against TP=1 EP=1 on two ranks (DP=2: each DP rank gets the same prompts and generator), so the
+rollout (decoded with SP switched off), the log-probs, the loss and the updated weights must agree."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.conftest import trinity_run
+
+NOT_DETERMINISTIC = ("time/", "tokens_per_s/", "mem", "step_time_s", "tok", "throughput", "mfu")
+TP_EP = {"tensor_model_parallel_size": 2, "expert_model_parallel_size": 2, "sequence_parallel": True}
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory) -> dict[str, Path]:
+    from transformers import AutoTokenizer
+
+    from trinity.testing.tiny_assets import make_tiny_tokenizer, write_prompt_dataset, write_sft_dataset
+    from trinity.testing.tiny_models import make_tiny_hf_model
+
+    root = tmp_path_factory.mktemp("moe_tp_ep_assets")
+    tok = AutoTokenizer.from_pretrained(str(make_tiny_tokenizer(root / "tokenizer")))
+    model = make_tiny_hf_model(
+        "qwen3_moe", root / "model", vocab_size=-(-len(tok) // 64) * 64, bos_token_id=tok.eos_token_id,
+        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    tok.save_pretrained(str(model))
+    reward = root / "length_reward.py"
+    reward.write_text("def score(prompts, responses, answers):\n    return [float(len(r) % 4) for r in responses]\n")
+    return {"reward": reward, "model": model, "sft": write_sft_dataset(root / "sft.jsonl", 32, seed=0),
+            "prompts": write_prompt_dataset(root / "prompts.jsonl", 8, seed=0)}
+
+
+def _trainer(out: Path, **extra) -> dict:
+    return {"total_steps": 1, "output_dir": str(out), "save_interval": 100, "log_interval": 1,
+            "tensorboard": False, "export_hf": True, **extra}
+
+
+def sft_job(assets: dict[str, Path], out: Path, block: dict, nproc: int) -> dict:
+    return {
+        "algorithm": {"name": "sft"},
+        "model": {"path": str(assets["model"])},
+        "data": {"train_files": [str(assets["sft"])], "seq_length": 64, "packing": True},
+        "cluster": {"device": "cpu", "nproc_per_node": nproc},
+        "trainer": _trainer(out, global_batch_size=4, micro_batch_size=1),
+        "actor_rollout_ref": {"actor": {"optim": {"lr": 1e-3, "weight_decay": 0.0}, "megatron": dict(block)}},
+    }
+
+
+def grpo_job(assets: dict[str, Path], out: Path, block: dict, nproc: int) -> dict:
+    return {
+        "algorithm": {"name": "grpo"},
+        "model": {"path": str(assets["model"])},
+        "data": {"train_files": [str(assets["prompts"])], "max_prompt_length": 32, "train_batch_size": 2},
+        "cluster": {"device": "cpu", "nproc_per_node": nproc},
+        "trainer": _trainer(out, micro_batch_size=2),
+        "actor_rollout_ref": {
+            "actor": {"ppo_mini_batch_size": 2, "use_kl_loss": True, "optim": {"lr": 1e-3, "weight_decay": 0.0},
+                      "megatron": dict(block)},
+            "ref": {"megatron": dict(block)},
+            "rollout": {"n": 2, "response_length": 5},
+        },
+        # a reward that varies between a group's responses, so the advantages and the update are not 0
+        "reward": {"function": f"{assets['reward']}:score"},
+    }
+
+
+def _run(cfg: dict, path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    proc = trinity_run(cfg, path, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    out = Path(cfg["trainer"]["output_dir"])
+    (row,) = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    weights: dict[str, torch.Tensor] = {}
+    for shard in sorted((out / "hf").glob("*.safetensors")):
+        weights.update(load_file(str(shard)))
+    return row, weights
+
+
+def _assert_same(a: tuple[dict, dict], b: tuple[dict, dict], keys: tuple[str, ...]) -> None:
+    (ra, wa), (rb, wb) = a, b
+    numbers = sorted(k for k, v in ra.items() if isinstance(v, (int, float)) and not k.startswith(NOT_DETERMINISTIC))
+    assert set(keys) <= set(numbers), numbers
+    for key in numbers:
+        assert rb[key] == pytest.approx(ra[key], rel=1e-4, abs=1e-6), (key, ra[key], rb[key])
+    assert sorted(wa) == sorted(wb) and any(".experts." in n for n in wa)
+    for name in wa:
+        torch.testing.assert_close(wb[name], wa[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_moe_tp2_ep2_sp_sft_and_grpo_equal_tp1(assets, tmp_path):
+    base = load_file(str(assets["model"] / "model.safetensors"))
+    runs = {}
+    for name, make, block, nproc in (
+        ("sft_tp1", sft_job, {}, 1), ("sft_tp_ep", sft_job, TP_EP, 4),
+        ("grpo_tp1", grpo_job, {}, 2), ("grpo_tp_ep", grpo_job, TP_EP, 4),
+    ):
+        runs[name] = _run(make(assets, tmp_path / name, block, nproc), tmp_path / f"{name}.yaml")
+    _assert_same(runs["sft_tp1"], runs["sft_tp_ep"], ("loss", "grad_norm"))
+    _assert_same(runs["grpo_tp1"], runs["grpo_tp_ep"], ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm",
+                                                        "reward/mean", "response_length/mean"))
+    assert runs["grpo_tp_ep"][0]["reward/std"] > 0 and runs["grpo_tp_ep"][0]["actor/grad_norm"] > 0
+    for name in ("sft_tp_ep", "grpo_tp_ep"):  # the step moved the weights (experts included)
+        weights = runs[name][1]
+        moved = [n for n in base if ".experts." in n and not torch.equal(weights[n], base[n])]
+        assert moved, name
