@@ -2,6 +2,15 @@
 
     python benchmarks/generate.py --shape tiny --device cpu
     python benchmarks/generate.py --shape 0.5b --device cuda --batches 1 32 256
+    python benchmarks/generate.py --shape 7b --device cuda --lengths lognormal --batches 512 \
+        --prompt-len 256 --new-tokens 1024 --no-hf      # variable lengths: continuous vs static batch
+
+With `--lengths fixed|uniform|lognormal` each of `--batches` rows gets a response length drawn from
+the distribution (the benchmark-only EOS schedule of `trinity.rollout.continuous`; lognormal: mean 30%
+of `--new-tokens`) and one whole rollout is timed per engine: the continuous-batching engine
+(`--max-num-seqs` slots, `--kv-gib` budget) and the static batch (decoding to the longest row).
+"Useful tokens/s" counts the drawn lengths only; the floor of the continuous run is, summed over its
+decode steps, (weight bytes + the live rows' KV bytes) / bandwidth.
 
 Fixed-length decoding (no EOS) of `--new-tokens` tokens after `--prompt-len` random prompt tokens, on a
 random-weight Qwen2 of the chosen shape. "decode ms/step" is the time of one decode step alone: a
@@ -45,6 +54,19 @@ def bandwidth(device: torch.device) -> float:
     return 2 * a.numel() * 4 * reps / (time.perf_counter() - t0)
 
 
+def matmul_rate(device: torch.device) -> float:
+    """FLOP/s of a bf16 4096^3 matmul (fp32 2048^3 on CPU)."""
+    n, dtype = (4096, torch.bfloat16) if device.type == "cuda" else (512, torch.float32)
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    a @ a
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(20):
+        a @ a
+    _sync(device)
+    return 2 * n**3 * 20 / (time.perf_counter() - t0)
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -83,6 +105,15 @@ def main() -> None:
     ap.add_argument("--eager", action="store_true", help="decode steps without CUDA graphs")
     ap.add_argument("--compile", action="store_true", help="torch.compile the decode step")
     ap.add_argument("--profile", action="store_true", help="profile one trinity call at the last batch size")
+    ap.add_argument("--lengths", choices=["fixed", "uniform", "lognormal"], default=None,
+                    help="time whole rollouts with per-row response lengths (continuous vs static engine)")
+    ap.add_argument("--max-num-seqs", type=int, nargs="+", default=[512],
+                    help="--lengths: slots of the continuous engine (one row of the table each)")
+    ap.add_argument("--kv-gib", type=float, default=None, help="--lengths: KV-cache budget (default: 0.8 of free memory)")
+    ap.add_argument("--engines", default="continuous,static", help="--lengths: engines to time")
+    ap.add_argument("--n", type=int, default=8, help="--lengths: rows per distinct prompt (RL's rollout.n)")
+    ap.add_argument("--static-max-batch", type=int, default=256,
+                    help="--lengths: skip the static engine above this many rows (its unchunked prefill and full cache)")
     args = ap.parse_args()
     if args.new_tokens < 3:
         ap.error("--new-tokens: at least 3 (decode steps are timed against a 2-token call)")
@@ -112,6 +143,9 @@ def main() -> None:
             params = SamplingParams(temperature=0.0, max_new_tokens=args.new_tokens)
             print(f"shape {args.shape} on {args.device} ({'eager' if args.eager else 'CUDA graphs'}{', compiled' if args.compile else ''} decode steps): {weight_bytes / 2**30:.3f} GiB weights, "
                   f"copy bandwidth {bw / 1e9:.1f} GB/s (read + write), prompt {args.prompt_len}, {args.new_tokens} new tokens")
+            if args.lengths:
+                rollout_table(args, gpt, facts, device, weight_bytes, kv_per_token, bw)
+                return
             rows = []
             for batch in args.batches:
                 g = torch.Generator().manual_seed(batch)
@@ -168,6 +202,68 @@ def main() -> None:
                         print(prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=60))
         finally:
             destroy()
+
+
+def rollout_table(args, gpt, facts, device, weight_bytes: int, kv_per_token: int, bw: float) -> None:
+    """Whole rollouts with per-row lengths: continuous-batching engine vs static batch."""
+    from trinity.rollout.continuous import KVBudget, RolloutStats, draw_response_lengths, generate_continuous
+    from trinity.rollout.generate import SamplingParams, generate
+
+    rate = matmul_rate(device)
+    n_params = sum(p.numel() for p in gpt.parameters())
+    print(f"matmul {rate / 1e12:.0f} TFLOP/s; floor = (weights + live KV bytes) / bandwidth summed over decode steps; "
+          f"compute floor = 2 x params x tokens / matmul rate")
+    print(f"\n| engine | rows | lengths | useful tokens | call s | useful tok/s | decode steps | mean batch | "
+          f"graph captures (s) | floor s | % of floor | compute floor s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for batch in args.batches:
+        g = torch.Generator().manual_seed(batch)
+        # batch rows = batch / n prompts, each n times (the continuous engine prefills a prompt once)
+        distinct = torch.randint(1, facts.vocab_size, (max(1, batch // args.n), args.prompt_len), generator=g).tolist()
+        prompts = [p for p in distinct for _ in range(args.n)][:batch]
+        lengths = draw_response_lengths(args.lengths, batch, args.new_tokens, seed=batch)
+        useful = sum(lengths)
+        engines = [(e, m) for e in args.engines.split(",") for m in (args.max_num_seqs if e == "continuous" else [0])
+                   if e == "continuous" or batch <= args.static_max_batch]
+        for k, (engine, max_num_seqs) in enumerate(engines):
+            # the first call loads kernels (and compiles nothing): timed apart; each call captures its graphs
+            for attempt in (("warm-up", "timed") if k == 0 else ("timed",)):
+                stats = RolloutStats()
+                _sync(device)
+                t0 = time.perf_counter()
+                if engine == "continuous":
+                    params = SamplingParams(temperature=0.0, max_new_tokens=args.new_tokens)
+                    generate_continuous(gpt, prompts, params, vocab_size=facts.vocab_size, pad_id=0,
+                                        budget=KVBudget(max_num_seqs, None, args.kv_gib),
+                                        response_lengths=lengths, stats=stats)
+                else:  # the static batch decodes every row to the longest
+                    params = SamplingParams(temperature=0.0, max_new_tokens=max(lengths))
+                    generate(gpt, prompts, params, vocab_size=facts.vocab_size, pad_id=0)
+                _sync(device)
+                dt = time.perf_counter() - t0
+            if engine == "continuous":
+                floor = (stats.decode_steps * weight_bytes + stats.live_kv_tokens * kv_per_token) / bw
+                engine = f"continuous ({stats.attention}, {stats.slots} slots)"
+                extra = (f"{stats.decode_steps} | {stats.slot_steps / max(1, stats.decode_steps):.0f} | "
+                         f"{stats.graph_captures} ({stats.capture_s:.2f}) | {floor:.2f} | {100 * floor / dt:.1f}%")
+            else:
+                steps = max(lengths)
+                floor = (steps * weight_bytes + batch * steps * (args.prompt_len + steps / 2) * kv_per_token) / bw
+                extra = f"{steps} | {batch} | - | {floor:.2f} | {100 * floor / dt:.1f}% (of its own reads)"
+            print(f"| {engine} | {batch} | {args.lengths} (mean {useful / batch:.0f}) | {useful} | {dt:.2f} | "
+                  f"{useful / dt:.0f} | {extra} | {2 * n_params * useful / rate:.2f} |", flush=True)
+    if args.profile:  # one more continuous call at the last batch size, under the profiler
+        from torch.profiler import ProfilerActivity, profile
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        params = SamplingParams(temperature=0.0, max_new_tokens=args.new_tokens)
+        with profile(activities=acts) as prof:
+            generate_continuous(gpt, prompts, params, vocab_size=facts.vocab_size, pad_id=0,
+                                budget=KVBudget(args.max_num_seqs[0], None, args.kv_gib), response_lengths=lengths)
+            _sync(device)
+        for key in ("self_cpu_time_total", "self_cuda_time_total" if device.type == "cuda" else None):
+            if key:
+                print(prof.key_averages().table(sort_by=key, row_limit=22, max_name_column_width=50))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,8 @@
-"""What merging LoRA adapters around a rollout costs: `adapters_merged` (every adapted base weight
-becomes W + alpha/rank * B A, the original bits kept in host memory) and its restore, next to one rollout
-of the same model with the rollout engine (trinity.rollout.generate), on one GPU in bf16.
+"""What merging LoRA adapters around a rollout costs (trinity.trainer.recipes.lora_ref.rollout_weights:
+every adapted base weight becomes W + alpha/rank * B A for the decoders, and gets its original bits back
+after), with the originals kept in host memory (`keep="host"`, trinity.models.lora.adapters_merged) or
+as a copy on the GPU (`keep="device"`), next to one rollout of the same model with the rollout engine
+(trinity.rollout.generate), on one GPU in bf16.
 
     python benchmarks/lora_merge.py --shapes 1.5b,7b --rank 16
 
@@ -29,49 +31,57 @@ from generate import SHAPES  # noqa: E402
 
 
 def _sync() -> None:
-    torch.cuda.synchronize()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
-def measure(shape: str, rank: int, repeats: int, batch: int, prompt_len: int, new_tokens: int) -> dict:
+def measure(shape: str, rank: int, repeats: int, batch: int, prompt_len: int, new_tokens: int, device: str) -> dict:
     from transformers import Qwen2Config
 
     from trinity.config.megatron import MegatronConfig
     from trinity.models.build import build_model
     from trinity.models.facts import ModelFacts
-    from trinity.models.lora import adapters_merged, apply_lora, lora_modules
+    from trinity.models.lora import apply_lora, lora_modules
     from trinity.rollout.generate import SamplingParams, generate
+    from trinity.trainer.recipes.lora_ref import rollout_weights
 
     with tempfile.TemporaryDirectory() as tmp:
-        Qwen2Config(**SHAPES[shape], max_position_embeddings=4096, tie_word_embeddings=shape != "7b").save_pretrained(tmp)
+        Qwen2Config(**SHAPES[shape], max_position_embeddings=4096, tie_word_embeddings=shape != "7b",
+                    architectures=["Qwen2ForCausalLM"]).save_pretrained(tmp)
         facts = ModelFacts.from_hf_dir(tmp)
-    chunks = build_model(facts, MegatronConfig(), device="cuda", dtype=torch.bfloat16)
+    chunks = build_model(facts, MegatronConfig(), device=device, dtype=torch.bfloat16 if device == "cuda" else torch.float32)
     lora = SimpleNamespace(rank=rank, alpha=2.0 * rank, dropout=0.0, target_modules=["all-linear"])
     apply_lora(chunks, lora)
-    g = torch.Generator(device="cuda").manual_seed(0)
+    g = torch.Generator(device=device).manual_seed(0)
     with torch.no_grad():
         for _, _, a in lora_modules(chunks):
             a.lora_B.normal_(0.0, 0.02, generator=g)
     weights = [m.weight for _, m, _ in lora_modules(chunks)]
     merged_bytes = sum(w.numel() * w.element_size() for w in weights)
     originals = [w.detach().clone() for w in weights]
-    merge_s, restore_s = [], []
-    for _ in range(repeats):
-        _sync()
-        t0 = time.perf_counter()
-        ctx = adapters_merged(chunks)
-        ctx.__enter__()
-        _sync()
-        t1 = time.perf_counter()
-        ctx.__exit__(None, None, None)
-        _sync()
-        t2 = time.perf_counter()
-        merge_s.append(t1 - t0)
-        restore_s.append(t2 - t1)
-    exact = all(torch.equal(w, o) for w, o in zip(weights, originals))
+    times: dict[str, tuple[float, float]] = {}
+    exact = True
+    for keep in ("host", "device"):
+        merge_s, restore_s = [], []
+        for _ in range(repeats):
+            _sync()
+            t0 = time.perf_counter()
+            ctx = rollout_weights(chunks, keep=keep)
+            ctx.__enter__()
+            _sync()
+            t1 = time.perf_counter()
+            ctx.__exit__(None, None, None)
+            _sync()
+            t2 = time.perf_counter()
+            merge_s.append(t1 - t0)
+            restore_s.append(t2 - t1)
+        times[keep] = (statistics.median(merge_s), statistics.median(restore_s))
+        exact = exact and all(torch.equal(w, o) for w, o in zip(weights, originals))
     del originals
-    torch.cuda.empty_cache()
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    prompts = torch.randint(1, facts.vocab_size, (batch, prompt_len), generator=gen).tolist()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    gen = torch.Generator(device=device).manual_seed(0)
+    prompts = torch.randint(1, facts.vocab_size, (batch, prompt_len), generator=torch.Generator().manual_seed(0)).tolist()
     params = SamplingParams(temperature=1.0, max_new_tokens=new_tokens)
     rollout_s = float("nan")
     with torch.no_grad():
@@ -81,10 +91,11 @@ def measure(shape: str, rank: int, repeats: int, batch: int, prompt_len: int, ne
             generate(chunks[0], prompts, params, vocab_size=facts.vocab_size, pad_id=0, generator=gen)
             _sync()
             rollout_s = time.perf_counter() - t0
-    out = {"shape": shape, "rank": rank, "merged_gib": merged_bytes / 2**30, "merge_s": statistics.median(merge_s),
-           "restore_s": statistics.median(restore_s), "exact": exact, "rollout_s": rollout_s}
+    out = {"shape": shape, "rank": rank, "merged_gib": merged_bytes / 2**30, "times": times, "exact": exact,
+           "rollout_s": rollout_s}
     del chunks, weights
-    torch.cuda.empty_cache()
+    if device == "cuda":
+        torch.cuda.empty_cache()
     return out
 
 
@@ -96,32 +107,35 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: a smoke run (--shapes tiny)")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("needs a CUDA GPU")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA GPU (or --device cpu --shapes tiny for a smoke run)")
     from trinity.distributed.layout import ParallelLayout
     from trinity.distributed.parallel import destroy, init_parallel
     from trinity.launch import quiet
 
     quiet.install(False)
-    init_parallel(device="cuda", layout=ParallelLayout(), seed=0)
+    init_parallel(device=args.device, layout=ParallelLayout(), seed=0)
     rows = []
     try:
         for shape in args.shapes.split(","):
-            rows.append(measure(shape, args.rank, args.repeats, args.batch, args.prompt_len, args.new_tokens))
+            rows.append(measure(shape, args.rank, args.repeats, args.batch, args.prompt_len, args.new_tokens, args.device))
             r = rows[-1]
-            print(f"{shape}: merge {r['merge_s']:.3f} s, restore {r['restore_s']:.3f} s, rollout {r['rollout_s']:.2f} s",
-                  flush=True)
+            print(f"{shape}: {r['times']}, rollout {r['rollout_s']:.2f} s", flush=True)
     finally:
         destroy()
-    print(f"\nLoRA merge/restore around a rollout on {torch.cuda.get_device_name()}, bf16, rank {args.rank} on every "
+    where = torch.cuda.get_device_name() if args.device == "cuda" else "cpu (fp32)"
+    print(f"\nLoRA merge/restore around a rollout on {where}, bf16 on GPU, rank {args.rank} on every "
           f"linear, rollout {args.batch} x ({args.prompt_len} prompt + {args.new_tokens} new tokens), torch {torch.__version__}")
-    print("| shape | adapted weights GiB | merge s | restore s | bit-exact after restore | rollout s | (merge + restore) / rollout |")
-    print("|---|---|---|---|---|---|---|")
+    print("| shape | adapted weights GiB | originals kept on | merge s | restore s | bit-exact after restore | "
+          "rollout s | (merge + restore) / rollout |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        share = (r["merge_s"] + r["restore_s"]) / r["rollout_s"]
-        print(f"| {r['shape']} | {r['merged_gib']:.2f} | {r['merge_s']:.3f} | {r['restore_s']:.3f} | {r['exact']} | "
-              f"{r['rollout_s']:.2f} | {100 * share:.1f}% |")
+        for keep, (merge, restore) in r["times"].items():
+            share = (merge + restore) / r["rollout_s"]
+            print(f"| {r['shape']} | {r['merged_gib']:.2f} | {keep} | {merge:.3f} | {restore:.3f} | {r['exact']} | "
+                  f"{r['rollout_s']:.2f} | {100 * share:.1f}% |")
 
 
 if __name__ == "__main__":

@@ -7,8 +7,11 @@
 Each case is a real `trinity run` (config validation, HF -> dist checkpoint cache, torchrun, the RL loop)
 on a random-weight Qwen2 of the chosen shape with the tiny local tokenizer (sampled ids beyond its
 vocabulary decode to nothing, so responses run to `--response-length`: fixed-length decoding, which is
-what a throughput table wants). Numbers are medians over the steps after the first (which pays CUDA graph
-capture and compilation). On 2 GPUs the layout is DP=2 (`--layout tp` for TP=2). The decode floor is
+what a throughput table wants). Numbers are medians over the steps after the first (which pays
+compilation). `--lengths uniform|lognormal` ends each response after a drawn number of tokens (the
+benchmark-only EOS schedule of `trinity.rollout.continuous`, through TRINITY_BENCH_RESPONSE_LENGTHS;
+lognormal: mean 30% of `--response-length`), so the rollout and the training phases see real length
+variation; tokens/s are real (response) tokens, and any `padding/...` metric the phases log is shown. On 2 GPUs the layout is DP=2 (`--layout tp` for TP=2). The decode floor is
 the bytes of the weights read once per decode step over the copy bandwidth measured in this run; tokens/s are rank 0's.
 """
 
@@ -51,7 +54,8 @@ def job(model: Path, prompts: Path, out: Path, *, algo: str, gpus: int, layout: 
             "actor": {"ppo_mini_batch_size": args.prompts * gpus, "use_kl_loss": algo == "grpo",
                       "optim": {"lr": 1e-6, "weight_decay": 0.0}, "megatron": {**par, **flags}},
             "ref": {"megatron": {**par, "param_offload": offload}},
-            "rollout": {"n": args.n, "response_length": args.response_length, "temperature": 1.0},
+            "rollout": {"n": args.n, "response_length": args.response_length, "temperature": 1.0,
+                        **({"max_num_seqs": args.max_num_seqs} if args.max_num_seqs else {})},
         },
         "reward": {"function": "trinity.rollout.arithmetic_reward:closeness"},
     }
@@ -63,10 +67,13 @@ def job(model: Path, prompts: Path, out: Path, *, algo: str, gpus: int, layout: 
     return cfg
 
 
-def run_case(cfg: dict, path: Path, timeout: int, log_tail: int = 0) -> list[dict]:
+def run_case(cfg: dict, path: Path, timeout: int, log_tail: int = 0, lengths: str = "fixed") -> list[dict]:
+    from trinity.rollout.continuous import BENCH_LENGTHS_ENV
+
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     code = f"import sys; from trinity.cli.commands import run; sys.exit(run({str(path)!r}, []))"
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=dict(os.environ), text=True,
+    env = {**os.environ, BENCH_LENGTHS_ENV: lengths}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, text=True,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=timeout)
     if log_tail:
         print("\n".join(proc.stdout.splitlines()[-log_tail:]), flush=True)
@@ -79,7 +86,8 @@ def run_case(cfg: dict, path: Path, timeout: int, log_tail: int = 0) -> list[dic
 
 def summarize(rows: list[dict]) -> dict[str, float]:
     steady = [r for r in rows[1:] if not r.get("profiled")] or rows
-    keys = {k for r in steady for k in r if k.startswith(("time/", "tokens_per_s/", "mem/")) or k == "step_time_s"}
+    keys = {k for r in steady for k in r
+            if k.startswith(("time/", "tokens_per_s/", "mem/", "padding", "response_length/")) or k == "step_time_s"}
     med = {k: statistics.median(r[k] for r in steady if k in r) for k in keys}
     med.update({k: max(r[k] for r in rows if k in r) for k in keys if k.endswith("_peak_gib")})
     return med
@@ -95,6 +103,9 @@ def phase_table(r: dict) -> None:
         print(f"| {r['algo']} | {r['gpus']} | {r['offload']} | {ph} | {r[f'time/{ph}_s']:.3f} | "
               f"{'-' if tps is None else f'{tps:.0f}'} | {r.get(f'mem/{ph}_peak_gib', float('nan')):.2f} | "
               f"{r[f'mem/{ph}_gib']:.2f} |", flush=True)
+    padding = {k: v for k, v in r.items() if k.startswith("padding")}
+    if padding:
+        print("padding fractions: " + ", ".join(f"{k} {v:.3f}" for k, v in sorted(padding.items())), flush=True)
 
 
 def main() -> None:
@@ -110,6 +121,9 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=4, help="responses per prompt")
     ap.add_argument("--response-length", type=int, default=128)
     ap.add_argument("--micro", type=int, default=8)
+    ap.add_argument("--lengths", choices=["fixed", "uniform", "lognormal"], default="fixed",
+                    help="response lengths per row: fixed (to --response-length), uniform, lognormal (mean 30%%)")
+    ap.add_argument("--max-num-seqs", type=int, default=None, help="actor_rollout_ref.rollout.max_num_seqs (default: the config's)")
     ap.add_argument("--timeout", type=int, default=400, help="seconds per case")
     ap.add_argument("--profile-step", type=int, default=None,
                     help="trainer.profile_step: profile this step of each case and print rank 0's GPU time per kind")
@@ -127,7 +141,7 @@ def main() -> None:
         bw = bandwidth(torch.device(args.device))
         weight_bytes = sum(f.stat().st_size for f in model.glob("*.safetensors"))
         floor_ms = weight_bytes / bw * 1e3  # one decode step reads every weight once
-        print(f"shape {args.shape}: {weight_bytes / 2**30:.2f} GiB bf16 weights, copy bandwidth {bw / 1e9:.0f} GB/s, "
+        print(f"lengths {args.lengths}; shape {args.shape}: {weight_bytes / 2**30:.2f} GiB bf16 weights, copy bandwidth {bw / 1e9:.0f} GB/s, "
               f"decode floor {floor_ms:.3f} ms/step; {args.prompts} prompts x n={args.n} per GPU, "
               f"{args.response_length} new tokens, {args.layout.upper()} on 2 GPUs", flush=True)
         results = []
@@ -137,7 +151,7 @@ def main() -> None:
                     name = f"{algo}_{gpus}gpu_offload-{off}" + (f"_lora-{lora}" if lora else "")
                     cfg = job(model, prompts, root / name, algo=algo, gpus=gpus, layout=args.layout,
                               offload=off == "yes", args=args, lora=lora)
-                    med = summarize(run_case(cfg, root / f"{name}.yaml", args.timeout, args.log_tail))
+                    med = summarize(run_case(cfg, root / f"{name}.yaml", args.timeout, args.log_tail, args.lengths))
                     if args.profile_step:
                         from trinity.trainer.profiling import summary_path
 

@@ -102,12 +102,13 @@ def test_ref_is_the_actor_with_adapters_off_and_gives_the_base_log_probs(engines
     assert torch.equal(infer_logprobs(engines.actor, ro, vocab, 2), adapted)
 
 
-def test_rollout_decodes_the_adapted_model_and_restores_the_weights(engines):
+@pytest.mark.parametrize("keep", ["host", "device"])
+def test_rollout_decodes_the_adapted_model_and_restores_the_weights(engines, keep):
     from trinity.trainer.recipes.lora_ref import rollout_weights
     from trinity.trainer.recipes.rollout_forward import infer_logprobs
 
     before = {n: p.detach().clone() for n, p in engines.actor.modules[0].named_parameters()}
-    with rollout_weights(engines.actor):
+    with rollout_weights(engines.actor, keep=keep):
         ro = _rollout(engines.actor.modules[0], engines.facts, seed=1)
     for n, p in engines.actor.modules[0].named_parameters():
         assert torch.equal(p, before[n]), n

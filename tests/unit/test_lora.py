@@ -110,3 +110,31 @@ def test_plan_shows_trainable_parameters_and_memory_saved(small_job):
     text = render_plan(adapted)
     assert f"LoRA: {n:,} trainable adapter parameters" in text
     assert "less than full fine-tuning" in text
+
+
+def test_resume_refuses_a_checkpoint_of_the_other_kind(tmp_path):
+    """A LoRA checkpoint (adapters only) cannot resume a full fine-tune, nor another rank; a full one
+    cannot resume a LoRA job: refused naming the setting before anything is loaded."""
+    import json
+    from types import SimpleNamespace
+
+    from trinity.convert.dist_ckpt import FORMAT, META
+    from trinity.errors import UserError
+    from trinity.trainer.engine.engine import RoleEngine
+
+    def ckpt(name, lora):
+        path = tmp_path / name
+        path.mkdir()
+        (path / META).write_text(json.dumps({"format": FORMAT, **({"lora": lora} if lora else {})}))
+        return path
+
+    adapters, full = ckpt("adapters", {"rank": 8, "alpha": 16.0}), ckpt("full", None)
+    check = RoleEngine._check_lora_matches
+    check(SimpleNamespace(lora=SimpleNamespace(rank=8)), adapters)
+    check(SimpleNamespace(lora=None), full)
+    with pytest.raises(UserError, match=r"holds LoRA adapters only \(rank 8\), but actor_rollout_ref.actor.lora is off"):
+        check(SimpleNamespace(lora=None), adapters)
+    with pytest.raises(UserError, match="is a full-model checkpoint, but actor_rollout_ref.actor.lora is on"):
+        check(SimpleNamespace(lora=SimpleNamespace(rank=8)), full)
+    with pytest.raises(UserError, match=r"^actor_rollout_ref.actor.lora.rank: 4 differs from the checkpoint's 8"):
+        check(SimpleNamespace(lora=SimpleNamespace(rank=4)), adapters)

@@ -132,7 +132,8 @@ def generate_answers(
     from trinity.distributed.parallel import destroy, init_parallel
     from trinity.models.build import build_model
     from trinity.models.facts import ModelFacts
-    from trinity.rollout.generate import SamplingParams, generate
+    from trinity.rollout.continuous import generate_continuous
+    from trinity.rollout.generate import SamplingParams
 
     dev = _device(device)
     tokenizer = load_tokenizer(source.hf_dir)
@@ -170,8 +171,8 @@ def generate_answers(
 
         # LoRA: the decoder reads W + alpha/rank * B A, as the job's rollout does
         with torch.no_grad(), rollout_weights(chunks):
-            ro = generate(chunks[0], ids, params, vocab_size=facts.vocab_size, pad_id=pad_token_id(tokenizer),
-                          generator=generator)
+            ro = generate_continuous(chunks[0], ids, params, vocab_size=facts.vocab_size,
+                                     pad_id=pad_token_id(tokenizer), generator=generator)
     finally:
         destroy()
     eos = set(params.eos_token_ids)

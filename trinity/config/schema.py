@@ -513,6 +513,16 @@ class RolloutConfig(StrictModel):
     """Keep only the k most likely tokens (0 = off)."""
     response_length: int = Field(default=128, ge=1)
     """Maximum new tokens per response."""
+    max_num_seqs: int = Field(default=1024, ge=1)
+    """Sequences decoded at once at most (the continuous-batching engine's slots, as in vLLM); fewer when
+    the KV-cache budget holds fewer. A rollout with more rows (a DP rank's prompts x n) runs in waves: a
+    row that ends frees its slot for a waiting one."""
+    gpu_memory_utilization: float | None = Field(default=None, gt=0, le=1)
+    """Fraction of the device memory free when the rollout starts that its KV cache may take (default
+    0.8; on CPU: of the available host memory). Set this or `kv_cache_memory_gib`, not both."""
+    kv_cache_memory_gib: float | None = Field(default=None, gt=0)
+    """KV-cache budget of the rollout in GiB per GPU (per process on CPU), instead of
+    `gpu_memory_utilization`."""
 
 
 class ActorRolloutRefConfig(StrictModel):

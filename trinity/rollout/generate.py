@@ -1,4 +1,9 @@
-"""Generation with the actor's own megatron-core GPTModel (hybrid engine: no second copy, no weight sync).
+"""Static-batch generation with the actor's own megatron-core GPTModel: the reference implementation.
+
+The engine the RL recipes, `trinity generate` and evaluation use is the continuous-batching one in
+`trinity.rollout.continuous` (a slot pool under a KV-cache budget); this module decodes all rows as one
+batch until the longest ends, and the tests check the continuous engine against it. Its helpers
+(`sample`, `left_pad`, `_Pipeline`, `_tp_broadcast`) are shared by both.
 
 Layout: prompts are LEFT-padded to the batch's longest prompt, so every row's next token sits at the same
 KV-cache slot and one static KV cache serves the whole batch. megatron's GPT applies RoPE by
@@ -31,7 +36,6 @@ end: every rank returns the same `Rollout`. Virtual pipeline stages are not supp
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
@@ -258,14 +262,6 @@ def generate(
     )
 
 
-@dataclass
-class ActorRollout:
-    """The built-in `RolloutEngine`: `generate` over the actor's own chunk (hybrid engine)."""
-
-    model: Any
-    vocab_size: int
-    pad_id: int
-
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
-                 generator: torch.Generator | None = None) -> Rollout:
-        return generate(self.model, prompts, params, vocab_size=self.vocab_size, pad_id=self.pad_id, generator=generator)
+# The built-in engine (continuous batching) lives in trinity.rollout.continuous; this module keeps the
+# static batch, the reference the tests compare it against.
+from trinity.rollout.continuous import ActorRollout  # noqa: E402,F401  (re-exported)

@@ -1,7 +1,7 @@
 """What a rollout engine takes and gives back, and the interface any rollout engine offers.
 
 `SamplingParams` in, `Rollout` out; `RolloutEngine` is what the RL recipes call. The built-in engine
-is `trinity.rollout.generate.generate` over the actor's own megatron-core model (`ActorRollout`);
+is `trinity.rollout.continuous.ActorRollout` (continuous batching over the actor's own megatron-core model);
 another (vLLM, SGLang, a remote server) only has to return the same `Rollout`.
 """
 

@@ -23,6 +23,7 @@ import torch
 
 from trinity.config.roles import Role
 from trinity.config.weights import WeightSource
+from trinity.errors import UserError
 from trinity.trainer.engine.offload import RoleOffloader
 
 
@@ -181,6 +182,25 @@ class RoleEngine:
                 force=True, meta=meta, exclude=self.frozen_keys(),
             )
 
+    def _check_lora_matches(self, path: Path) -> None:
+        """A LoRA checkpoint holds adapters only, a full one no adapters: resuming one with the other's
+        config is refused naming the setting, before megatron-core reports missing tensors."""
+        from trinity.convert.dist_ckpt import META, read_meta
+
+        if not (Path(path) / META).is_file():
+            return  # not trinity's: the key comparison of the load names what differs
+        stored = read_meta(path).get("lora")
+        key = "actor_rollout_ref.actor.lora"
+        if stored and self.lora is None:
+            raise UserError(f"trainer.resume: {path} holds LoRA adapters only (rank {stored.get('rank')}), but {key} is off; "
+                            f"set {key}.rank: {stored.get('rank')} as the run that wrote it, or trainer.resume=disable")
+        if self.lora is not None and not stored:
+            raise UserError(f"trainer.resume: {path} is a full-model checkpoint, but {key} is on; remove {key} to "
+                            "resume it, or start the LoRA run elsewhere (another trainer.output_dir, or trainer.resume=disable)")
+        if stored and int(stored.get("rank", -1)) != self.lora.rank:
+            raise UserError(f"{key}.rank: {self.lora.rank} differs from the checkpoint's {stored.get('rank')} ({path}); "
+                            "resume with the rank it was trained with, or trainer.resume=disable")
+
     def frozen_keys(self) -> tuple[str, ...]:
         """Sharded keys a checkpoint of this role leaves out: with LoRA every base tensor (frozen, as loaded
         from the weight source), so a LoRA checkpoint holds the adapters, their optimizer state and the
@@ -198,6 +218,8 @@ class RoleEngine:
         from trinity.convert.dist_ckpt import load_model_checkpoint
         from trinity.distributed import cpu_compat
         from trinity.trainer.engine.optimizer_state import ReshardableOptimizer, keep_config_hyperparams
+
+        self._check_lora_matches(path)
 
         with cpu_compat.checkpoint_io():
             extra = keep_config_hyperparams(

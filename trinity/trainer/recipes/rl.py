@@ -169,13 +169,14 @@ class RLRecipe(Recipe):
 
     def setup(self) -> None:
         from trinity.distributed.sequence_parallel import RolloutWithoutSequenceParallel
-        from trinity.rollout.generate import ActorRollout
+        from trinity.rollout.continuous import ActorRollout, KVBudget
 
         self.vocab_size = self.ctx.facts.vocab_size
         # Decoding feeds one token per step, which cannot be split over TP ranks: the rollout (and the
         # evaluation, which uses this engine) runs the actor's modules with sequence parallel off.
         self.rollout_engine = RolloutWithoutSequenceParallel(
-            ActorRollout(self.actor.model[0], self.vocab_size, self.pad_id), self.actor.model)
+            ActorRollout(self.actor.model[0], self.vocab_size, self.pad_id,
+                         KVBudget.from_config(self.cfg.actor_rollout_ref.rollout)), self.actor.model)
         self.phases = Phases(self.ctx.device, self.engines)
         self.batching = self.make_batching()
 
@@ -252,7 +253,18 @@ class RLRecipe(Recipe):
             with rollout_weights(self.actor):  # LoRA: the decoders read W + alpha/rank * B A
                 return self.rollout_engine.generate(ids, self.sampling, gen)
 
-        return self.phases.run("rollout", {"actor": {"params": True}}, run, tokens=lambda r: r.response_mask.sum())
+        def tokens(r: Any) -> Any:
+            # the built-in engine also counts the rows its decode steps computed (padding_fraction/rollout)
+            stats = getattr(self.rollout_engine, "stats", None)
+            return r.response_mask.sum() if stats is None else (r.response_mask.sum(), stats.computed_tokens)
+
+        ro = self.phases.run("rollout", {"actor": {"params": True}}, run, tokens=tokens)
+        stats = getattr(self.rollout_engine, "stats", None)
+        if stats is not None:  # the engine's shape of this rollout: slots (KV budget), steps, graph captures
+            self.phases.metrics.update({"rollout/slots": stats.slots, "rollout/decode_steps": stats.decode_steps,
+                                        "rollout/graph_captures": stats.graph_captures,
+                                        "rollout/graph_capture_s": stats.capture_s})
+        return ro
 
     def score(self, prompts: list[Any], ro: Any) -> torch.Tensor:
         n = self.cfg.actor_rollout_ref.rollout.n

@@ -1,0 +1,99 @@
+"""The continuous-batching engine on CUDA: CUDA-graph replay per (batch, length) bucket against eager
+steps and against the static batch (fp32 exact tokens; bf16 on the tokens' common prefix).
+
+Run on a GPU machine: `python -m pytest tests/gpu/test_rollout_continuous_gpu.py -q`.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    from trinity.config.megatron import MegatronConfig
+    from trinity.convert.builtin import load_hf_weights
+    from trinity.distributed.layout import ParallelLayout
+    from trinity.distributed.parallel import destroy, init_parallel
+    from trinity.models.build import build_model
+    from trinity.models.facts import ModelFacts
+    from trinity.testing.tiny_models import make_tiny_hf_model
+
+    path = make_tiny_hf_model("qwen2", tmp_path_factory.mktemp("q"), hidden_size=256, num_attention_heads=4,
+                              num_key_value_heads=2, intermediate_size=512)
+    facts = ModelFacts.from_hf_dir(path)
+    init_parallel(device="cuda", layout=ParallelLayout(), seed=1)
+    models = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        (gpt,) = build_model(facts, MegatronConfig(), device="cuda", dtype=dtype)
+        load_hf_weights([gpt], path, facts)
+        models[dtype] = gpt
+    yield models, facts
+    destroy()
+
+
+def _prompts(facts, rows: int):
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(1, facts.vocab_size, (int(n),), generator=g).tolist()
+            for n in torch.randint(3, 40, (rows,), generator=g)]
+
+
+def test_graphs_match_eager_and_static_fp32(built):
+    from trinity.rollout.continuous import KVBudget, RolloutStats, generate_continuous
+    from trinity.rollout.generate import SamplingParams, generate
+
+    models, facts = built
+    gpt = models[torch.float32]
+    prompts = [p for p in _prompts(facts, 12) for _ in range(2)]
+    kw = dict(vocab_size=facts.vocab_size, pad_id=0)
+    free = generate(gpt, prompts, SamplingParams(temperature=0.0, max_new_tokens=40), **kw)
+    eos = tuple(sorted({int(free.responses[r, 3 + (r * 7) % 30]) for r in range(0, len(prompts), 2)}))
+    params = SamplingParams(temperature=0.0, max_new_tokens=40, eos_token_ids=eos)
+    want = generate(gpt, prompts, params, **kw)
+    graphed_stats, eager_stats = RolloutStats(), RolloutStats()
+    # 7 slots: waves, retirements, compaction and several batch buckets
+    graphed = generate_continuous(gpt, prompts, params, budget=KVBudget(max_num_seqs=7), stats=graphed_stats, **kw)
+    eager = generate_continuous(gpt, prompts, params, budget=KVBudget(max_num_seqs=7), cuda_graphs=False,
+                                stats=eager_stats, **kw)
+    assert torch.equal(graphed.tokens, eager.tokens) and torch.equal(graphed.tokens, want.tokens)
+    assert torch.equal(graphed.response_mask, want.response_mask)
+    assert (graphed.logprobs - eager.logprobs).abs().max().item() == 0.0
+    assert (graphed.logprobs - want.logprobs).abs().max().item() <= 1e-4
+    # each (batch bucket, length bucket) captured once, then replayed
+    assert 0 < graphed_stats.graph_captures < graphed_stats.decode_steps / 2, graphed_stats
+    assert eager_stats.graph_captures == 0
+    assert graphed_stats.attention == "triton split-KV", graphed_stats  # per-row context reads
+    # the SDPA decode attention (masked reads up to the longest live row) gives the same tokens
+    import os
+
+    os.environ["TRINITY_DECODE_ATTENTION"] = "sdpa"
+    try:
+        sdpa_stats = RolloutStats()
+        sdpa = generate_continuous(gpt, prompts, params, budget=KVBudget(max_num_seqs=7), stats=sdpa_stats, **kw)
+    finally:
+        del os.environ["TRINITY_DECODE_ATTENTION"]
+    assert sdpa_stats.attention == "sdpa"
+    assert torch.equal(sdpa.tokens, want.tokens) and (sdpa.logprobs - want.logprobs).abs().max().item() <= 1e-4
+
+
+def test_bf16_prefix_matches_static(built):
+    from trinity.rollout.continuous import KVBudget, generate_continuous
+    from trinity.rollout.generate import SamplingParams, generate
+
+    models, facts = built
+    gpt = models[torch.bfloat16]
+    prompts = _prompts(facts, 16)
+    params = SamplingParams(temperature=0.0, max_new_tokens=32)
+    kw = dict(vocab_size=facts.vocab_size, pad_id=0)
+    want = generate(gpt, prompts, params, **kw)
+    got = generate_continuous(gpt, prompts, params, budget=KVBudget(max_num_seqs=5), **kw)
+    # bf16 rounds differently in a batch of other rows and positions: greedy paths may part after a
+    # near-tie; up to there tokens and log-probs agree
+    same = (got.responses == want.responses).long().cumprod(1)
+    # a random tiny model has near-ties (seen on an H100: 1 row of 16 parted at its first token)
+    assert same[:, :4].all(1).sum() >= 12, same.sum(1)
+    common = same.bool()
+    assert (got.logprobs[common] - want.logprobs[common]).abs().max().item() <= 5e-2

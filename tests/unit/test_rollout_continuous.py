@@ -1,0 +1,236 @@
+"""The continuous-batching rollout engine (CPU, fp32, a real megatron-core GPTModel) against the static
+batch of `trinity.rollout.generate`: same greedy tokens, log-probs within 1e-5, rows ending at different
+EOS positions, a KV budget that forces several waves, one prefill per prompt for its n samples, TP=2 and
+PP=2 (gloo) against TP=1; the config fields and their refusals."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import run_two_ranks
+from trinity.config.megatron import MegatronConfig
+from trinity.distributed.layout import ParallelLayout
+from trinity.models.facts import ModelFacts
+from trinity.rollout.continuous import (KVBudget, RolloutStats, bench_response_lengths, generate_continuous,
+                                        kv_bytes_per_token)
+from trinity.rollout.generate import SamplingParams, generate
+
+# varying prompt lengths; each prompt 3 times (a group of n = 3 samples)
+PROMPTS = [[5, 9, 17, 3, 44, 2, 8, 11], [7, 1], [100, 12, 8, 60], [33, 34, 35]]
+NEW = 12
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    from trinity.convert.builtin import load_hf_weights
+    from trinity.distributed.parallel import destroy, init_parallel
+    from trinity.models.build import build_model
+    from trinity.testing.tiny_models import make_tiny_hf_model
+
+    path = make_tiny_hf_model("qwen2", tmp_path_factory.mktemp("qwen2"))
+    facts = ModelFacts.from_hf_dir(path)
+    init_parallel(device="cpu", layout=ParallelLayout(), seed=3)
+    chunks = build_model(facts, MegatronConfig(), device="cpu", dtype=torch.float32)
+    load_hf_weights(chunks, path, facts)
+    yield chunks[0], facts
+    destroy()
+
+
+def _eos_params(gpt, facts, prompts) -> tuple[SamplingParams, torch.Tensor]:
+    """Greedy params whose EOS ids are tokens the model emits at different steps per row (from a run
+    without EOS), and the free run's responses."""
+    free = generate(gpt, prompts, SamplingParams(temperature=0.0, max_new_tokens=NEW), vocab_size=facts.vocab_size, pad_id=0)
+    # the k-th distinct prompt's row ends near step 2 + 3k (greedy: its n copies are identical)
+    firsts = sorted({tuple(p): i for i, p in reversed(list(enumerate(prompts)))}.values())
+    eos = {int(free.responses[r, 2 + 3 * k]) for k, r in enumerate(firsts)}
+    return SamplingParams(temperature=0.0, max_new_tokens=NEW, eos_token_ids=tuple(sorted(eos))), free.responses
+
+
+def _same(a, b, tol: float = 1e-5) -> None:
+    assert torch.equal(a.tokens, b.tokens)
+    assert torch.equal(a.prompt_mask, b.prompt_mask) and torch.equal(a.response_mask, b.response_mask)
+    assert (a.logprobs - b.logprobs).abs().max().item() <= tol
+
+
+@pytest.mark.parametrize("max_num_seqs", [256, 5])
+def test_greedy_equals_static_batch(model, max_num_seqs):
+    """Rows of different prompt lengths end at different EOS steps; with 5 slots rows retire and waiting
+    rows take their slots mid-rollout."""
+    gpt, facts = model
+    prompts = [p for p in PROMPTS for _ in range(3)]
+    params, _ = _eos_params(gpt, facts, prompts)
+    want = generate(gpt, prompts, params, vocab_size=facts.vocab_size, pad_id=0)
+    lengths = want.response_mask.sum(1)
+    assert 1 < lengths.min() < lengths.max() <= NEW  # rows really end at different steps
+    stats = RolloutStats()
+    got = generate_continuous(gpt, prompts, params, vocab_size=facts.vocab_size, pad_id=0,
+                              budget=KVBudget(max_num_seqs=max_num_seqs), stats=stats)
+    _same(got, want)
+    assert stats.slots == min(max_num_seqs, len(prompts))
+    assert stats.tokens == int(lengths.sum())
+    assert stats.prefilled_prompts == len(PROMPTS)  # groups of 3 fit whole in 5 slots: one prefill each
+
+
+def test_rollout_over_kv_budget_runs_in_waves(model):
+    gpt, facts = model
+    prompts = [p for p in PROMPTS for _ in range(3)]
+    params, _ = _eos_params(gpt, facts, prompts)
+    want = generate(gpt, prompts, params, vocab_size=facts.vocab_size, pad_id=0)
+    cache_len = 64  # longest prompt + NEW rounded up to 64
+    per_slot = kv_bytes_per_token(gpt) * cache_len
+    stats = RolloutStats()
+    got = generate_continuous(gpt, prompts, params, vocab_size=facts.vocab_size, pad_id=0,
+                              budget=KVBudget(kv_cache_memory_gib=2.5 * per_slot / 2**30), stats=stats)
+    _same(got, want)
+    assert stats.slots == 2 and stats.cache_len == cache_len
+    assert stats.waves >= 6  # 12 rows through 2 slots
+
+
+def test_budget_below_one_sequence_names_the_key(model):
+    from trinity.errors import UserError
+
+    gpt, facts = model
+    with pytest.raises(UserError, match=r"^actor_rollout_ref\.rollout\.kv_cache_memory_gib: the KV cache budget"):
+        generate_continuous(gpt, PROMPTS, SamplingParams(max_new_tokens=4), vocab_size=facts.vocab_size, pad_id=0,
+                            budget=KVBudget(kv_cache_memory_gib=1e-9))
+    with pytest.raises(UserError, match=r"^actor_rollout_ref\.rollout\.gpu_memory_utilization: the KV cache budget"):
+        generate_continuous(gpt, PROMPTS, SamplingParams(max_new_tokens=4), vocab_size=facts.vocab_size, pad_id=0,
+                            budget=KVBudget(gpu_memory_utilization=1e-15))
+
+
+def test_samples_share_one_prefill(model):
+    """A prompt's n samples are prefilled once (the count) and give what separate prefills give (one
+    slot: every row prefilled on its own)."""
+    gpt, facts = model
+    prompts = [p for p in PROMPTS for _ in range(4)]
+    params, _ = _eos_params(gpt, facts, prompts)
+    shared, alone = RolloutStats(), RolloutStats()
+    a = generate_continuous(gpt, prompts, params, vocab_size=facts.vocab_size, pad_id=0, stats=shared)
+    b = generate_continuous(gpt, prompts, params, vocab_size=facts.vocab_size, pad_id=0,
+                            budget=KVBudget(max_num_seqs=1), stats=alone)
+    assert shared.prefilled_prompts == len(PROMPTS) and shared.prefill_calls == 1
+    assert alone.prefilled_prompts == len(prompts)
+    _same(a, b)
+
+
+def test_sampling_top_k_one_is_greedy_and_samples_differ(model):
+    gpt, facts = model
+    prompts = [p for p in PROMPTS for _ in range(4)]
+    greedy = generate_continuous(gpt, prompts, SamplingParams(temperature=0.0, max_new_tokens=6),
+                                 vocab_size=facts.vocab_size, pad_id=0)
+    top1 = generate_continuous(gpt, prompts, SamplingParams(temperature=1.0, top_k=1, max_new_tokens=6),
+                               vocab_size=facts.vocab_size, pad_id=0, generator=torch.Generator().manual_seed(0))
+    _same(top1, greedy)
+    hot = generate_continuous(gpt, prompts, SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=6),
+                              vocab_size=facts.vocab_size, pad_id=0, generator=torch.Generator().manual_seed(0))
+    # a group's samples share the prompt's prefill but draw their own tokens
+    assert len({tuple(r) for r in hot.responses[:4].tolist()}) > 1
+    assert hot.logprobs[hot.response_mask.bool()].lt(0).all()
+
+
+def test_bench_response_lengths(monkeypatch):
+    from trinity.rollout.continuous import BENCH_LENGTHS_ENV
+
+    monkeypatch.delenv(BENCH_LENGTHS_ENV, raising=False)
+    assert bench_response_lengths(8, 100) is None
+    monkeypatch.setenv(BENCH_LENGTHS_ENV, "lognormal")
+    x = torch.tensor(bench_response_lengths(20000, 1000), dtype=torch.float32)
+    assert 1 <= x.min() and x.max() <= 1000
+    assert 250 < x.mean() < 310  # mean 30% of the maximum, a little less after clipping at it
+    monkeypatch.setenv(BENCH_LENGTHS_ENV, "uniform")
+    u = torch.tensor(bench_response_lengths(20000, 100), dtype=torch.float32)
+    assert 48 < u.mean() < 53
+
+
+def test_response_lengths_schedule_ends_rows(model):
+    gpt, facts = model
+    lengths = [3, 1, 7, 12]
+    ro = generate_continuous(gpt, PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=NEW),
+                             vocab_size=facts.vocab_size, pad_id=0, response_lengths=lengths)
+    assert ro.response_mask.sum(1).tolist() == lengths and ro.response_len == 12
+
+
+# ---- the config ---------------------------------------------------------------------------------------
+
+def test_config_fields(write_job, small_job):
+    from tests.unit.test_config import problems_of, with_keys
+    from trinity.config.loader import load_config
+
+    job = with_keys(small_job, algorithm__name="grpo", data__train_batch_size=8,
+                    actor_rollout_ref__actor__ppo_mini_batch_size=8, actor_rollout_ref__rollout__n=2,
+                    actor_rollout_ref__rollout__max_num_seqs=64, actor_rollout_ref__rollout__kv_cache_memory_gib=4.5)
+    ro = load_config(write_job(job)).config.actor_rollout_ref.rollout
+    assert (ro.max_num_seqs, ro.kv_cache_memory_gib, ro.gpu_memory_utilization) == (64, 4.5, None)
+    assert KVBudget.from_config(ro) == KVBudget(64, None, 4.5)
+    key = "actor_rollout_ref.rollout"
+    for field, bad in (("max_num_seqs", 0), ("gpu_memory_utilization", 1.5), ("gpu_memory_utilization", 0),
+                       ("kv_cache_memory_gib", -1)):
+        probs = problems_of(write_job(job), [f"{key}.{field}={bad}"])
+        assert any(p.startswith(f"{key}.{field}: ") for p in probs), probs
+    # an explicit budget below one sequence (0.5B: 12 KiB of bf16 KV per token) is refused before anything runs
+    probs = problems_of(write_job(job), [f"{key}.kv_cache_memory_gib=0.001"])
+    assert any(p.startswith(f"{key}.kv_cache_memory_gib: the KV cache budget (0.001 GiB) holds no sequence") for p in probs), probs
+    probs = problems_of(write_job(job), [f"{key}.gpu_memory_utilization=0.5"])
+    assert any(p.startswith(f"{key}.kv_cache_memory_gib: set either kv_cache_memory_gib or gpu_memory_utilization")
+               for p in probs), probs
+
+
+# ---- TP=2 and PP=2 (2 processes, gloo) ------------------------------------------------------------------
+
+def _build(facts, path, tp: int, pp: int):
+    from trinity.convert.builtin import load_hf_weights
+    from trinity.distributed.parallel import init_parallel
+    from trinity.models.build import build_model
+
+    m = MegatronConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    init_parallel(device="cpu", layout=m.layout(), seed=3)
+    (gpt,) = build_model(facts, m, device="cpu", dtype=torch.float32)
+    load_hf_weights([gpt], path, facts)
+    return gpt
+
+
+def _parallel_worker(rank: int, port: int, model_dir: str, out: str, tp: int, pp: int) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    from trinity.distributed.parallel import destroy
+
+    facts = ModelFacts.from_hf_dir(model_dir)
+    prompts = [p for p in PROMPTS for _ in range(3)]
+    try:
+        gpt = _build(facts, model_dir, tp, pp)
+        params = SamplingParams(temperature=0.0, max_new_tokens=NEW, eos_token_ids=(11, 57, 90))
+        kw = dict(vocab_size=facts.vocab_size, pad_id=0)
+        # 4 slots: rows retire and waiting rows are admitted on every rank alike
+        got = generate_continuous(gpt, prompts, params, budget=KVBudget(max_num_seqs=4), **kw)
+        # sampling with a different seed per rank: the broadcast from TP rank 0 / the last stage decides
+        hot = generate_continuous(gpt, prompts, SamplingParams(temperature=1.0, max_new_tokens=NEW, eos_token_ids=(11, 57, 90)),
+                                  budget=KVBudget(max_num_seqs=4), generator=torch.Generator().manual_seed(rank), **kw)
+        gathered = [None, None]
+        torch.distributed.all_gather_object(gathered, (got.tokens.tolist(), hot.tokens.tolist(), hot.logprobs.tolist()))
+        ref = _build(facts, model_dir, 1, 1)
+        want = generate(ref, prompts, params, **kw)
+        res = {"ranks_agree": gathered[0] == gathered[1], "tokens_equal": torch.equal(got.tokens, want.tokens),
+               "mask_equal": torch.equal(got.response_mask, want.response_mask),
+               "logp_diff": (got.logprobs - want.logprobs).abs().max().item(),
+               "lengths": want.response_mask.sum(1).tolist()}
+        Path(out, f"rank{rank}.json").write_text(json.dumps(res))
+    finally:
+        destroy()
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)], ids=["tp2", "pp2"])
+def test_model_parallel_matches_tp1(tmp_path, tp, pp):
+    from trinity.testing.tiny_models import make_tiny_hf_model
+
+    model_dir = make_tiny_hf_model("qwen2", tmp_path / "qwen2", num_hidden_layers=4)
+    run_two_ranks(_parallel_worker, str(model_dir), str(tmp_path), tp, pp)
+    for rank in range(2):
+        res = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert res["ranks_agree"] and res["tokens_equal"] and res["mask_equal"], res
+        assert res["logp_diff"] <= 1e-5, res

@@ -1,0 +1,150 @@
+"""Split-KV decode attention over per-row context lengths (a Triton kernel, CUDA only).
+
+Why: a decode step of the continuous-batching engine has rows of very different context lengths. SDPA
+over a [rows, groups, L, d] cache slice with a mask reads all L keys of every row (the mask does not
+skip memory); this kernel reads each row's live keys only (`lengths[b]` of them), which is what the
+live-KV floor of a rollout counts.
+
+Layout: queries [b, groups, per, d] (a group's query heads stacked, as the lean decode path computes
+them), the cache [slots, groups, cache_len, d]; row b attends to keys 0..lengths[b]-1 of slot b. The
+grid is (row, group, split): each program runs an online softmax over its split of `split_len` keys
+(fewer at the row's end, none past it) and writes its partial sum, maximum and normaliser; `combine`
+merges the splits in fp32. Every shape is fixed for a given (rows, L) bucket, so the launch is captured
+in the decode step's CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:  # triton ships with CUDA builds of torch; CPU runs use SDPA and never import the kernel
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - CPU-only installs
+    triton = None
+
+SPLIT = 256  # keys per program
+BLOCK_N = 64  # keys per inner iteration
+
+
+def available(device: torch.device, head_dim: int, per: int, dtype: torch.dtype) -> bool:
+    """Whether the kernel runs here: Triton on CUDA, a head size of 16..256 in powers of two, at most 16
+    query heads per group (the padded query tile), and its first run (once per process and shape)
+    agreed with SDPA; otherwise the engine uses SDPA and a warning says why.
+    TRINITY_DECODE_ATTENTION=sdpa turns it off (a diagnostic: compare the two paths)."""
+    import os
+
+    if os.environ.get("TRINITY_DECODE_ATTENTION", "") == "sdpa" or triton is None:
+        return False
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return False
+    if head_dim not in (16, 32, 64, 128, 256) or per > 16:
+        return False
+    key = (str(device), head_dim, per, dtype)
+    if key not in _CHECKED:
+        _CHECKED[key] = _self_check(device, head_dim, per, dtype)
+    return _CHECKED[key]
+
+
+_CHECKED: dict[tuple, bool] = {}
+
+
+def _self_check(device: torch.device, head_dim: int, per: int, dtype: torch.dtype) -> bool:
+    """The kernel against SDPA on random rows of 1..700 keys; False (and a warning) on any error or a
+    difference above the dtype's rounding."""
+    import warnings
+
+    import torch.nn.functional as F
+
+    try:
+        g = torch.Generator(device="cpu").manual_seed(0)
+        b, groups, cache = 5, 2, 768
+        q = torch.randn(b, groups, per, head_dim, generator=g).to(device, dtype)
+        k = torch.randn(b + 1, groups, cache, head_dim, generator=g).to(device, dtype)
+        v = torch.randn(b + 1, groups, cache, head_dim, generator=g).to(device, dtype)
+        lengths = torch.tensor([1, 64, 300, 513, 700], device=device)
+        out = decode_attention(q, k, v, lengths, cache, head_dim**-0.5).float()
+        ref = torch.cat([F.scaled_dot_product_attention(q[i:i + 1].float(), k[i:i + 1, :, :n].float(), v[i:i + 1, :, :n].float(),
+                                                        scale=head_dim**-0.5) for i, n in enumerate(lengths.tolist())])
+        err = ((out - ref).norm() / ref.norm()).item()
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        if err <= tol:
+            return True
+        reason = f"relative error {err:.2e} against SDPA"
+    except Exception as exc:  # a Triton build or launch problem on this machine: SDPA still works
+        reason = f"{type(exc).__name__}: {exc}"
+    warnings.warn(f"split-KV decode attention disabled ({reason}); the rollout uses SDPA", stacklevel=2)
+    return False
+
+
+if triton is not None:
+
+    @triton.jit
+    def _split_kernel(Q, K, V, Lens, Acc, Mx, Den, scale,
+                      sq_b, sq_g, sq_p, sk_b, sk_g, sk_n, sv_b, sv_g, sv_n,
+                      sa_b, sa_g, sa_s, sa_p, sm_b, sm_g, sm_s,
+                      PER: tl.constexpr, P_PAD: tl.constexpr, D: tl.constexpr,
+                      SPLIT_LEN: tl.constexpr, BLOCK: tl.constexpr, PRECISION: tl.constexpr):
+        b = tl.program_id(0)
+        g = tl.program_id(1)
+        s = tl.program_id(2)
+        n_keys = tl.load(Lens + b)
+        start = s * SPLIT_LEN
+        end = tl.minimum(start + SPLIT_LEN, n_keys)
+        rows = tl.arange(0, P_PAD)
+        dims = tl.arange(0, D)
+        q = tl.load(Q + b * sq_b + g * sq_g + rows[:, None] * sq_p + dims[None, :], mask=rows[:, None] < PER, other=0.0)
+        m_i = tl.full([P_PAD], float("-inf"), tl.float32)
+        l_i = tl.zeros([P_PAD], tl.float32)
+        acc = tl.zeros([P_PAD, D], tl.float32)
+        # a fixed trip count (SPLIT_LEN / BLOCK): blocks past the row's end load nothing (masked lanes
+        # touch no memory) and add nothing (their scores are -inf)
+        for i in range(SPLIT_LEN // BLOCK):
+            cols = start + i * BLOCK + tl.arange(0, BLOCK)
+            live = cols < end
+            k = tl.load(K + b * sk_b + g * sk_g + cols[:, None] * sk_n + dims[None, :], mask=live[:, None], other=0.0)
+            v = tl.load(V + b * sv_b + g * sv_g + cols[:, None] * sv_n + dims[None, :], mask=live[:, None], other=0.0)
+            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale
+            scores = tl.where(live[None, :], scores, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # all masked so far: no NaN from -inf - -inf
+            p = tl.exp(scores - m_safe[:, None])
+            alpha = tl.exp(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION).to(tl.float32)
+            m_i = m_new
+        base = b * sm_b + g * sm_g + s * sm_s
+        tl.store(Mx + base + rows, m_i)
+        tl.store(Den + base + rows, l_i)
+        tl.store(Acc + b * sa_b + g * sa_g + s * sa_s + rows[:, None] * sa_p + dims[None, :], acc)
+
+
+def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor,
+                     L: int, scale: float) -> torch.Tensor:
+    """q [b, groups, per, d]; keys/values [slots >= b, groups, cache_len, d]; lengths [b] (keys per
+    row, >= 1); L >= max(lengths): sets the number of splits. Returns [b, groups, per, d] in q's dtype."""
+    b, g, per, d = q.shape
+    splits = -(-L // SPLIT)
+    p_pad = 16
+    acc = torch.empty(b, g, splits, p_pad, d, dtype=torch.float32, device=q.device)
+    mx = torch.empty(b, g, splits, p_pad, dtype=torch.float32, device=q.device)
+    den = torch.empty_like(mx)
+    _split_kernel[(b, g, splits)](
+        q, keys, values, lengths, acc, mx, den, scale,
+        q.stride(0), q.stride(1), q.stride(2), keys.stride(0), keys.stride(1), keys.stride(2),
+        values.stride(0), values.stride(1), values.stride(2),
+        acc.stride(0), acc.stride(1), acc.stride(2), acc.stride(3), mx.stride(0), mx.stride(1), mx.stride(2),
+        PER=per, P_PAD=p_pad, D=d, SPLIT_LEN=SPLIT, BLOCK=BLOCK_N,
+        # fp32 caches (tests, CPU-precision checks) multiply in full fp32, not TF32
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+    )
+    return combine(acc[:, :, :, :per], mx[:, :, :, :per], den[:, :, :, :per]).to(q.dtype)
+
+
+def combine(acc: torch.Tensor, mx: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
+    """Merge per-split online-softmax partials: acc [b, g, S, p, d], mx/den [b, g, S, p] -> [b, g, p, d].
+    A split past a row's end has max -inf and weight 0 (split 0 always holds a key)."""
+    top = mx.max(dim=2, keepdim=True).values
+    w = torch.exp(mx - top)  # [b, g, S, p]; a split with no key (-inf) weighs 0
+    num = (acc * w.unsqueeze(-1)).sum(2)
+    return num / (den * w).sum(2).unsqueeze(-1)
