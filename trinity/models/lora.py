@@ -74,6 +74,7 @@ class LoraAdapter(torch.nn.Module):
         self.lora_B = torch.nn.Parameter(torch.zeros(out_local, rank, dtype=dtype, device=device))
         self.dropout = torch.nn.Dropout(dropout) if dropout > 0 else torch.nn.Identity()
         self.enabled = True  # adapters_disabled / adapters_merged switch the hook off
+        self.gated = False  # B holds [gate; up] rows per TP rank (linear_fc1 of a gated MLP): checkpoint layout
         from megatron.core.tensor_parallel import set_tensor_model_parallel_attributes
 
         # The sharded one is TP-parallel (grad-norm counts it on every TP rank); the other replicated.
@@ -126,7 +127,17 @@ def _sharded_state_dict(module: torch.nn.Module, original: Any) -> Any:
         tensors = {"lora_A": adapter.lora_A, "lora_B": adapter.lora_B}
         dp_cp = (metadata or {}).get("dp_cp_group")
         kwargs = {"tp_group": module.tp_group, "dp_cp_group": dp_cp} if dp_cp is not None else {}
-        out.update(make_sharded_tensors_for_checkpoint(tensors, f"{prefix}lora.", axis, sharded_offsets, **kwargs))
+        adapter_sd = make_sharded_tensors_for_checkpoint(tensors, f"{prefix}lora.", axis, sharded_offsets, **kwargs)
+        if adapter.gated:
+            # linear_fc1 of a gated MLP holds [gate shard; up shard] per TP rank, not a contiguous row range
+            # of the whole [gate; up]: stored as two halves, as megatron's MLP stores the weight itself,
+            # so a checkpoint reshards to another TP size
+            from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
+
+            key = f"{prefix}lora.lora_B"
+            singleton = (metadata or {}).get("singleton_local_shards", False)
+            adapter_sd[key] = apply_swiglu_sharded_factory(adapter_sd[key], sharded_offsets, singleton)
+        out.update(adapter_sd)
         return out
 
     return sharded_state_dict
@@ -220,12 +231,28 @@ def apply_lora(chunks: list[torch.nn.Module], cfg: Any) -> int:
             in_full = in_local if kind == "column" else in_local * tp
             with torch.no_grad():
                 adapter.lora_A.copy_(_init_a(global_name, cfg.rank, in_full, start, start + in_local))
+            adapter.gated = leaf == "linear_fc1" and bool(getattr(module.config, "gated_linear_unit", False))
             module.lora = adapter
             module.register_forward_hook(_hook, with_kwargs=True)
             if hasattr(module, "sharded_state_dict"):
                 module.sharded_state_dict = _sharded_state_dict(module, module.sharded_state_dict)
             trainable += adapter.lora_A.numel() + adapter.lora_B.numel()
+        model = _unwrap(chunk)
+        embedding = getattr(model, "embedding", None) if getattr(model, "pre_process", False) else None
+        if embedding is not None and getattr(model.config, "recompute_granularity", None) == "full":
+            embedding.register_forward_hook(_input_requires_grad)
     return trainable
+
+
+def _input_requires_grad(module: torch.nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+    """Full recompute checkpoints each layer in an autograd.Function whose only tensor inputs are the
+    hidden states: with a frozen embedding they need no grad, so the layers' outputs would not either
+    and the adapters inside would get none. Marking the embedding output as requiring grad (what PEFT's
+    enable_input_require_grads does) keeps the graph; later pipeline stages receive activations that
+    require grad already."""
+    if torch.is_grad_enabled() and isinstance(output, torch.Tensor) and not output.requires_grad:
+        output.requires_grad_(True)
+    return output
 
 
 def lora_modules(chunks: list[torch.nn.Module]) -> Iterator[tuple[str, torch.nn.Module, LoraAdapter]]:
