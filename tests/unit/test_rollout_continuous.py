@@ -133,26 +133,6 @@ def test_sampling_top_k_one_is_greedy_and_samples_differ(model):
     assert hot.logprobs[hot.response_mask.bool()].lt(0).all()
 
 
-@pytest.mark.parametrize("family,force_module", [("qwen3", False), ("llama", True), ("qwen3_moe", False)])
-def test_families_and_module_path_equal_static(family, force_module, tmp_path, monkeypatch):
-    """QK-norm (qwen3) and untied heads (llama) through the lean path; megatron's submodules (the module
-    path: MoE layers, TP > 1) with per-row RoPE positions: the static batch's tokens and log-probs."""
-    from tests.unit.test_rollout_decode import _tiny_gpt
-    from trinity.rollout import continuous
-
-    if force_module:
-        monkeypatch.setattr("trinity.rollout.decode._lean_supported", lambda gpt: False)
-    with _tiny_gpt(family, tmp_path) as (gpt, facts):
-        prompts = [p for p in PROMPTS for _ in range(2)]
-        params, _ = _eos_params(gpt, facts, prompts)
-        want = generate(gpt, prompts, params, vocab_size=facts.vocab_size, pad_id=0)
-        dec = continuous.SlotDecoder(gpt, 2, 64)
-        assert dec.lean == (family != "qwen3_moe" and not force_module)
-        got = generate_continuous(gpt, prompts, params, vocab_size=facts.vocab_size, pad_id=0,
-                                  budget=KVBudget(max_num_seqs=3))
-        _same(got, want)
-
-
 def test_bench_response_lengths(monkeypatch):
     from trinity.rollout.continuous import BENCH_LENGTHS_ENV
 
@@ -192,6 +172,9 @@ def test_config_fields(write_job, small_job):
                        ("kv_cache_memory_gib", -1)):
         probs = problems_of(write_job(job), [f"{key}.{field}={bad}"])
         assert any(p.startswith(f"{key}.{field}: ") for p in probs), probs
+    # an explicit budget below one sequence (0.5B: 12 KiB of bf16 KV per token) is refused before anything runs
+    probs = problems_of(write_job(job), [f"{key}.kv_cache_memory_gib=0.001"])
+    assert any(p.startswith(f"{key}.kv_cache_memory_gib: the KV cache budget (0.001 GiB) holds no sequence") for p in probs), probs
     probs = problems_of(write_job(job), [f"{key}.gpu_memory_utilization=0.5"])
     assert any(p.startswith(f"{key}.kv_cache_memory_gib: set either kv_cache_memory_gib or gpu_memory_utilization")
                for p in probs), probs

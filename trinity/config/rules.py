@@ -53,6 +53,8 @@ def check_job(cfg: JobConfig, *, check_paths: bool = True) -> tuple[ModelFacts |
         _check_sequence_length(cfg, facts, problems)
     if cfg.is_rl:
         _check_reward(cfg, problems, check_paths)
+        if facts is not None:
+            _check_kv_budget(cfg, facts, problems)
     _check_dapo(cfg, problems)
     _check_dpo(cfg, problems)
     _check_lora(cfg, facts, problems)
@@ -328,6 +330,27 @@ def _check_batches(cfg: JobConfig, problems: list[str]) -> None:
         problems.append("actor_rollout_ref.rollout.kv_cache_memory_gib: set either kv_cache_memory_gib or "
                         "gpu_memory_utilization (the rollout's KV-cache budget), not both")
     _check_token_budgets(cfg, problems)
+
+
+def _check_kv_budget(cfg: JobConfig, facts: ModelFacts, problems: list[str]) -> None:
+    """An explicit rollout KV budget must hold one whole sequence (the longest prompt + response_length,
+    rounded up to 64 as the engine's cache is) of the largest pipeline stage, for one TP rank's heads;
+    the engine checks the same when a rollout starts (with the memory free then, for
+    gpu_memory_utilization)."""
+    ro, actor = cfg.actor_rollout_ref.rollout, cfg.actor_rollout_ref.actor.megatron
+    if ro.kv_cache_memory_gib is None:
+        return
+    tp, pp = actor.tensor_model_parallel_size, actor.pipeline_model_parallel_size
+    elem = 4 if cfg.model.dtype == "fp32" or (cfg.model.dtype == "auto" and cfg.cluster.device == "cpu") else 2
+    cache_len = -(-(cfg.data.max_prompt_length + ro.response_length) // 64) * 64
+    per_slot = (-(-facts.num_layers // pp)) * 2 * (-(-facts.num_query_groups // tp)) * facts.head_dim * elem * cache_len
+    budget = ro.kv_cache_memory_gib * 2**30
+    if budget < per_slot:
+        problems.append(
+            f"actor_rollout_ref.rollout.kv_cache_memory_gib: the KV cache budget ({budget / 2**30:.3g} GiB) holds no "
+            f"sequence: one sequence of {cache_len} tokens (longest prompt + response_length) needs "
+            f"{per_slot / 2**30:.3g} GiB; raise kv_cache_memory_gib or lower data.max_prompt_length / "
+            "actor_rollout_ref.rollout.response_length")
 
 
 def _check_token_budgets(cfg: JobConfig, problems: list[str]) -> None:
