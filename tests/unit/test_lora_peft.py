@@ -24,13 +24,14 @@ LORA = SimpleNamespace(rank=RANK, alpha=ALPHA, dropout=0.0,
 TOKENS = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(5))
 
 
-def _build(facts, hf_dir, *, tp: int = 1):
+def _build(facts, hf_dir, *, tp: int = 1, pp: int = 1):
     from trinity.config.megatron import MegatronConfig
     from trinity.convert.builtin import load_hf_weights
     from trinity.models.build import build_model
     from trinity.models.lora import apply_lora
 
-    chunks = build_model(facts, MegatronConfig(tensor_model_parallel_size=tp), device="cpu", dtype=torch.float32)
+    block = MegatronConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    chunks = build_model(facts, block, device="cpu", dtype=torch.float32)
     load_hf_weights(chunks, hf_dir, facts)
     apply_lora(chunks, LORA)
     return chunks
@@ -170,6 +171,8 @@ def test_merged_export_gives_the_adapted_logits_and_restores_the_weights(adapted
 
 
 def _tp2_worker(rank: int, port: int, hf_dir: str, folder: str, out: str) -> None:
+    """TP=2: load the TP=1 job's folder (each rank cuts its shards), run, save it back (gathered); then PP=2
+    (one layer per stage): load and save again, the stages' adapters gathered under their global layer names."""
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
                       LOCAL_RANK=str(rank))
@@ -186,12 +189,16 @@ def _tp2_worker(rank: int, port: int, hf_dir: str, folder: str, out: str) -> Non
     save_peft_folder(chunks, facts, Path(out) / "adapter", rank=RANK, alpha=ALPHA, dropout=0.0, base_model=hf_dir)
     if rank == 0:
         torch.save(logits, Path(out) / "logits.pt")
+    init_parallel(device="cpu", layout=ParallelLayout(pp=2), seed=3, timeout_s=120)
+    chunks = _build(facts, Path(hf_dir), pp=2)
+    assert load_peft_adapters(chunks, folder, facts, rank=RANK, alpha=ALPHA) == 4  # this stage's layer
+    save_peft_folder(chunks, facts, Path(out) / "adapter_pp2", rank=RANK, alpha=ALPHA, dropout=0.0, base_model=hf_dir)
     destroy()
 
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(240)
-def test_tp2_job_gathers_and_splits_adapters_exactly(adapted, tmp_path):
+def test_tp2_and_pp2_jobs_gather_and_split_adapters_exactly(adapted, tmp_path):
     from safetensors.torch import load_file
 
     from tests.conftest import run_two_ranks
@@ -199,8 +206,9 @@ def test_tp2_job_gathers_and_splits_adapters_exactly(adapted, tmp_path):
     run_two_ranks(_tp2_worker, str(adapted.hf_dir), str(adapted.folder), str(tmp_path))
     # TP=2 ran the TP=1 job's adapters (split per rank) and gathered them back bit for bit
     ours = load_file(str(adapted.folder / "adapter_model.safetensors"))
-    back = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
-    assert sorted(ours) == sorted(back)
-    for k in ours:
-        assert torch.equal(ours[k], back[k]), k
+    for folder in ("adapter", "adapter_pp2"):
+        back = load_file(str(tmp_path / folder / "adapter_model.safetensors"))
+        assert sorted(ours) == sorted(back), folder
+        for k in ours:
+            assert torch.equal(ours[k], back[k]), (folder, k)
     assert (torch.load(tmp_path / "logits.pt") - adapted.logits).abs().max() < 1e-4

@@ -89,7 +89,17 @@ class LoraAdapter(torch.nn.Module):
         """scaling * dropout(x) A^T B^T, shaped like the base layer's output on this rank."""
         from megatron.core import tensor_parallel as tpm
 
-        h = torch.nn.functional.linear(self.dropout(x), self.lora_A)
+        if isinstance(self.dropout, torch.nn.Dropout) and self.tp > 1 and (self.kind == "row" or self.sequence_parallel):
+            # x is this rank's shard (of the features, or of the sequence): its mask comes from the
+            # per-TP-rank stream, as megatron draws dropout on sharded activations; a replicated x keeps
+            # the default stream, the same on every TP rank, so that h = A x stays identical across them
+            from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+            with get_cuda_rng_tracker().fork():
+                x = self.dropout(x)
+        else:
+            x = self.dropout(x)
+        h = torch.nn.functional.linear(x, self.lora_A)
         if self.tp > 1:
             if self.kind == "column":
                 h = (tpm.gather_from_sequence_parallel_region(h, True, group=self.tp_group) if self.sequence_parallel
