@@ -163,7 +163,9 @@ def main() -> None:
                     floor_tok_s = args.prompts * args.n * tp / (floor_ms / tp / 1e3)
                     results.append({"case": name, "algo": algo, "gpus": gpus, "offload": off, **med,
                                     "floor_tokens_per_s": floor_tok_s})
-                    print(f"{name}: step {med['step_time_s']:.2f} s", flush=True)
+                    print(f"{name}: step {med['step_time_s']:.2f} s, response length mean "
+                          f"{med.get('response_length/mean', float('nan')):.0f} max {med.get('response_length/max', float('nan')):.0f}",
+                          flush=True)
                     phase_table(results[-1])  # per case, so a run cut short still reports what it measured
         if args.json:
             args.json.write_text(json.dumps(results, indent=1))

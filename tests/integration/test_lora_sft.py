@@ -74,6 +74,10 @@ def test_only_adapters_reach_ddp_and_the_optimizer(tiny_qwen2_tp1):
     n = lora.apply_lora([model], _cfg(target_modules=["q_proj", "down_proj"]))
     assert n == lora.adapter_parameter_count(facts, 4, ["linear_qkv", "linear_fc2"])
     state = build_train_state([model], MegatronConfig(), OptimConfig(lr=1e-2), dtype=torch.float32, total_steps=2)
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    inner = state.optimizer.chained_optimizers  # megatron chains one optimizer per param group
+    assert inner and all(isinstance(o, DistributedOptimizer) for o in inner)  # use_distributed_optimizer: default
     buffers = sum(b.numel_unpadded for chunk in state.model for b in chunk.buffers)
     assert buffers == n
     in_optimizer = sum(p.numel() for g in state.optimizer.param_groups for p in g["params"])
@@ -235,13 +239,15 @@ def test_resume_is_bit_exact(assets, baseline, tmp_path):
         {"tensor_model_parallel_size": 2},
         {"tensor_model_parallel_size": 2, "sequence_parallel": True},
         {"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2},  # PP=2, 2 chunks each
+        {"use_distributed_optimizer": True, "overlap_grad_reduce": True},  # DP=2: adapter states sharded over DP
     ],
-    ids=["tp2", "tp2_sp", "pp2_vpp2"],
+    ids=["tp2", "tp2_sp", "pp2_vpp2", "dp2"],
 )
 def test_layouts_give_the_same_lora_losses(assets, baseline, tmp_path, layout):
     """TP=2 (adapter A or B sharded like the base weight; with sequence parallel the adapter's input is
-    this rank's sequence shard) and PP=2 (+VPP: adapters live in each stage's chunks) follow the TP=1
-    run: the adapters, initialised from the layer's global name, are the same at any layout."""
+    this rank's sequence shard), PP=2 (+VPP: adapters live in each stage's chunks) and DP=2 (the
+    distributed optimizer shards the adapters' states) follow the TP=1 run: the adapters, initialised
+    from the layer's global name, are the same at any layout."""
     assert trinity_run(job(assets, tmp_path / "run", nproc=2, **layout), tmp_path / "job.yaml", timeout=170).returncode == 0
     mine, ref = losses(tmp_path / "run"), losses(baseline)
     assert sorted(mine) == [1, 2, 3, 4]

@@ -197,6 +197,7 @@ def _tp2_worker(rank: int, port: int, hf_dir: str, folder: str, out: str) -> Non
 
 
 @pytest.mark.multiproc
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_tp2_and_pp2_jobs_gather_and_split_adapters_exactly(adapted, tmp_path):
     from safetensors.torch import load_file

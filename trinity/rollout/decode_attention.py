@@ -7,9 +7,9 @@ live-KV floor of a rollout counts.
 
 Layout: queries [b, groups, per, d] (a group's query heads stacked, as the lean decode path computes
 them), the cache [slots, groups, cache_len, d]; row b attends to keys 0..lengths[b]-1 of slot b. The
-grid is (row, group, split): each program runs an online softmax over its split of `split_len` keys
-(fewer at the row's end, none past it) and writes its partial sum, maximum and normaliser; `combine`
-merges the splits in fp32. Every shape is fixed for a given (rows, L) bucket, so the launch is captured
+grid is (row, group, split): each program runs an online softmax over its split of the keys (stopping
+at the row's end) and writes its partial sum, maximum and normaliser; `combine` merges the splits in
+fp32. With enough rows there is one split per row and the program writes the normalised output. Every shape is fixed for a given (rows, L) bucket, so the launch is captured
 in the decode step's CUDA graph.
 """
 
@@ -63,10 +63,10 @@ def _self_check(device: torch.device, head_dim: int, per: int, dtype: torch.dtyp
         k = torch.randn(b + 1, groups, cache, head_dim, generator=g).to(device, dtype)
         v = torch.randn(b + 1, groups, cache, head_dim, generator=g).to(device, dtype)
         lengths = torch.tensor([1, 64, 300, 513, 700], device=device)
-        out = decode_attention(q, k, v, lengths, cache, head_dim**-0.5).float()
+        outs = [decode_attention(q, k, v, lengths, cache, head_dim**-0.5, splits=n).float() for n in (None, 1)]
         ref = torch.cat([F.scaled_dot_product_attention(q[i:i + 1].float(), k[i:i + 1, :, :n].float(), v[i:i + 1, :, :n].float(),
                                                         scale=head_dim**-0.5) for i, n in enumerate(lengths.tolist())])
-        err = ((out - ref).norm() / ref.norm()).item()
+        err = max(((out - ref).norm() / ref.norm()).item() for out in outs)
         tol = 1e-5 if dtype == torch.float32 else 2e-2
         if err <= tol:
             return True
@@ -77,14 +77,35 @@ def _self_check(device: torch.device, head_dim: int, per: int, dtype: torch.dtyp
     return False
 
 
+_FULL_GRID = 512  # rows x groups at which one program per (row, group) already fills an H100 (132 SMs)
+
+
 if triton is not None:
+
+    @triton.jit
+    def _block(q, K, V, b, g, sk_b, sk_g, sk_n, sv_b, sv_g, sv_n, cols, end, dims, m_i, l_i, acc, scale,
+               PRECISION: tl.constexpr):
+        """One block of keys `cols` (those >= end masked) folded into the online softmax (m_i, l_i, acc)."""
+        live = cols < end
+        k = tl.load(K + b * sk_b + g * sk_g + cols[:, None] * sk_n + dims[None, :], mask=live[:, None], other=0.0)
+        v = tl.load(V + b * sv_b + g * sv_g + cols[:, None] * sv_n + dims[None, :], mask=live[:, None], other=0.0)
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale
+        scores = tl.where(live[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # all masked so far: no NaN from -inf - -inf
+        p = tl.exp(scores - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION).to(tl.float32)
+        return m_new, l_i, acc
 
     @triton.jit
     def _split_kernel(Q, K, V, Lens, Acc, Mx, Den, scale,
                       sq_b, sq_g, sq_p, sk_b, sk_g, sk_n, sv_b, sv_g, sv_n,
                       sa_b, sa_g, sa_s, sa_p, sm_b, sm_g, sm_s,
                       PER: tl.constexpr, P_PAD: tl.constexpr, D: tl.constexpr,
-                      SPLIT_LEN: tl.constexpr, BLOCK: tl.constexpr, PRECISION: tl.constexpr):
+                      SPLIT_LEN: tl.constexpr, BLOCK: tl.constexpr, PRECISION: tl.constexpr,
+                      SINGLE: tl.constexpr, DYNAMIC: tl.constexpr):
         b = tl.program_id(0)
         g = tl.program_id(1)
         s = tl.program_id(2)
@@ -97,46 +118,58 @@ if triton is not None:
         m_i = tl.full([P_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([P_PAD], tl.float32)
         acc = tl.zeros([P_PAD, D], tl.float32)
-        # a fixed trip count (SPLIT_LEN / BLOCK): blocks past the row's end load nothing (masked lanes
-        # touch no memory) and add nothing (their scores are -inf)
-        for i in range(SPLIT_LEN // BLOCK):
-            cols = start + i * BLOCK + tl.arange(0, BLOCK)
-            live = cols < end
-            k = tl.load(K + b * sk_b + g * sk_g + cols[:, None] * sk_n + dims[None, :], mask=live[:, None], other=0.0)
-            v = tl.load(V + b * sv_b + g * sv_g + cols[:, None] * sv_n + dims[None, :], mask=live[:, None], other=0.0)
-            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale
-            scores = tl.where(live[None, :], scores, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(scores, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # all masked so far: no NaN from -inf - -inf
-            p = tl.exp(scores - m_safe[:, None])
-            alpha = tl.exp(m_i - m_safe)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION).to(tl.float32)
-            m_i = m_new
-        base = b * sm_b + g * sm_g + s * sm_s
-        tl.store(Mx + base + rows, m_i)
-        tl.store(Den + base + rows, l_i)
-        tl.store(Acc + b * sa_b + g * sa_g + s * sa_s + rows[:, None] * sa_p + dims[None, :], acc)
+        if DYNAMIC:  # compiled: stop at the row's end
+            for n0 in range(start, end, BLOCK):
+                m_i, l_i, acc = _block(q, K, V, b, g, sk_b, sk_g, sk_n, sv_b, sv_g, sv_n, n0 + tl.arange(0, BLOCK), end,
+                                       dims, m_i, l_i, acc, scale, PRECISION)
+        else:  # Triton's interpreter (CPU tests) takes no tensor loop bounds: a fixed trip count, masked
+            for i in range(SPLIT_LEN // BLOCK):
+                m_i, l_i, acc = _block(q, K, V, b, g, sk_b, sk_g, sk_n, sv_b, sv_g, sv_n,
+                                       start + i * BLOCK + tl.arange(0, BLOCK), end, dims, m_i, l_i, acc, scale, PRECISION)
+        if SINGLE:  # one split holds the whole row: the normalised output, in the output's dtype
+            out = acc / l_i[:, None]
+            tl.store(Acc + b * sa_b + g * sa_g + rows[:, None] * sa_p + dims[None, :], out.to(Acc.dtype.element_ty),
+                     mask=rows[:, None] < PER)
+        else:
+            base = b * sm_b + g * sm_g + s * sm_s
+            tl.store(Mx + base + rows, m_i)
+            tl.store(Den + base + rows, l_i)
+            tl.store(Acc + b * sa_b + g * sa_g + s * sa_s + rows[:, None] * sa_p + dims[None, :], acc)
 
 
 def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor,
-                     L: int, scale: float) -> torch.Tensor:
+                     L: int, scale: float, splits: int | None = None) -> torch.Tensor:
     """q [b, groups, per, d]; keys/values [slots >= b, groups, cache_len, d]; lengths [b] (keys per
-    row, >= 1); L >= max(lengths): sets the number of splits. Returns [b, groups, per, d] in q's dtype."""
+    row, >= 1); L >= max(lengths). Returns [b, groups, per, d] in q's dtype.
+
+    With b x groups >= _FULL_GRID programs (or splits=1) each program takes a whole row and writes the
+    normalised output; fewer rows (a rollout's tail) split each row into L / SPLIT parts that `combine`
+    merges, so that the GPU still has enough programs."""
+    import os
+
     b, g, per, d = q.shape
-    splits = -(-L // SPLIT)
+    if splits is None:
+        splits = 1 if b * g >= _FULL_GRID else -(-L // SPLIT)
+    split_len = -(-(-(-L // splits)) // BLOCK_N) * BLOCK_N
     p_pad = 16
+    common = dict(PER=per, P_PAD=p_pad, D=d, SPLIT_LEN=split_len, BLOCK=BLOCK_N,
+                  # fp32 caches (tests, CPU-precision checks) multiply in full fp32, not TF32
+                  PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+                  SINGLE=splits == 1, DYNAMIC=os.environ.get("TRITON_INTERPRET") != "1")
+    strides = (q.stride(0), q.stride(1), q.stride(2), keys.stride(0), keys.stride(1), keys.stride(2),
+               values.stride(0), values.stride(1), values.stride(2))
+    if splits == 1:
+        out = torch.empty(b, g, per, d, dtype=q.dtype, device=q.device)
+        _split_kernel[(b, g, 1)](q, keys, values, lengths, out, out, out, scale, *strides,
+                                 out.stride(0), out.stride(1), 0, out.stride(2), 0, 0, 0, **common)
+        return out
     acc = torch.empty(b, g, splits, p_pad, d, dtype=torch.float32, device=q.device)
     mx = torch.empty(b, g, splits, p_pad, dtype=torch.float32, device=q.device)
     den = torch.empty_like(mx)
     _split_kernel[(b, g, splits)](
-        q, keys, values, lengths, acc, mx, den, scale,
-        q.stride(0), q.stride(1), q.stride(2), keys.stride(0), keys.stride(1), keys.stride(2),
-        values.stride(0), values.stride(1), values.stride(2),
+        q, keys, values, lengths, acc, mx, den, scale, *strides,
         acc.stride(0), acc.stride(1), acc.stride(2), acc.stride(3), mx.stride(0), mx.stride(1), mx.stride(2),
-        PER=per, P_PAD=p_pad, D=d, SPLIT_LEN=SPLIT, BLOCK=BLOCK_N,
-        # fp32 caches (tests, CPU-precision checks) multiply in full fp32, not TF32
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        **common,
     )
     return combine(acc[:, :, :, :per], mx[:, :, :, :per], den[:, :, :, :per]).to(q.dtype)
 
