@@ -203,24 +203,33 @@ def supervise(
     """
     env = dict(os.environ if env is None else env)
     env["TRINITY_CLI_PID"] = str(os.getpid())  # read by trinity.launch.child's watchdog in every worker
-    proc = subprocess.Popen(cmd, env=env, start_new_session=True, stderr=subprocess.PIPE, text=True, bufsize=1,
-                            pass_fds=pass_fds, preexec_fn=_die_with_parent())
     cause: dict[str, str] = {}
     stopping: dict[str, Any] = {"sig": None, "deadline": None}
-    relay = threading.Thread(target=_relay_stderr, args=(proc.stderr, sys.stderr, debug, cause, stopping), daemon=True)
-    relay.start()
+    job: dict[str, subprocess.Popen] = {}
 
     def forward(signum, _frame):
         stopping["sig"] = signum
         if stopping["deadline"] is None:
             stopping["deadline"] = time.monotonic() + grace_s
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)  # torchrun passes it to every worker
-        except ProcessLookupError:
-            pass
+        if "proc" in job:
+            try:
+                os.killpg(job["proc"].pid, signal.SIGTERM)  # torchrun passes it to every worker
+            except ProcessLookupError:
+                pass
 
+    # The handlers go in BEFORE torchrun starts: a signal in between (a CI runner or terminal closing
+    # right after the launch) would otherwise kill this process with the default action and leave the
+    # job to the parent-death signal alone.
     old = {s: signal.signal(s, forward) for s in FORWARDED}
+    code, relay = 0, None
     try:
+        proc = job["proc"] = subprocess.Popen(
+            cmd, env=env, start_new_session=True, stderr=subprocess.PIPE, text=True, bufsize=1,
+            pass_fds=pass_fds, preexec_fn=_die_with_parent())
+        if stopping["sig"] is not None:  # stopped while torchrun was being started
+            forward(stopping["sig"], None)
+        relay = threading.Thread(target=_relay_stderr, args=(proc.stderr, sys.stderr, debug, cause, stopping), daemon=True)
+        relay.start()
         while True:
             # Wait in short slices: a blocking wait() is resumed after the signal handler returns
             # (PEP 475), so a torchrun that ignores SIGTERM would never see the grace period end.
@@ -233,8 +242,10 @@ def supervise(
     finally:
         for s, h in old.items():
             signal.signal(s, h)
-        _reap_group(proc.pid)
-        relay.join(timeout=5)
+        if "proc" in job:
+            _reap_group(job["proc"].pid)
+        if relay is not None:
+            relay.join(timeout=5)
     if stopped is not None:
         stopped["sig"] = stopping["sig"]
     if stopping["sig"] is not None:
