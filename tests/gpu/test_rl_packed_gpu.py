@@ -18,21 +18,8 @@ BATCH, PROMPT, RESPONSE, MICRO = 64, 128, 512, 8
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    from trinity.distributed.layout import ParallelLayout
-    from trinity.distributed.parallel import destroy, init_parallel
-    from trinity.models.facts import ModelFacts
-
-    path = tmp_path_factory.mktemp("qwen2_small")
-    cfg = Qwen2Config(num_hidden_layers=8, hidden_size=1024, intermediate_size=2816, num_attention_heads=16,
-                      num_key_value_heads=4, vocab_size=32000, max_position_embeddings=2048, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    Qwen2ForCausalLM(cfg).save_pretrained(str(path), safe_serialization=True)
-    init_parallel(device="cuda", layout=ParallelLayout(), seed=1)
-    yield ModelFacts.from_hf_dir(path), path
-    destroy()
+def setup(qwen2_small_cuda):
+    return qwen2_small_cuda
 
 
 def _engine(facts, path, dtype):

@@ -298,18 +298,22 @@ def adapters_disabled(chunks: list[torch.nn.Module]) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def adapters_merged(chunks: list[torch.nn.Module]) -> Iterator[None]:
+def adapters_merged(chunks: list[torch.nn.Module], keep: str = "host") -> Iterator[None]:
     """Inside, each adapted base weight holds W + scaling * B @ A (rounded to its dtype) and the hooks
     are off, for code that reads weights directly (the rollout decoders, exports). On exit every base
-    weight gets its original bits back (kept on the host meanwhile: one layer's weights at a time are
-    copied, never the adapters' optimizer state)."""
+    weight gets its original bits back. `keep`: where the original bits wait meanwhile: "host" (one
+    layer's weights at a time are copied out, never the adapters' optimizer state; slow for a whole
+    7B model, see trinity.trainer.recipes.lora_ref) or "device" (a copy beside them: milliseconds)."""
+    if keep not in ("host", "device"):
+        raise ValueError(f"adapters_merged: keep must be 'host' or 'device', got {keep!r}")
     entries = [(m, a) for _, m, a in lora_modules(chunks)]
     saved: list[tuple[torch.Tensor, torch.Tensor, bool]] = []
     try:
         with torch.no_grad():
             for module, adapter in entries:
                 w = module.weight
-                saved.append((w, w.detach().to("cpu", copy=True), adapter.enabled))
+                original = w.detach().to("cpu", copy=True) if keep == "host" else w.detach().clone()
+                saved.append((w, original, adapter.enabled))
                 w.copy_((w.float() + adapter.merged_delta()).to(w.dtype))
                 adapter.enabled = False
         yield

@@ -70,22 +70,5 @@ def rollout_weights(actor: Any, keep: str = "auto") -> Iterator[None]:
             need = sum(m.weight.numel() * m.weight.element_size() for m, _ in entries)
             free, total = torch.cuda.mem_get_info(weight.device)
             keep = "device" if free - need >= DEVICE_KEEP_FREE * total else "host"
-    if keep == "host":
-        with adapters_merged(chunks):
-            yield
-        return
-    saved: list[tuple[torch.Tensor, torch.Tensor, bool]] = []
-    try:
-        with torch.no_grad():
-            for module, adapter in entries:
-                w = module.weight
-                saved.append((w, w.detach().clone(), adapter.enabled))
-                # the same merge as adapters_merged: fp32 sum, rounded once to the weight's dtype
-                w.copy_((w.float() + adapter.merged_delta()).to(w.dtype))
-                adapter.enabled = False
+    with adapters_merged(chunks, keep=keep):
         yield
-    finally:
-        with torch.no_grad():
-            for (w, original, was), (_, adapter) in zip(saved, entries):
-                w.copy_(original)
-                adapter.enabled = was
