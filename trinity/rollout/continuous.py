@@ -24,7 +24,10 @@ Tensor parallelism: TP rank 0's samples are broadcast to its group. Pipeline par
 keeps its own layers' KV cache, hidden states go stage to stage (`_Pipeline`), the last stage samples
 and broadcasts the tokens every step; every rank derives "which rows ended" from those tokens with the
 same rule, so all ranks of a model-parallel group make the same scheduling decisions (the slot count
-is the minimum over the group). On CUDA "which rows ended" is read one step late (the host does not
+is the minimum over the group). Virtual pipeline stages (VPP): a rank holds several model chunks, each
+with its own `SlotDecoder` (its layers' KV cache) sharing one slot state (tokens, positions, ended
+flags); every prefill and decode step runs the chunks in order, hidden states going around the ring of
+stages between them (`_Pipeline`). On CUDA "which rows ended" is read one step late (the host does not
 wait for each step); a row that ended keeps a slot one extra step, computing nothing that is kept.
 """
 
@@ -95,9 +98,13 @@ class SlotDecoder:
     Layers run as `trinity.rollout.decode.StaticDecoder` runs them (the lean path at TP=1 with dense
     SwiGLU MLPs and torch RMSNorms, megatron's submodules otherwise), with per-row RoPE positions.
     The decode step reads its inputs from static buffers (`tok`, `pos`, `hidden`), so on CUDA (TP=1,
-    dense) each (batch bucket, length bucket) is captured once as a CUDA graph and replayed."""
+    dense) each (batch bucket, length bucket) is captured once as a CUDA graph and replayed.
 
-    def __init__(self, gpt: Any, slots: int, cache_len: int, *, cuda_graphs: bool = True) -> None:
+    state_from: another chunk's decoder of the same rank (VPP) whose slot state (`tok`, `pos`, `done`)
+    this one reads, so that the caller sets them once for all chunks."""
+
+    def __init__(self, gpt: Any, slots: int, cache_len: int, *, cuda_graphs: bool = True,
+                 state_from: "SlotDecoder | None" = None) -> None:
         from megatron.core import parallel_state as ps
 
         from trinity.rollout.decode import _lean_supported
@@ -123,11 +130,12 @@ class SlotDecoder:
         self.use_graph = cuda_graphs and self.device.type == "cuda" and ps.get_tensor_model_parallel_world_size() == 1 and dense
         self.first, self.last = gpt.pre_process, gpt.post_process
         # the decode step's static inputs: token and position of every slot, the previous stage's hidden
-        self.tok = torch.zeros(slots, dtype=torch.long, device=self.device)
-        self.pos = torch.zeros(slots, dtype=torch.long, device=self.device)
+        self.owns_state = state_from is None
+        self.tok = torch.zeros(slots, dtype=torch.long, device=self.device) if state_from is None else state_from.tok
+        self.pos = torch.zeros(slots, dtype=torch.long, device=self.device) if state_from is None else state_from.pos
         self.hidden = None if self.first else torch.zeros(1, slots, self.config.hidden_size, dtype=self.dtype, device=self.device)
         # rows whose sequence ended (or that hold none): the split-KV kernel reads one key for them
-        self.done = torch.ones(slots, dtype=torch.bool, device=self.device)
+        self.done = torch.ones(slots, dtype=torch.bool, device=self.device) if state_from is None else state_from.done
         self.rows = torch.arange(slots, device=self.device)
         self.kpos = torch.arange(cache_len, device=self.device)
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -320,7 +328,7 @@ class SlotDecoder:
         d = torch.tensor(dst, device=self.device)
         for cache in (*self.keys, *self.values):
             cache.index_copy_(0, d, cache.index_select(0, s))
-        for buf in (self.tok, self.pos):
+        for buf in (self.tok, self.pos) if self.owns_state else ():
             buf.index_copy_(0, d, buf.index_select(0, s))
 
 
@@ -401,7 +409,10 @@ def _model_parallel_min(value: int, device: torch.device) -> int:
 
 
 def kv_bytes_per_token(gpt: Any) -> int:
-    """Bytes of keys and values one token takes in this stage's layers (this TP rank's heads)."""
+    """Bytes of keys and values one token takes in this stage's layers (this TP rank's heads); `gpt` may
+    be the rank's list of model chunks (VPP)."""
+    if isinstance(gpt, (list, tuple)):
+        return sum(kv_bytes_per_token(g) for g in gpt)
     first = gpt.decoder.layers[0].self_attention
     elem = next(gpt.parameters()).element_size()
     return len(gpt.decoder.layers) * 2 * first.num_query_groups_per_partition * first.hidden_size_per_attention_head * elem
@@ -436,7 +447,7 @@ def generate_continuous(
     stats: RolloutStats | None = None,
 ) -> Rollout:
     """Sample responses for `prompts` with a megatron GPTModel (or its DDP wrapper) through a slot pool
-    (module doc). Every rank of a model-parallel group calls it with the same prompts and gets the same
+    (module doc); with virtual pipeline stages `model` is the rank's list of model chunks (in order). Every rank of a model-parallel group calls it with the same prompts and gets the same
     `Rollout` (left-padded prompts, right-padded responses, as `trinity.rollout.generate.generate`).
 
     response_lengths: benchmark-only: row i also ends after response_lengths[i] tokens (a schedule of
@@ -444,8 +455,8 @@ def generate_continuous(
     from trinity.models.build import unwrap
     from trinity.rollout.generate import _Pipeline, _tp_broadcast, left_pad, sample
 
-    gpt = unwrap(model)
-    param = next(gpt.parameters())
+    gpts = [unwrap(m) for m in (model if isinstance(model, (list, tuple)) else [model])]
+    param = next(gpts[0].parameters())
     device = param.device
     stats = stats if stats is not None else RolloutStats()
     rows = len(prompts)
@@ -454,10 +465,12 @@ def generate_continuous(
     if rows == 0 or min(plens) == 0:
         raise ValueError("generate_continuous: every prompt needs at least one token")
     cache_len = -(-(max(plens) + max_new) // _CACHE_MULTIPLE) * _CACHE_MULTIPLE
-    slots = plan_slots(gpt, budget, rows, cache_len, device)
-    pipe = _Pipeline(gpt, device, param.dtype)
-    dec = SlotDecoder(gpt, slots, cache_len, cuda_graphs=cuda_graphs)
-    stats.rows, stats.slots, stats.cache_len, stats.kv_bytes_per_token = rows, slots, cache_len, kv_bytes_per_token(gpt)
+    slots = plan_slots(gpts, budget, rows, cache_len, device)
+    pipe = _Pipeline(gpts, device, param.dtype)
+    # one decoder per model chunk; `dec` (chunk 0) holds the slot state all of them read
+    dec = SlotDecoder(gpts[0], slots, cache_len, cuda_graphs=cuda_graphs)
+    decs = [dec] + [SlotDecoder(g, slots, cache_len, cuda_graphs=cuda_graphs, state_from=dec) for g in gpts[1:]]
+    stats.rows, stats.slots, stats.cache_len, stats.kv_bytes_per_token = rows, slots, cache_len, kv_bytes_per_token(gpts)
     eos = torch.tensor(sorted(set(params.eos_token_ids)) or [-1], device=device)
 
     # outputs: one extra row (`rows`) takes the writes of slots that hold no live row
@@ -484,8 +497,9 @@ def generate_continuous(
     slot_pos = [0] * slots  # upper bound of the slot's next position (host's estimate for L)
     active_set: set[int] = set()  # slots holding a row that has not been retired
     flags = _DoneFlags(device, slots)
-    was_training = gpt.training
-    gpt.eval()
+    was_training = [g.training for g in gpts]
+    for g in gpts:
+        g.eval()
 
     def record(idx: torch.Tensor, nxt: torch.Tensor, logp: torch.Tensor, live: torch.Tensor) -> None:
         """Book the sampled tokens of slots `idx` (live: the slot's row has not ended)."""
@@ -546,10 +560,10 @@ def generate_continuous(
         pairs = [pr for _, prs in chunk for pr in prs]
         src = torch.tensor(src_l, device=device)
         dst = torch.tensor([s for _, s in pairs], device=device)
-        hidden = pipe.recv(width, u)
-        out = dec.prefill(tok.to(device), lengths, src, dst, hidden)
-        if not pipe.last:
-            pipe.send(out)
+        tok = tok.to(device)
+        for v, d in enumerate(decs):
+            out = d.prefill(tok, lengths, src, dst, pipe.recv(width, u, v))
+            pipe.send(out, v)
         stats.prefill_calls += 1
         stats.prefilled_prompts += u
         row_of[dst] = torch.tensor([r for r, _ in pairs], device=device)
@@ -581,7 +595,8 @@ def generate_continuous(
             return
         src = [s for s in live if s >= len(live)]
         dst = [s for s in free if s < len(live)][: len(src)]
-        dec.move(src, dst)
+        for d in decs:
+            d.move(src, dst)
         sl, dl = torch.tensor(src, device=device), torch.tensor(dst, device=device)
         for buf in (row_of, count, done):
             buf.index_copy_(0, dl, buf.index_select(0, sl))
@@ -606,10 +621,9 @@ def generate_continuous(
                 L = cache_len if dec.split_kv else min(
                     cache_len, -(-(max(slot_pos[s] for s in active) + 1) // _LEN_BUCKET) * _LEN_BUCKET)
                 live = ~done[:b]
-                hidden = pipe.recv(1, b)
-                out = dec.step(b, L, hidden)
-                if not pipe.last:
-                    pipe.send(out)
+                for v, d in enumerate(decs):
+                    out = d.step(b, L, pipe.recv(1, b, v))
+                    pipe.send(out, v)
                 nxt, logp = sample_broadcast(out if pipe.last else None, b)
                 idx = dec.rows[:b]
                 record(idx, nxt, logp, live)
@@ -635,9 +649,12 @@ def generate_continuous(
                 break
             it += 1
     finally:
-        gpt.train(was_training)
-        dec.close()
-    stats.graph_captures, stats.capture_s, stats.attention = dec.captures, dec.capture_s, dec.attention
+        for g, training in zip(gpts, was_training):
+            g.train(training)
+        for d in decs:
+            d.close()
+    stats.graph_captures, stats.capture_s = sum(d.captures for d in decs), sum(d.capture_s for d in decs)
+    stats.attention = dec.attention
     lengths = out_len[:rows]
     width = int(lengths.max())
     stats.tokens = int(lengths.sum())
@@ -654,8 +671,8 @@ def generate_continuous(
 
 @dataclass
 class ActorRollout:
-    """The built-in `RolloutEngine`: `generate_continuous` over the actor's own chunk (hybrid engine: no
-    second copy of the weights, no weight sync); `stats` describes its last call."""
+    """The built-in `RolloutEngine`: `generate_continuous` over the actor's own model chunks (hybrid
+    engine: no second copy of the weights, no weight sync); `stats` describes its last call."""
 
     model: Any
     vocab_size: int

@@ -30,8 +30,9 @@ The first stage embeds; each non-last stage sends its hidden states [s, b, h] to
 pipeline group (`torch.distributed.send` / `recv`); the last stage computes the logits and samples (so
 only its generator is drawn from), and broadcasts the tokens to its pipeline group every step (the first
 stage needs them as the next input, every stage needs them to stop at EOS) and the log-probs once at the
-end: every rank returns the same `Rollout`. Virtual pipeline stages are not supported
-(`trinity.distributed.layout.rollout_problems`, checked when the job is validated).
+end: every rank returns the same `Rollout`. With virtual pipeline stages every rank passes its list of
+model chunks; each step runs chunk 0..V-1 in turn, handing hidden states around the ring of stages
+(`_Pipeline`), each chunk with its own decoder (its own layers' KV cache).
 """
 
 from __future__ import annotations
@@ -106,31 +107,44 @@ def _tp_broadcast(tokens: torch.Tensor) -> torch.Tensor:
 
 class _Pipeline:
     """Hand-over between pipeline stages during generation (a no-op at PP=1): hidden states go from each
-    stage to the next, the last stage's samples go back to every stage (see module doc)."""
+    stage to the next, the last stage's samples go back to every stage (see module doc).
+
+    With virtual pipeline stages (VPP) every rank holds `chunks` model chunks and a token visits
+    stage0.chunk0 -> ... -> stage(p-1).chunk0 -> stage0.chunk1 -> ... -> stage(p-1).chunk(V-1): megatron's
+    previous / next pipeline ranks wrap around, so the hand-over of chunk v's output from the last stage
+    to stage 0's chunk v+1 is the same send/recv. Only stage 0's chunk 0 embeds (receives nothing) and
+    only the last stage's chunk V-1 computes logits (sends nothing)."""
 
     def __init__(self, gpt: Any, device: torch.device, dtype: torch.dtype) -> None:
         from megatron.core import parallel_state as ps
 
+        gpts = list(gpt) if isinstance(gpt, (list, tuple)) else [gpt]
+        self.chunks = len(gpts)
         self.size = ps.get_pipeline_model_parallel_world_size()
-        self.first, self.last = (True, True) if self.size == 1 else (gpt.pre_process, gpt.post_process)
-        self.device, self.dtype, self.hidden_size = device, dtype, gpt.config.hidden_size
+        self.first, self.last = (True, True) if self.size == 1 else (gpts[0].pre_process, gpts[-1].post_process)
+        self.device, self.dtype, self.hidden_size = device, dtype, gpts[0].config.hidden_size
         if self.size > 1:
             self.group = ps.get_pipeline_model_parallel_group()
             self.src = ps.get_pipeline_model_parallel_last_rank()
             self.prev = ps.get_pipeline_model_parallel_prev_rank()
             self.next = ps.get_pipeline_model_parallel_next_rank()
 
-    def recv(self, seq: int, batch: int) -> torch.Tensor | None:
-        """The previous stage's hidden states [seq, batch, h] (None on the first stage)."""
-        if self.first:
+    def recv(self, seq: int, batch: int, chunk: int = 0) -> torch.Tensor | None:
+        """Model chunk `chunk`'s input [seq, batch, h] from the previous rank of the ring (None on the
+        first stage's chunk 0, which embeds)."""
+        if self.size == 1 or (self.first and chunk == 0):
             return None
         buf = torch.empty(seq, batch, self.hidden_size, dtype=self.dtype, device=self.device)
         torch.distributed.recv(buf, src=self.prev, group=self.group)
         return buf
 
-    def send(self, hidden: torch.Tensor) -> None:
-        if not self.last:
-            torch.distributed.send(hidden.to(self.dtype).contiguous(), dst=self.next, group=self.group)
+    def send(self, hidden: torch.Tensor, chunk: int | None = None) -> None:
+        """Model chunk `chunk`'s output (default: the last chunk) to the next rank of the ring (nothing on
+        the last stage's last chunk, which samples)."""
+        chunk = self.chunks - 1 if chunk is None else chunk
+        if self.size == 1 or (self.last and chunk == self.chunks - 1):
+            return
+        torch.distributed.send(hidden.to(self.dtype).contiguous(), dst=self.next, group=self.group)
 
     def from_last(self, t: torch.Tensor) -> torch.Tensor:
         """`t` as the last stage holds it, on every stage."""
@@ -184,7 +198,8 @@ def generate(
     compile: bool = False,
 ) -> Rollout:
     """Sample responses for `prompts` (token id lists) with a megatron GPTModel (or its DDP wrapper);
-    at PP>1 every rank of the pipeline calls it with its own stage and gets the same `Rollout`.
+    at PP>1 every rank of the pipeline calls it with its own stage and gets the same `Rollout`; with
+    virtual pipeline stages `model` is the rank's list of model chunks (in order).
 
     use_cache=False re-runs the whole sequence every step (the reference the KV-cache path is tested
     against); cuda_graphs=False runs the cached decode steps eagerly, compile=True compiles them with
@@ -194,17 +209,19 @@ def generate(
     from trinity.models.build import unwrap
     from trinity.rollout.decode import StaticDecoder
 
-    gpt = unwrap(model)
-    param = next(gpt.parameters())
+    gpts = [unwrap(m) for m in (model if isinstance(model, (list, tuple)) else [model])]
+    param = next(gpts[0].parameters())
     device = param.device
-    pipe = _Pipeline(gpt, device, param.dtype)
-    was_training = gpt.training
-    gpt.eval()
+    pipe = _Pipeline(gpts, device, param.dtype)
+    was_training = [g.training for g in gpts]
+    for g in gpts:
+        g.eval()
     tokens, prompt_mask = left_pad(prompts, pad_id, device)
     batch, plen = tokens.shape
     eos = torch.tensor(sorted(set(params.eos_token_ids)) or [-1], device=device)
     key_mask = prompt_mask
-    decoder = StaticDecoder(gpt, batch, plen + params.max_new_tokens, cuda_graphs=cuda_graphs, compile=compile) if use_cache else None
+    decoders = [StaticDecoder(g, batch, plen + params.max_new_tokens, cuda_graphs=cuda_graphs, compile=compile)
+                for g in gpts] if use_cache else None
     out_tokens = torch.full((batch, params.max_new_tokens), pad_id, dtype=torch.long, device=device)
     out_logp = torch.zeros((batch, params.max_new_tokens), dtype=torch.float32, device=device)
     done = torch.zeros(batch, dtype=torch.bool, device=device)
@@ -215,23 +232,25 @@ def generate(
     seq, width = tokens, 0
     try:
         for step in range(params.max_new_tokens):
-            hidden = pipe.recv(seq.shape[1] if decoder is None or step == 0 else 1, batch)
-            if decoder is None:
-                pos = torch.arange(seq.shape[1], device=device).expand(batch, -1)
-                if not pipe.first:
-                    gpt.set_input_tensor(hidden)
-                out = gpt(seq, pos, attention_mask(key_mask), runtime_gather_output=True)
-                out = out[:, -1] if pipe.last else out  # last stage: logits [b, s, V]; others: hidden [s, b, h]
-            elif step == 0:
-                out = decoder.prefill(seq, key_mask, hidden)
-            else:
-                out = decoder.step(seq[:, -1], plen + step - 1, hidden)
+            for v, gpt in enumerate(gpts):  # the rank's model chunks in order (one without VPP)
+                hidden = pipe.recv(seq.shape[1] if decoders is None or step == 0 else 1, batch, v)
+                if decoders is None:
+                    pos = torch.arange(seq.shape[1], device=device).expand(batch, -1)
+                    if hidden is not None:
+                        gpt.set_input_tensor(hidden)
+                    out = gpt(seq, pos, attention_mask(key_mask), runtime_gather_output=True)
+                    # the model's last chunk: logits [b, s, V]; other chunks: hidden [s, b, h]
+                    out = out[:, -1] if gpt.post_process or pipe.size == 1 else out
+                elif step == 0:
+                    out = decoders[v].prefill(seq, key_mask, hidden)
+                else:
+                    out = decoders[v].step(seq[:, -1], plen + step - 1, hidden)
+                pipe.send(out, v)
             if pipe.last:
                 last = out[:, :vocab_size].float()
                 nxt = _tp_broadcast(sample(last, params, generator).contiguous())
                 logp = torch.log_softmax(last, -1).gather(-1, nxt.unsqueeze(-1)).squeeze(-1)
             else:
-                pipe.send(out)
                 nxt = torch.empty(batch, dtype=torch.long, device=device)
                 logp = torch.zeros(batch, dtype=torch.float32, device=device)
             nxt = pipe.from_last(nxt)
@@ -240,17 +259,18 @@ def generate(
             out_logp[:, step] = torch.where(done, torch.zeros_like(logp), logp)
             lengths += (~done).long()
             done = done | torch.isin(nxt, eos)
-            seq = nxt.unsqueeze(1) if decoder is not None else torch.cat([seq, nxt.unsqueeze(1)], dim=1)
-            if decoder is None:
+            seq = nxt.unsqueeze(1) if decoders is not None else torch.cat([seq, nxt.unsqueeze(1)], dim=1)
+            if decoders is None:
                 key_mask = torch.cat([key_mask, torch.ones_like(nxt).unsqueeze(1)], dim=1)
             width = step + 1
             if stop.all_done(done, step):
                 width = stop.width
                 break
     finally:
-        if decoder is None and not pipe.first:
-            gpt.set_input_tensor(None)
-        gpt.train(was_training)
+        for g, training in zip(gpts, was_training):
+            if decoders is None and not g.pre_process:
+                g.set_input_tensor(None)
+            g.train(training)
     responses = out_tokens[:, :width]
     response_mask = (torch.arange(width, device=device).unsqueeze(0) < lengths.unsqueeze(1)).long()
     logprobs = pipe.from_last(out_logp[:, :width].contiguous())

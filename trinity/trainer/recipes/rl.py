@@ -174,8 +174,10 @@ class RLRecipe(Recipe):
         self.vocab_size = self.ctx.facts.vocab_size
         # Decoding feeds one token per step, which cannot be split over TP ranks: the rollout (and the
         # evaluation, which uses this engine) runs the actor's modules with sequence parallel off.
+        # With virtual pipeline stages (VPP) the rollout decodes through all of this rank's model chunks.
+        chunks = list(self.actor.model)
         self.rollout_engine = RolloutWithoutSequenceParallel(
-            ActorRollout(self.actor.model[0], self.vocab_size, self.pad_id,
+            ActorRollout(chunks if len(chunks) > 1 else chunks[0], self.vocab_size, self.pad_id,
                          KVBudget.from_config(self.cfg.actor_rollout_ref.rollout)), self.actor.model)
         self.phases = Phases(self.ctx.device, self.engines)
         self.batching = self.make_batching()
