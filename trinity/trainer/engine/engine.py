@@ -139,17 +139,35 @@ class RoleEngine:
         self.optimizer.zero_grad()
         b, s = _tokens(micro_batches[0]).shape
 
+        # The interleaved (VPP) schedule runs micro batches in groups of PP and refuses a count that is not
+        # a multiple of PP, which RL's packed micro batches cannot promise: a short call is filled up with
+        # copies of its last micro batch whose loss is multiplied by 0 (no gradient, outputs dropped), and
+        # the real ones' losses by len(run) / real, undoing the schedule's division by len(run).
+        from megatron.core import parallel_state as ps
+
+        group = ps.get_pipeline_model_parallel_world_size() if len(self.model) > 1 else 1
+        real = len(micro_batches)
+        run = list(enumerate(micro_batches + micro_batches[-1:] * (-real % group)))
+        fix = len(run) / real
+
+        def scaled(micro: Any, weight: float, output: torch.Tensor) -> tuple[torch.Tensor, Any]:
+            loss, metrics = loss_fn(micro, output)
+            return loss * weight, metrics if weight else {}
+
         def forward_step(data_iterator: Any, chunk: Any) -> tuple[torch.Tensor, Callable]:
-            micro = next(data_iterator)
-            return loss_fn.forward(chunk, micro), partial(loss_fn, micro)
+            i, micro = next(data_iterator)
+            output = loss_fn.forward(chunk, micro)
+            if len(run) == real:
+                return output, partial(loss_fn, micro)
+            return output, partial(scaled, micro, fix if i < real else 0.0)
 
         # One iterator per VPP chunk: the interleaved schedule runs every micro batch through each chunk.
-        iterators = [iter(micro_batches) for _ in self.model]
+        iterators = [iter(run) for _ in self.model]
         outputs = get_forward_backward_func()(
             forward_step_func=forward_step,
             data_iterator=iterators if len(iterators) > 1 else iterators[0],
             model=self.model if len(self.model) > 1 else self.model[0],
-            num_microbatches=len(micro_batches),
+            num_microbatches=len(run),
             seq_length=_schedule_seq_length(self.model, s),
             micro_batch_size=b,
             forward_only=False,
@@ -157,7 +175,7 @@ class RoleEngine:
         ok, grad_norm, _ = (self.host or self.optimizer).step()
         if not ok:
             raise RuntimeError("optimizer step skipped (non-finite gradients)")
-        return StepResult(list(outputs), float(grad_norm if grad_norm is not None else float("nan")))
+        return StepResult(list(outputs)[:real], float(grad_norm if grad_norm is not None else float("nan")))
 
     @torch.no_grad()
     def infer_batch(
