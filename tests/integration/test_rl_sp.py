@@ -109,9 +109,8 @@ def test_ppo_with_sequence_parallel_equals_tp2_and_tp1(assets, tmp_path):
 
 
 # --- VPP in the forward-only passes (#20) ------------------------------------------------------------
-# The RL rollout decodes through one model chunk per pipeline stage, so RL jobs refuse VPP at validation
-# (trinity.distributed.layout.rollout_problems). The forward-only pass the RL roles share with DPO
-# (`trinity.trainer.engine.forward_only`: ref / old log-probs, values, DPO's reference) runs megatron's
+# The RL rollout with VPP is tested in tests/integration/test_rollout_pp.py. The forward-only pass the
+# RL roles share with DPO (`trinity.trainer.engine.forward_only`: ref / old log-probs, values, DPO's reference) runs megatron's
 # interleaved schedule; DPO exercises it end to end.
 
 

@@ -1,4 +1,4 @@
-"""Sequence parallel and VPP in RL (#20): what the layout rules refuse for the rollout, the padding of
+"""Sequence parallel and VPP in RL (#20): the layout rules serve both for the rollout, the padding of
 rows for SP, the switch that runs the rollout without SP, and ROLL's strategy_config as an RL actor."""
 
 from __future__ import annotations
@@ -9,14 +9,10 @@ import torch
 from tests.unit.test_seeds import GROUPED_GEMM_LIMIT, HAVE_GROUPED_GEMM, _base, _roll, _validate, _with_te
 from trinity.distributed.layout import ParallelLayout, rollout_problems
 
-VPP_MESSAGE = ("the built-in rollout decodes through one model chunk per pipeline stage, so RL jobs run without "
-               "virtual pipeline stages (VPP works for sft, pt and dpo); unset it and keep "
-               "pipeline_model_parallel_size (plain PP is supported)")
-
-
-def test_rollout_refuses_only_vpp():
+def test_rollout_serves_sp_and_vpp():
+    # the rollout decodes through every model chunk of a rank (VPP), with sequence parallel switched off
     assert rollout_problems(ParallelLayout(tp=2, pp=2, ep=4)) == []
-    assert rollout_problems(ParallelLayout(tp=2, pp=2, vpp=8, ep=4)) == [("virtual_pipeline_model_parallel_size", VPP_MESSAGE)]
+    assert rollout_problems(ParallelLayout(tp=2, pp=2, vpp=8, ep=4)) == []
 
 
 def test_pad_to_multiple_appends_masked_positions():
@@ -39,18 +35,16 @@ def _roll_rl_job(block: dict) -> dict:
     return job
 
 
-def test_roll_train_strategy_config_in_grpo_is_refused_only_for_the_vpp_rollout(tmp_path, monkeypatch):
+def test_roll_train_strategy_config_validates_in_grpo(tmp_path, monkeypatch):
     block = _roll("roll_megatron_train.yaml", "actor_train")
     code, answer = _validate(_roll_rl_job(block), tmp_path)
-    vpp = f"actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size: {VPP_MESSAGE}"
     gemm = [] if HAVE_GROUPED_GEMM else [f"{r}.megatron{GROUPED_GEMM_LIMIT}" for r in ("actor_rollout_ref.actor", "actor_rollout_ref.ref")]
-    assert code == 2 and sorted(answer["problems"]) == sorted([vpp] + gemm), answer
-    # without VPP the layout (TP=2 x EP=4 with sequence parallel, PP=2) validates for RL
+    assert sorted(answer["problems"]) == sorted(gemm), answer
+    # with grouped GEMM the whole layout (TP=2 x EP=4 with sequence parallel, PP=2 x VPP=8) validates for RL
     _with_te(monkeypatch)
-    block.pop("virtual_pipeline_model_parallel_size")
     code, answer = _validate(_roll_rl_job(block), tmp_path)
     assert code == 0, answer
-    assert [r["layout"] for r in answer["roles"]] == ["TP=2 PP=2 CP=1 EP=4 ETP=2 DP=8"] * 2, answer["roles"]
+    assert [r["layout"] for r in answer["roles"]] == ["TP=2 PP=2 VPP=8 CP=1 EP=4 ETP=2 DP=8"] * 2, answer["roles"]
 
 
 def test_vpp_needs_micro_batches_in_groups_of_pp(tmp_path):

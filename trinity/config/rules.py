@@ -133,8 +133,8 @@ def _check_sft_offload(cfg: JobConfig, problems: list[str]) -> None:
 
 
 def _check_rl_roles(cfg: JobConfig, problems: list[str]) -> None:
-    """What the RL loop cannot do yet: rollout over virtual pipeline stages (sequence parallel is
-    served: the rollout switches it off, trinity.distributed.sequence_parallel), and roles of different layouts (which would need resharding weights between them; dpo's ref too:
+    """What the RL loop cannot do yet: what `rollout_problems` names (nothing today: sequence parallel and
+    virtual pipeline stages are served, trinity.distributed.sequence_parallel and trinity.rollout), and roles of different layouts (which would need resharding weights between them; dpo's ref too:
     all roles share one parallel state)."""
     roles = cfg.roles()
     actor = roles.pop("actor_rollout_ref.actor")
