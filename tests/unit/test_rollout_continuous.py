@@ -260,6 +260,7 @@ def _vpp_worker(rank: int, port: int, model_dir: str, out: str) -> None:
         stats = RolloutStats()
         got = generate_continuous(chunks, prompts, params, budget=KVBudget(max_num_seqs=4), stats=stats, **kw)
         static = generate(chunks, prompts, params, **kw)
+        nocache = generate(chunks, prompts, params, use_cache=False, **kw)  # megatron's own forward per chunk
         gathered = [None, None]
         torch.distributed.all_gather_object(gathered, got.tokens.tolist())
         ref = _build(facts, model_dir, 1, 1)
@@ -269,6 +270,8 @@ def _vpp_worker(rank: int, port: int, model_dir: str, out: str) -> None:
                "logp_diff": (got.logprobs - want.logprobs).abs().max().item(),
                "static_equal": torch.equal(static.tokens, want.tokens),
                "static_logp_diff": (static.logprobs - want.logprobs).abs().max().item(),
+               "nocache_equal": torch.equal(nocache.tokens, want.tokens),
+               "nocache_logp_diff": (nocache.logprobs - want.logprobs).abs().max().item(),
                "slots": stats.slots, "waves": stats.waves}
         Path(out, f"rank{rank}.json").write_text(json.dumps(res))
     finally:
@@ -286,4 +289,5 @@ def test_virtual_pipeline_matches_pp1(tmp_path):
         res = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert res["ranks_agree"] and res["tokens_equal"] and res["mask_equal"] and res["static_equal"], res
         assert res["logp_diff"] <= 1e-5 and res["static_logp_diff"] <= 1e-5, res
+        assert res["nocache_equal"] and res["nocache_logp_diff"] <= 1e-5, res
         assert res["slots"] == 4 and res["waves"] >= 3, res
