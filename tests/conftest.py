@@ -106,14 +106,13 @@ def trinity_run(cfg: dict, path: Path, *, timeout: float, env: dict[str, str] | 
     return proc
 
 
-# Heaviest files first. pytest-xdist (`--dist loadfile --no-loadscope-reorder`, pyproject's addopts)
-# hands whole files to its two workers in collection order. Its default order (files with most tests
-# first) left the one-test, 130 s real-model files for last, and one worker ground through them while
-# the other sat idle (CI-like runs: 18-22 min, the last few % of tests taking 8-10 of them). Longest
-# first keeps both workers busy to the end. tests/durations.json holds measured seconds per file
-# (refresh it from a `pytest --durations=0` run); a file not in it is estimated at 15 s per test marked
-# slow, real or multiproc, 0.3 s per other test, 0 per gpu test (CPU runs skip those). The order inside
-# a file is kept.
+# Heaviest files first. pytest-xdist (`--dist loadfile`, pyproject's addopts) hands whole files to its
+# two workers in collection order; alphabetical order put slow multi-rank files of tests/unit last, so
+# one worker ground through them for minutes while the other sat idle (a CI run: 18 min, of which the
+# last 8% of tests took 10). Longest first keeps both workers busy to the end. tests/durations.json holds
+# measured seconds per file (refresh it from a `pytest --durations=0` run's slowest files); a file not
+# in it is estimated at 15 s per test marked slow, real or multiproc and 0.3 s per other test (a gpu test: 0, CPU runs skip it). The order
+# inside a file is kept.
 _HEAVY_MARKS = ("slow", "real", "multiproc")
 
 
