@@ -109,30 +109,17 @@ def trinity_run(cfg: dict, path: Path, *, timeout: float, env: dict[str, str] | 
 # Heaviest files first. pytest-xdist (`--dist loadfile`, pyproject's addopts) hands whole files to its
 # two workers in collection order; alphabetical order put slow multi-rank files of tests/unit last, so
 # one worker ground through them for minutes while the other sat idle (a CI run: 18 min, of which the
-# last 8% of tests took 10). Longest first keeps both workers busy to the end. tests/durations.json holds
-# measured seconds per file (refresh it from a `pytest --durations=0` run's slowest files); a file not
-# in it is estimated at 15 s per test marked slow, real or multiproc and 0.3 s per other test (a gpu test: 0, CPU runs skip it). The order
-# inside a file is kept.
+# last 8% of tests took 10). Longest first keeps both workers busy to the end. A test marked slow, real
+# or multiproc weighs 10 plain tests; the order inside a file is kept.
 _HEAVY_MARKS = ("slow", "real", "multiproc")
 
 
 def pytest_collection_modifyitems(config, items):
-    import json
-
-    root = Path(__file__).resolve().parent.parent
-    known = json.loads((root / "tests" / "durations.json").read_text())
-    estimate: dict[str, float] = {}
+    weight: dict[str, int] = {}
     first: dict[str, int] = {}
     for i, item in enumerate(items):
-        path = Path(item.path).resolve().relative_to(root).as_posix()
+        path = str(item.path)
         heavy = any(item.get_closest_marker(m) is not None for m in _HEAVY_MARKS)
-        cost = 0.0 if item.get_closest_marker("gpu") is not None else 15.0 if heavy else 0.3  # gpu: skipped on CPU
-        estimate[path] = estimate.get(path, 0.0) + cost
+        weight[path] = weight.get(path, 0) + (100 if heavy else 1)
         first.setdefault(path, i)
-    seconds = {path: float(known.get(path, est)) for path, est in estimate.items()}
-
-    def key(item):
-        path = Path(item.path).resolve().relative_to(root).as_posix()
-        return (-seconds[path], first[path])
-
-    items.sort(key=key)
+    items.sort(key=lambda it: (-weight[str(it.path)], first[str(it.path)]))
