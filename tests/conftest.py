@@ -104,22 +104,3 @@ def trinity_run(cfg: dict, path: Path, *, timeout: float, env: dict[str, str] | 
     (path.parent / f"{path.stem}.out").write_text(proc.stdout)
     print(proc.stdout[-3000:])
     return proc
-
-
-# Heaviest files first. pytest-xdist (`--dist loadfile`, pyproject's addopts) hands whole files to its
-# two workers in collection order; alphabetical order put slow multi-rank files of tests/unit last, so
-# one worker ground through them for minutes while the other sat idle (a CI run: 18 min, of which the
-# last 8% of tests took 10). Longest first keeps both workers busy to the end. A test marked slow, real
-# or multiproc weighs 10 plain tests; the order inside a file is kept.
-_HEAVY_MARKS = ("slow", "real", "multiproc")
-
-
-def pytest_collection_modifyitems(config, items):
-    weight: dict[str, int] = {}
-    first: dict[str, int] = {}
-    for i, item in enumerate(items):
-        path = str(item.path)
-        heavy = any(item.get_closest_marker(m) is not None for m in _HEAVY_MARKS)
-        weight[path] = weight.get(path, 0) + (100 if heavy else 1)
-        first.setdefault(path, i)
-    items.sort(key=lambda it: (-weight[str(it.path)], first[str(it.path)]))
