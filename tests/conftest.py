@@ -104,3 +104,26 @@ def trinity_run(cfg: dict, path: Path, *, timeout: float, env: dict[str, str] | 
     (path.parent / f"{path.stem}.out").write_text(proc.stdout)
     print(proc.stdout[-3000:])
     return proc
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen2_cpu(tmp_path_factory):
+    """(model chunk, ModelFacts, HF folder) of the tiny random Qwen2, fp32 on CPU at TP=PP=1, with
+    megatron's parallel state up for the module (the rollout tests decode with it)."""
+    import torch
+
+    from trinity.config.megatron import MegatronConfig
+    from trinity.convert.builtin import load_hf_weights
+    from trinity.distributed.layout import ParallelLayout
+    from trinity.distributed.parallel import destroy, init_parallel
+    from trinity.models.build import build_model
+    from trinity.models.facts import ModelFacts
+    from trinity.testing.tiny_models import make_tiny_hf_model
+
+    path = make_tiny_hf_model("qwen2", tmp_path_factory.mktemp("qwen2"))
+    facts = ModelFacts.from_hf_dir(path)
+    init_parallel(device="cpu", layout=ParallelLayout(), seed=3)
+    chunks = build_model(facts, MegatronConfig(), device="cpu", dtype=torch.float32)
+    load_hf_weights(chunks, path, facts)
+    yield chunks[0], facts, path
+    destroy()

@@ -14,7 +14,6 @@ import torch
 
 from tests.conftest import run_two_ranks
 from trinity.config.megatron import MegatronConfig
-from trinity.distributed.layout import ParallelLayout
 from trinity.models.facts import ModelFacts
 from trinity.rollout.continuous import (KVBudget, RolloutStats, bench_response_lengths, generate_continuous,
                                         kv_bytes_per_token)
@@ -26,19 +25,9 @@ NEW = 12
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    from trinity.convert.builtin import load_hf_weights
-    from trinity.distributed.parallel import destroy, init_parallel
-    from trinity.models.build import build_model
-    from trinity.testing.tiny_models import make_tiny_hf_model
-
-    path = make_tiny_hf_model("qwen2", tmp_path_factory.mktemp("qwen2"))
-    facts = ModelFacts.from_hf_dir(path)
-    init_parallel(device="cpu", layout=ParallelLayout(), seed=3)
-    chunks = build_model(facts, MegatronConfig(), device="cpu", dtype=torch.float32)
-    load_hf_weights(chunks, path, facts)
-    yield chunks[0], facts
-    destroy()
+def model(tiny_qwen2_cpu):
+    chunk, facts, _ = tiny_qwen2_cpu
+    return chunk, facts
 
 
 def _eos_params(gpt, facts, prompts) -> tuple[SamplingParams, torch.Tensor]:

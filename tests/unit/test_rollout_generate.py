@@ -5,28 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trinity.config.megatron import MegatronConfig
-from trinity.distributed.layout import ParallelLayout
-from trinity.models.facts import ModelFacts
 from trinity.rollout.generate import SamplingParams, attention_mask, generate, left_pad, sample
 
 PROMPTS = [[5, 9, 17, 3, 44, 2], [7, 1], [100, 12, 8, 60]]
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    from trinity.convert.builtin import load_hf_weights
-    from trinity.distributed.parallel import destroy, init_parallel
-    from trinity.models.build import build_model
-    from trinity.testing.tiny_models import make_tiny_hf_model
-
-    path = make_tiny_hf_model("qwen2", tmp_path_factory.mktemp("qwen2"))
-    facts = ModelFacts.from_hf_dir(path)
-    init_parallel(device="cpu", layout=ParallelLayout(), seed=3)
-    chunks = build_model(facts, MegatronConfig(), device="cpu", dtype=torch.float32)
-    load_hf_weights(chunks, path, facts)
-    yield chunks[0], facts, path
-    destroy()
+def model(tiny_qwen2_cpu):
+    return tiny_qwen2_cpu
 
 
 def test_attention_mask_left_padding():
