@@ -121,6 +121,21 @@ def _conversion_key(cfg: dict) -> str | None:
     return f"{source_fingerprint(model)}-{cfg['model'].get('dtype', 'auto')}-{cfg['cluster'].get('device', 'cuda')}"
 
 
+def seed_conversion(cfg: dict) -> Path | None:
+    """Put the session's conversion of the job's HF folder (if an earlier job stored one) into the
+    job's <output_dir>/mcore_cache, unless that exists; the store entry's path (None: no store)."""
+    import shutil
+
+    key = _conversion_key(cfg)
+    if key is None:
+        return None
+    stored = Path(os.environ[CONVERSIONS_ENV]) / key
+    cache = Path(cfg["trainer"]["output_dir"]) / "mcore_cache"
+    if (stored / "ckpt" / "trinity_meta.json").is_file() and not cache.exists():
+        shutil.copytree(stored / "ckpt", cache / (stored / "name").read_text())
+    return stored
+
+
 def trinity_run(cfg: dict, path: Path, *, timeout: float, env: dict[str, str] | None = None,
                 reuse_conversion: bool = False) -> subprocess.CompletedProcess:
     """Write `cfg` as YAML to `path` and run it; the output is printed (its end) and kept in
@@ -133,12 +148,8 @@ def trinity_run(cfg: dict, path: Path, *, timeout: float, env: dict[str, str] | 
     itself leave this off."""
     import shutil
 
-    key = _conversion_key(cfg) if reuse_conversion else None
+    stored = seed_conversion(cfg) if reuse_conversion else None
     cache = Path(cfg["trainer"]["output_dir"]) / "mcore_cache"
-    stored = Path(os.environ[CONVERSIONS_ENV]) / key if key else None
-    if stored is not None and (stored / "ckpt" / "trinity_meta.json").is_file() and not cache.exists():
-        fingerprint = (stored / "name").read_text()
-        shutil.copytree(stored / "ckpt", cache / fingerprint)
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     proc = subprocess.run(
         trinity_run_argv(path), cwd=REPO, env={**os.environ, **(env or {})},
