@@ -187,8 +187,20 @@ def _tp2_worker(rank: int, port: int, hf_dir: str, folder: str, out: str) -> Non
     load_peft_adapters(chunks, folder, facts, rank=RANK, alpha=ALPHA)  # each rank cuts its shards
     logits = _ours(chunks, facts.vocab_size)
     save_peft_folder(chunks, facts, Path(out) / "adapter", rank=RANK, alpha=ALPHA, dropout=0.0, base_model=hf_dir)
+    # the rollout at TP=2 (module path: the adapters' hooks with their TP collectives) with the adapters
+    # unmerged (actor.lora.rollout_weights `adapters`) and merged
+    from trinity.rollout.continuous import generate_continuous
+    from trinity.rollout.generate import SamplingParams
+    from trinity.trainer.recipes.lora_ref import rollout_weights
+
+    rollouts = {}
+    for keep in ("adapters", "device"):
+        with rollout_weights(chunks, keep=keep):
+            rollouts[keep] = generate_continuous(chunks[0], [[5, 6, 7], [9, 10, 11, 12]], SamplingParams(
+                temperature=0.0, max_new_tokens=4), vocab_size=facts.vocab_size, pad_id=0)
     if rank == 0:
         torch.save(logits, Path(out) / "logits.pt")
+        torch.save({k: (r.tokens, r.logprobs) for k, r in rollouts.items()}, Path(out) / "rollouts.pt")
     init_parallel(device="cpu", layout=ParallelLayout(pp=2), seed=3, timeout_s=120)
     chunks = _build(facts, Path(hf_dir), pp=2)
     assert load_peft_adapters(chunks, folder, facts, rank=RANK, alpha=ALPHA) == 4  # this stage's layer
@@ -213,3 +225,6 @@ def test_tp2_and_pp2_jobs_gather_and_split_adapters_exactly(adapted, tmp_path):
         for k in ours:
             assert torch.equal(ours[k], back[k]), (folder, k)
     assert (torch.load(tmp_path / "logits.pt") - adapted.logits).abs().max() < 1e-4
+    ro = torch.load(tmp_path / "rollouts.pt")
+    assert torch.equal(ro["adapters"][0], ro["device"][0])  # greedy tokens of the TP=2 rollouts
+    assert (ro["adapters"][1] - ro["device"][1]).abs().max() < 1e-5

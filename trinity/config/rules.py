@@ -57,7 +57,7 @@ def check_job(cfg: JobConfig, *, check_paths: bool = True) -> tuple[ModelFacts |
             _check_kv_budget(cfg, facts, problems)
     _check_dapo(cfg, problems)
     _check_dpo(cfg, problems)
-    _check_lora(cfg, facts, problems)
+    _check_lora(cfg, facts, problems, check_paths)
     _check_lora_ref(cfg, problems)
     _check_profile(cfg, problems)
     check_evaluation(cfg, problems, check_paths)
@@ -471,14 +471,19 @@ def _check_dpo(cfg: JobConfig, problems: list[str]) -> None:
         )
 
 
-def _check_lora(cfg: JobConfig, facts: ModelFacts | None, problems: list[str]) -> None:
+def _check_lora(cfg: JobConfig, facts: ModelFacts | None, problems: list[str], check_paths: bool = True) -> None:
     """actor.lora: target names known, settings only with rank >= 1, and only where adapters can act."""
     lora = cfg.actor_rollout_ref.actor.lora
     p = "actor_rollout_ref.actor.lora"
     if lora.rank == 0:
-        for field in _non_default(lora, ["alpha", "dropout", "target_modules"]):
+        for field in _non_default(lora, ["alpha", "dropout", "target_modules", "rollout_weights", "adapter_path"]):
             problems.append(f"{p}.{field}: has no effect while {p}.rank is 0 (LoRA off); set rank >= 1 or remove the key")
         return
+    if not cfg.is_rl and _non_default(lora, ["rollout_weights"]):
+        problems.append(f"{p}.rollout_weights: {cfg.algorithm.name.value} jobs have no rollout, so it has no effect; "
+                        "remove the key")
+    if lora.adapter_path is not None and check_paths:
+        _check_adapter_path(lora, problems)
     from trinity.models.lora_targets import resolve_targets
 
     try:
@@ -494,6 +499,40 @@ def _check_lora(cfg: JobConfig, facts: ModelFacts | None, problems: list[str]) -
             f"{p}.target_modules: {', '.join(mlp)} of an MoE model are its experts, which LoRA does not adapt; "
             "target linear_qkv and linear_proj only"
         )
+
+
+def _check_adapter_path(lora: Any, problems: list[str]) -> None:
+    """actor.lora.adapter_path: a PEFT folder of plain LoRA adapters whose r, lora_alpha and target modules
+    are the job's (the adapters are loaded into the job's own, which have the job's shapes)."""
+    from trinity.models.lora_targets import PEFT_CONFIG_FILE, adapter_config_targets, read_adapter_config, resolve_targets
+
+    p = "actor_rollout_ref.actor.lora"
+    folder = Path(lora.adapter_path)
+    if not folder.is_dir():
+        what = "is a file, not a folder" if folder.is_file() else "does not exist"
+        problems.append(f"{p}.adapter_path: {folder} {what}; point it at a PEFT adapter folder "
+                        "(adapter_config.json + adapter_model.safetensors)")
+        return
+    where = folder / PEFT_CONFIG_FILE
+    try:
+        config = read_adapter_config(folder)
+        theirs = adapter_config_targets(config, where)
+    except UserError as exc:
+        problems.append(f"{p}.adapter_path: {exc}")
+        return
+    r, alpha = config.get("r"), config.get("lora_alpha")
+    if r != lora.rank:
+        problems.append(f"{p}.rank: {lora.rank} but {where} has r {r}; set {p}.rank to {r} to start from its adapters")
+    if alpha is None or float(alpha) != float(lora.alpha):
+        problems.append(f"{p}.alpha: {lora.alpha:g} but {where} has lora_alpha {alpha}; set {p}.alpha to {alpha} "
+                        "to start from its adapters")
+    try:
+        ours = resolve_targets(lora.target_modules)
+    except ValueError:
+        return  # _check_lora names the unknown target
+    if ours != theirs:
+        problems.append(f"{p}.target_modules: adapts {', '.join(ours) or 'nothing'} but {where} adapts "
+                        f"{', '.join(theirs) or 'nothing'}; set {p}.target_modules to {theirs}")
 
 
 def _check_lora_ref(cfg: JobConfig, problems: list[str]) -> None:

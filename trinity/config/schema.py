@@ -417,6 +417,17 @@ class LoraConfig(StrictModel):
     `linear_fc2`) or Hugging Face name (q_proj/k_proj/v_proj -> linear_qkv, o_proj -> linear_proj,
     gate_proj/up_proj -> linear_fc1, down_proj -> linear_fc2; `all-linear` = all four). One adapter
     covers a fused megatron linear: q_proj alone adapts q, k and v."""
+    rollout_weights: Literal["auto", "device", "host", "adapters"] = "auto"
+    """How the rollout decodes the adapted model (docs/lora.md, Rollout with adapters): `auto`, `device`,
+    `host` merge the adapters into the base weights around each rollout (W + alpha/rank x B A), the
+    original weights waiting on the GPU (`device`), in host memory (`host`), or on the GPU while a quarter
+    of its memory stays free besides them (`auto`); `adapters` merges nothing: the decoders add
+    x A^T B^T beside each adapted linear, inside their CUDA graphs."""
+    adapter_path: str | None = None
+    """A PEFT adapter folder (adapter_config.json + adapter_model.safetensors, e.g. from PEFT/TRL or a
+    trinity job's `adapter/`) whose adapters the job starts from instead of fresh ones (verl's
+    `lora_adapter_path`). Its r, lora_alpha and target_modules must equal rank, alpha and target_modules.
+    A resumed job takes its adapters from its checkpoint."""
 
 
 class ActorConfig(StrictModel):
