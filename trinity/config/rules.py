@@ -504,7 +504,9 @@ def _check_lora(cfg: JobConfig, facts: ModelFacts | None, problems: list[str], c
 def _check_adapter_path(lora: Any, problems: list[str]) -> None:
     """actor.lora.adapter_path: a PEFT folder of plain LoRA adapters whose r, lora_alpha and target modules
     are the job's (the adapters are loaded into the job's own, which have the job's shapes)."""
-    from trinity.models.lora_targets import PEFT_CONFIG_FILE, adapter_config_targets, read_adapter_config, resolve_targets
+    from trinity.models.lora_targets import (
+        PEFT_CONFIG_FILE, adapter_config_targets, check_shared_a, read_adapter_config, resolve_targets,
+    )
 
     p = "actor_rollout_ref.actor.lora"
     folder = Path(lora.adapter_path)
@@ -517,6 +519,7 @@ def _check_adapter_path(lora: Any, problems: list[str]) -> None:
     try:
         config = read_adapter_config(folder)
         theirs = adapter_config_targets(config, where)
+        check_shared_a(folder)
     except UserError as exc:
         problems.append(f"{p}.adapter_path: {exc}")
         return

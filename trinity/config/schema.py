@@ -418,7 +418,7 @@ class LoraConfig(StrictModel):
     gate_proj/up_proj -> linear_fc1, down_proj -> linear_fc2; `all-linear` = all four). One adapter
     covers a fused megatron linear: q_proj alone adapts q, k and v."""
     rollout_weights: Literal["auto", "device", "host", "adapters"] = "auto"
-    """How the rollout decodes the adapted model (docs/lora.md, Rollout with adapters): `auto`, `device`,
+    """RL: how the rollout decodes the adapted model (docs/lora.md, Rollout with adapters): `auto`, `device`,
     `host` merge the adapters into the base weights around each rollout (W + alpha/rank x B A), the
     original weights waiting on the GPU (`device`), in host memory (`host`), or on the GPU while a quarter
     of its memory stays free besides them (`auto`); `adapters` merges nothing: the decoders add

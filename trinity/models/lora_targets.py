@@ -110,6 +110,32 @@ def adapter_config_targets(config: dict[str, Any], where: str | Path) -> list[st
     return targets
 
 
+def check_shared_a(folder: str | Path) -> None:
+    """UserError naming the weights file when the q/k/v (gate/up) adapters of one layer have different
+    lora_A: megatron's fused linear holds one A. Reads only the lora_A tensors (r x in each)."""
+    from safetensors import safe_open
+
+    from trinity.errors import UserError
+
+    where = Path(folder) / PEFT_WEIGHTS_FILE
+    with safe_open(str(where), framework="pt") as f:
+        keys = set(f.keys())
+        for linear, parts in _FUSED_PARTS.items():
+            suffix = f".{parts[0]}.lora_A.weight"
+            for key in sorted(k for k in keys if k.endswith(suffix)):
+                stem = key[: -len(suffix)]
+                first = f.get_tensor(key)
+                for part in parts[1:]:
+                    other = f"{stem}.{part}.lora_A.weight"
+                    if other in keys and not f.get_tensor(other).equal(first):
+                        m0 = (stem + "." + parts[0]).removeprefix("base_model.model.")
+                        m = (stem + "." + part).removeprefix("base_model.model.")
+                        raise UserError(
+                            f"{where}: {m} and {m0} have different lora_A; megatron fuses them into one linear "
+                            f"({linear}) whose adapter has one A, so only adapters trained by trinity (or with a "
+                            "shared A) load")
+
+
 def linear_shape(facts: Any, target: str) -> tuple[int, int]:
     """(in, out) of one layer's full (TP=1) megatron linear `target` of a dense model."""
     h, hd = facts.hidden_size, facts.head_dim
@@ -142,6 +168,6 @@ def adapter_parameters_per_gpu(facts: Any, rank: int, targets: Iterable[str], *,
 
 __all__ = [
     "ALL_LINEAR", "COLUMN_PARALLEL", "HF_TO_MCORE", "MCORE_TARGETS", "ROW_PARALLEL", "adapter_parameter_count",
-    "PEFT_CONFIG_FILE", "PEFT_WEIGHTS_FILE", "adapter_config_targets", "adapter_parameters_per_gpu", "linear_shape",
+    "PEFT_CONFIG_FILE", "PEFT_WEIGHTS_FILE", "adapter_config_targets", "check_shared_a", "adapter_parameters_per_gpu", "linear_shape",
     "read_adapter_config", "resolve_targets",
 ]
