@@ -1,6 +1,7 @@
 """LoRA on one GPU (bf16): a training step trains the adapters only (optimizer, gradients), the frozen base
-stays bit for bit, and a rollout on the merged weights (the decoders' lean path and CUDA graphs) leaves
-every base weight bit for bit as it was.
+stays bit for bit, a rollout on the merged weights (the decoders' lean path and CUDA graphs) leaves
+every base weight bit for bit as it was, and a rollout with the adapters unmerged (rollout_weights
+`adapters`: x A^T B^T inside the decode graphs) samples from the adapted model.
 
 Run on a GPU machine: `python -m pytest tests/gpu/test_lora_gpu.py -q -s`.
 """
