@@ -43,6 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from trinity.errors import UserError
+from trinity.models import lora  # the lean path's linears: base weight + active LoRA adapter
 from trinity.rollout.types import Rollout, SamplingParams
 
 _LEN_BUCKET = 256  # attention reads the cache up to the longest live context rounded up to this
@@ -176,7 +177,7 @@ class SlotDecoder:
 
         attn, mlp = layer.self_attention, layer.mlp
         g, per, d = self.groups, self.heads // self.groups, self.head_dim
-        qkv = F.linear(_rms(x, layer.input_layernorm), attn.linear_qkv.weight, attn.linear_qkv.bias)
+        qkv = lora.linear(_rms(x, layer.input_layernorm), attn.linear_qkv, attn.linear_qkv.bias)
         qkv = qkv.view(s, b, g, per + 2, d)
         if self.config.qk_layernorm:
             q = _rope(_rms(qkv[:, :, :, :per], attn.q_layernorm), cos, sin)
@@ -196,12 +197,12 @@ class SlotDecoder:
             self._store_prefill(i, kk, vv, ctx["src"], ctx["dst"])
             qq = q.permute(1, 2, 3, 0, 4).reshape(b, g * per, s, d)
             out = self._attend_prefill(qq, kk, vv).permute(2, 0, 1, 3).reshape(s * b, g * per * d)
-        x = torch.addmm(x, out, attn.linear_proj.weight.t())
+        x = lora.addmm(x, out, attn.linear_proj)
         if attn.linear_proj.bias is not None:
             x = x + attn.linear_proj.bias
-        up = F.linear(_rms(x, layer.pre_mlp_layernorm), mlp.linear_fc1.weight)
+        up = lora.linear(_rms(x, layer.pre_mlp_layernorm), mlp.linear_fc1)
         gate, value = torch.chunk(up, 2, dim=-1)
-        return torch.addmm(x, F.silu(gate) * value, mlp.linear_fc2.weight.t())
+        return lora.addmm(x, F.silu(gate) * value, mlp.linear_fc2)
 
     def _module_attention(self, i: int, layer: Any, hidden: torch.Tensor, freqs: torch.Tensor, ctx: dict) -> torch.Tensor:
         from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
