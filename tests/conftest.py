@@ -96,10 +96,13 @@ def run_two_ranks(worker, *args, timeout: float = 240) -> None:
 
 def trinity_run_argv(config: Path, *overrides: str, debug: bool = False) -> list[str]:
     """`trinity run --config <config> [key=value ...]` (`--debug`) as a child process command: its signal
-    handlers, cwd and torchrun children stay out of pytest's process."""
+    handlers, cwd and torchrun children stay out of pytest's process. It ends as the CLI does
+    (trinity.cli.main.main): without the interpreter's teardown once torch is loaded."""
     return [sys.executable, "-c",
             f"import sys; from trinity.cli.commands import run; "
-            f"sys.exit(run({str(config)!r}, {list(overrides)!r}, debug={debug!r}))"]
+            f"code = run({str(config)!r}, {list(overrides)!r}, debug={debug!r}); "
+            f"from trinity.launch.child import exit_without_teardown; "
+            f"exit_without_teardown(code) if 'torch' in sys.modules else sys.exit(code)"]
 
 
 # Where `trinity_run(..., reuse_conversion=True)` keeps one HF -> megatron-core conversion per model
