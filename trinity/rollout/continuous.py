@@ -145,6 +145,11 @@ class SlotDecoder:
 
         self.split_kv = decode_attention.available(self.device, self.head_dim, self.heads // self.groups, self.dtype)
         self.attention = "triton split-KV" if self.split_kv else "sdpa"
+        from trinity.rollout import decode_fused
+
+        # RoPE + cache store and SwiGLU as one kernel each (lean layers; Qwen3's q/k norms keep the torch ops)
+        self.fused = self.lean and not self.config.qk_layernorm and decode_fused.available(
+            self.device, self.head_dim, self.heads // self.groups, rot, self.dtype)
 
     # ---- layers ------------------------------------------------------------------------------------
     def _rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -178,6 +183,12 @@ class SlotDecoder:
         g, per, d = self.groups, self.heads // self.groups, self.head_dim
         qkv = F.linear(_rms(x, layer.input_layernorm), attn.linear_qkv.weight, attn.linear_qkv.bias)
         qkv = qkv.view(s, b, g, per + 2, d)
+        if ctx["decode"] and self.fused:
+            from trinity.rollout.decode_fused import rope_store
+
+            q = rope_store(qkv[0], self.cos, self.sin, self.pos[:b], self.keys[i], self.values[i])
+            out = self._attend_decode(i, q, ctx).reshape(b, g * per * d)
+            return self._lean_rest(layer, x, out)
         if self.config.qk_layernorm:
             q = _rope(_rms(qkv[:, :, :, :per], attn.q_layernorm), cos, sin)
             k = _rope(_rms(qkv[:, :, :, per:per + 1], attn.k_layernorm), cos, sin)
@@ -196,12 +207,25 @@ class SlotDecoder:
             self._store_prefill(i, kk, vv, ctx["src"], ctx["dst"])
             qq = q.permute(1, 2, 3, 0, 4).reshape(b, g * per, s, d)
             out = self._attend_prefill(qq, kk, vv).permute(2, 0, 1, 3).reshape(s * b, g * per * d)
+        return self._lean_rest(layer, x, out)
+
+    def _lean_rest(self, layer: Any, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """A lean layer after its attention: output projection + residual, then the SwiGLU MLP + residual."""
+        from trinity.rollout.decode import _rms
+
+        attn, mlp = layer.self_attention, layer.mlp
         x = torch.addmm(x, out, attn.linear_proj.weight.t())
         if attn.linear_proj.bias is not None:
             x = x + attn.linear_proj.bias
         up = F.linear(_rms(x, layer.pre_mlp_layernorm), mlp.linear_fc1.weight)
-        gate, value = torch.chunk(up, 2, dim=-1)
-        return torch.addmm(x, F.silu(gate) * value, mlp.linear_fc2.weight.t())
+        if self.fused:
+            from trinity.rollout.decode_fused import silu_mul
+
+            act = silu_mul(up)
+        else:
+            gate, value = torch.chunk(up, 2, dim=-1)
+            act = F.silu(gate) * value
+        return torch.addmm(x, act, mlp.linear_fc2.weight.t())
 
     def _module_attention(self, i: int, layer: Any, hidden: torch.Tensor, freqs: torch.Tensor, ctx: dict) -> torch.Tensor:
         from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
