@@ -1,17 +1,23 @@
-"""What merging LoRA adapters around a rollout costs (trinity.trainer.recipes.lora_ref.rollout_weights:
-every adapted base weight becomes W + alpha/rank * B A for the decoders, and gets its original bits back
-after), with the originals kept in host memory (`keep="host"`, trinity.models.lora.adapters_merged) or
-as a copy on the GPU (`keep="device"`), next to one rollout of the same model with the rollout engine
-(trinity.rollout.generate), on one GPU in bf16.
+"""How the rollout decodes a LoRA model, both ways (actor.lora.rollout_weights), on one GPU in bf16:
+
+- merged (`auto` / `device` / `host`, trinity.trainer.recipes.lora_ref.rollout_weights): every adapted base
+  weight becomes W + alpha/rank * B A for the decoders and gets its original bits back after, the
+  originals kept in host memory (`host`, trinity.models.lora.adapters_merged) or as a copy on the GPU
+  (`device`): the merge and restore times;
+- `adapters`: nothing merged, the decoders add x A^T B^T beside each base GEMM (trinity.models.lora.linear /
+  addmm, inside the decode CUDA graphs): what that adds to each decode step.
 
     python benchmarks/lora_merge.py --shapes 1.5b,7b --rank 16
 
 A random-weight Qwen2 of each shape (benchmarks/generate.py's shapes) is built straight on the GPU
 (megatron-core's init; no HF file), adapters of `--rank` go on every linear with random non-zero B, and
 the benchmark checks that every base weight is bit for bit the same after the restore (torch.equal
-against a GPU copy). Merge and restore times are medians of `--repeats`; the rollout is its second call
-(the first captures the CUDA graphs), `--batch` prompts of `--prompt-len` tokens, `--new-tokens` new
-tokens each, fixed length.
+against a GPU copy). Merge and restore times are medians of `--repeats`. Decode: the continuous-batching
+engine (trinity.rollout.continuous, the RL rollout's), `--batch` prompts of `--prompt-len` tokens,
+`--new-tokens` new tokens each, fixed length; ms per decode step = (rollout time - its CUDA graph capture
+- the same rollout's time with 1 new token) / the decode steps between the two, second of two calls.
+"break-even steps": decode steps after which the adapter path's extra time exceeds a device-kept merge
+and restore.
 """
 
 from __future__ import annotations
@@ -35,6 +41,30 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
+def _decode_ms(chunks: list, facts, prompts: list, new_tokens: int, device: str) -> tuple[float, float]:
+    """(ms per decode step, the full rollout's seconds) of the continuous engine in the current weights
+    state; second of two calls each."""
+    from trinity.rollout.continuous import RolloutStats, generate_continuous
+    from trinity.rollout.generate import SamplingParams
+
+    def run(n: int) -> tuple[float, RolloutStats]:
+        stats = RolloutStats()
+        gen = torch.Generator(device=device).manual_seed(0)
+        _sync()
+        t0 = time.perf_counter()
+        generate_continuous(chunks[0], prompts, SamplingParams(temperature=1.0, max_new_tokens=n),
+                            vocab_size=facts.vocab_size, pad_id=0, generator=gen, stats=stats)
+        _sync()
+        return time.perf_counter() - t0 - stats.capture_s, stats
+
+    with torch.no_grad():
+        for _ in range(2):
+            full_s, full = run(new_tokens)
+            short_s, short = run(1)
+    steps = max(1, full.decode_steps - short.decode_steps)
+    return 1000 * (full_s - short_s) / steps, full_s + full.capture_s
+
+
 def measure(shape: str, rank: int, repeats: int, batch: int, prompt_len: int, new_tokens: int, device: str) -> dict:
     from transformers import Qwen2Config
 
@@ -42,7 +72,6 @@ def measure(shape: str, rank: int, repeats: int, batch: int, prompt_len: int, ne
     from trinity.models.build import build_model
     from trinity.models.facts import ModelFacts
     from trinity.models.lora import apply_lora, lora_modules
-    from trinity.rollout.generate import SamplingParams, generate
     from trinity.trainer.recipes.lora_ref import rollout_weights
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -80,19 +109,13 @@ def measure(shape: str, rank: int, repeats: int, batch: int, prompt_len: int, ne
     del originals
     if device == "cuda":
         torch.cuda.empty_cache()
-    gen = torch.Generator(device=device).manual_seed(0)
     prompts = torch.randint(1, facts.vocab_size, (batch, prompt_len), generator=torch.Generator().manual_seed(0)).tolist()
-    params = SamplingParams(temperature=1.0, max_new_tokens=new_tokens)
-    rollout_s = float("nan")
-    with torch.no_grad():
-        for _ in range(2):
-            _sync()
-            t0 = time.perf_counter()
-            generate(chunks[0], prompts, params, vocab_size=facts.vocab_size, pad_id=0, generator=gen)
-            _sync()
-            rollout_s = time.perf_counter() - t0
+    decode: dict[str, tuple[float, float]] = {}
+    for keep in ("device", "adapters"):  # merged (originals on the GPU) vs the adapter path
+        with rollout_weights(chunks, keep=keep):
+            decode["merged" if keep == "device" else keep] = _decode_ms(chunks, facts, prompts, new_tokens, device)
     out = {"shape": shape, "rank": rank, "merged_gib": merged_bytes / 2**30, "times": times, "exact": exact,
-           "rollout_s": rollout_s}
+           "decode": decode, "rollout_s": decode["merged"][1]}
     del chunks, weights
     if device == "cuda":
         torch.cuda.empty_cache()
@@ -122,7 +145,7 @@ def main() -> None:
         for shape in args.shapes.split(","):
             rows.append(measure(shape, args.rank, args.repeats, args.batch, args.prompt_len, args.new_tokens, args.device))
             r = rows[-1]
-            print(f"{shape}: {r['times']}, rollout {r['rollout_s']:.2f} s", flush=True)
+            print(f"{shape}: {r['times']}, decode {r['decode']}", flush=True)
     finally:
         destroy()
     where = torch.cuda.get_device_name() if args.device == "cuda" else "cpu (fp32)"
@@ -136,6 +159,18 @@ def main() -> None:
             share = (merge + restore) / r["rollout_s"]
             print(f"| {r['shape']} | {r['merged_gib']:.2f} | {keep} | {merge:.3f} | {restore:.3f} | {r['exact']} | "
                   f"{r['rollout_s']:.2f} | {100 * share:.1f}% |")
+    print(f"\nDecode step of the continuous engine (batch {args.batch}, CUDA graphs on GPU): merged weights vs "
+          "the adapter path (rollout_weights: adapters)")
+    print("| shape | merged ms/step | adapters ms/step | adapter path extra | merge + restore (GPU copy) s | "
+          "break-even decode steps | rollout s merged | rollout s adapters |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        (m_ms, m_s), (a_ms, a_s) = r["decode"]["merged"], r["decode"]["adapters"]
+        merge = sum(r["times"]["device"])
+        extra = a_ms - m_ms
+        even = f"{1000 * merge / extra:.0f}" if extra > 0 else "never (adapters not slower)"
+        print(f"| {r['shape']} | {m_ms:.2f} | {a_ms:.2f} | {100 * extra / m_ms:+.1f}% | {merge:.3f} | {even} | "
+              f"{m_s:.2f} | {a_s:.2f} |")
 
 
 if __name__ == "__main__":

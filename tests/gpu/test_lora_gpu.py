@@ -1,6 +1,7 @@
 """LoRA on one GPU (bf16): a training step trains the adapters only (optimizer, gradients), the frozen base
-stays bit for bit, and a rollout on the merged weights (the decoders' lean path and CUDA graphs) leaves
-every base weight bit for bit as it was.
+stays bit for bit, a rollout on the merged weights (the decoders' lean path and CUDA graphs) leaves
+every base weight bit for bit as it was, and a rollout with the adapters unmerged (rollout_weights
+`adapters`: x A^T B^T inside the decode graphs) samples from the adapted model.
 
 Run on a GPU machine: `python -m pytest tests/gpu/test_lora_gpu.py -q -s`.
 """
@@ -106,3 +107,50 @@ def test_merged_rollout_restores_the_base_weights_bit_exactly(setup):
     mask = ro.response_mask.bool()
     adapted = infer_logprobs(engine, ro, facts.vocab_size, 2)
     assert (ro.logprobs - adapted)[mask].abs().mean() < 0.05
+
+
+@pytest.mark.parametrize("engine_name", ["static", "continuous"])
+def test_adapter_path_rollout_decodes_the_adapted_model_in_cuda_graphs(setup, engine_name):
+    """rollout_weights `adapters`: nothing is merged; the decoders' lean path adds x A^T B^T inside their CUDA
+    graphs. Its samples' log-probs are the adapted model's (the training forward with the adapters' hooks),
+    as close as the merged rollout's, and far from the base model's."""
+    from trinity.models.lora import adapters_disabled, lora_modules
+    from trinity.rollout.continuous import RolloutStats, generate_continuous
+    from trinity.rollout.decode import StaticDecoder
+    from trinity.rollout.generate import SamplingParams, generate
+    from trinity.trainer.recipes.lora_ref import rollout_weights
+    from trinity.trainer.recipes.rollout_forward import infer_logprobs
+
+    facts, path = setup
+    engine = _engine(facts, path)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    with torch.no_grad():
+        for _, _, a in lora_modules(engine.modules):
+            a.lora_B.normal_(0.0, 0.05, generator=g)
+    model = engine.modules[0]
+    decoder = StaticDecoder(model, 2, 64)
+    assert decoder.lean and decoder.use_graph
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    prompts = [[5, 6, 7, 8] * 4, [9, 10] * 8]
+    params = SamplingParams(temperature=1.0, max_new_tokens=16)
+    errors = {}
+    for keep in ("adapters", "device"):
+        stats = RolloutStats()
+        with rollout_weights(engine, keep=keep), torch.no_grad():
+            gen = torch.Generator(device="cuda").manual_seed(1)
+            if engine_name == "static":
+                ro = generate(model, prompts, params, vocab_size=facts.vocab_size, pad_id=0, generator=gen)
+            else:
+                ro = generate_continuous(model, prompts, params, vocab_size=facts.vocab_size, pad_id=0, generator=gen,
+                                         stats=stats)
+                assert stats.graph_captures > 0
+        for n, p in model.named_parameters():
+            assert torch.equal(p, before[n]), n
+        mask = ro.response_mask.bool()
+        adapted = infer_logprobs(engine, ro, facts.vocab_size, 2)
+        with adapters_disabled(engine.modules):
+            base = infer_logprobs(engine, ro, facts.vocab_size, 2)
+        errors[keep] = ((ro.logprobs - adapted)[mask].abs().mean().item(), (ro.logprobs - base)[mask].abs().mean().item())
+    print(errors)
+    for keep, (to_adapted, to_base) in errors.items():
+        assert to_adapted < 0.05 and to_base > 4 * to_adapted, (keep, errors)

@@ -120,6 +120,36 @@ def test_rollout_decodes_the_adapted_model_and_restores_the_weights(engines, kee
     assert (ro.logprobs - base)[mask].abs().max() > 1e-2
 
 
+@pytest.mark.parametrize("engine", ["static", "continuous"])
+def test_adapter_path_rollout_equals_the_merged_rollout(engines, engine):
+    """rollout_weights `adapters`: nothing merged, the decoders' lean path adds x A^T B^T beside each base
+    GEMM (trinity.models.lora.linear / addmm); it decodes what the merged weights decode."""
+    from trinity.rollout.continuous import generate_continuous
+    from trinity.rollout.decode import StaticDecoder
+    from trinity.rollout.generate import SamplingParams, generate
+    from trinity.trainer.recipes.lora_ref import rollout_weights
+
+    model = engines.actor.modules[0]
+    assert StaticDecoder(model, 1, 8).lean  # the path that reads the weights directly, not the hooks
+    params = SamplingParams(temperature=0.0, max_new_tokens=6)
+    run = generate if engine == "static" else generate_continuous
+
+    def rollout(m):
+        return run(m, PROMPTS, params, vocab_size=engines.facts.vocab_size, pad_id=0)
+
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with rollout_weights(engines.actor, keep="adapters"):
+        adapters = rollout(model)
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())  # nothing merged
+    with rollout_weights(engines.actor, keep="device"):
+        merged = rollout(model)
+    base = rollout(engines.base[0])
+    mask = merged.response_mask.bool()
+    assert torch.equal(adapters.tokens, merged.tokens) and torch.equal(adapters.response_mask, merged.response_mask)
+    assert (adapters.logprobs - merged.logprobs)[mask].abs().max() < 1e-5
+    assert not torch.equal(base.tokens, merged.tokens) or (base.logprobs - merged.logprobs)[mask].abs().max() > 1e-2
+
+
 # ---------------------------------------------------------------- trinity run
 
 

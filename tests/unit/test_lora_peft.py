@@ -144,9 +144,16 @@ def test_foreign_adapter_with_its_own_a_per_projection_is_refused(adapted, tmp_p
     t[key] = t[key] + 1.0
     save_file(t, str(folder / "adapter_model.safetensors"))
     fresh = _build(adapted.facts, adapted.hf_dir)
-    with pytest.raises(UserError, match=r"foreign/adapter_model.safetensors: model.layers.0.self_attn.k_proj and "
-                                         r"model.layers.0.self_attn.q_proj have different lora_A"):
+    message = (r"foreign/adapter_model.safetensors: model.layers.0.self_attn.k_proj and "
+               r"model.layers.0.self_attn.q_proj have different lora_A; megatron fuses them into one linear ")
+    with pytest.raises(UserError, match=message):
         load_peft_adapters(fresh, folder, adapted.facts, rank=RANK, alpha=ALPHA)
+    # the same check before launch (actor.lora.adapter_path), reading the lora_A tensors only
+    from trinity.models.lora_targets import check_shared_a
+
+    with pytest.raises(UserError, match=message):
+        check_shared_a(folder)
+    check_shared_a(adapted.folder)  # trinity's own folders: one A per fused linear
 
 
 def test_merged_export_gives_the_adapted_logits_and_restores_the_weights(adapted, tmp_path):
@@ -187,8 +194,20 @@ def _tp2_worker(rank: int, port: int, hf_dir: str, folder: str, out: str) -> Non
     load_peft_adapters(chunks, folder, facts, rank=RANK, alpha=ALPHA)  # each rank cuts its shards
     logits = _ours(chunks, facts.vocab_size)
     save_peft_folder(chunks, facts, Path(out) / "adapter", rank=RANK, alpha=ALPHA, dropout=0.0, base_model=hf_dir)
+    # the rollout at TP=2 (module path: the adapters' hooks with their TP collectives) with the adapters
+    # unmerged (actor.lora.rollout_weights `adapters`) and merged
+    from trinity.rollout.continuous import generate_continuous
+    from trinity.rollout.generate import SamplingParams
+    from trinity.trainer.recipes.lora_ref import rollout_weights
+
+    rollouts = {}
+    for keep in ("adapters", "device"):
+        with rollout_weights(chunks, keep=keep):
+            rollouts[keep] = generate_continuous(chunks[0], [[5, 6, 7], [9, 10, 11, 12]], SamplingParams(
+                temperature=0.0, max_new_tokens=4), vocab_size=facts.vocab_size, pad_id=0)
     if rank == 0:
         torch.save(logits, Path(out) / "logits.pt")
+        torch.save({k: (r.tokens, r.logprobs) for k, r in rollouts.items()}, Path(out) / "rollouts.pt")
     init_parallel(device="cpu", layout=ParallelLayout(pp=2), seed=3, timeout_s=120)
     chunks = _build(facts, Path(hf_dir), pp=2)
     assert load_peft_adapters(chunks, folder, facts, rank=RANK, alpha=ALPHA) == 4  # this stage's layer
@@ -213,3 +232,87 @@ def test_tp2_and_pp2_jobs_gather_and_split_adapters_exactly(adapted, tmp_path):
         for k in ours:
             assert torch.equal(ours[k], back[k]), (folder, k)
     assert (torch.load(tmp_path / "logits.pt") - adapted.logits).abs().max() < 1e-4
+    ro = torch.load(tmp_path / "rollouts.pt")
+    assert torch.equal(ro["adapters"][0], ro["device"][0])  # greedy tokens of the TP=2 rollouts
+    assert (ro["adapters"][1] - ro["device"][1]).abs().max() < 1e-5
+
+
+# ---------------------------------------------------------------- a job started from a PEFT folder
+
+
+def test_a_job_starts_from_a_peft_folder_with_its_logits(adapted):
+    """actor.lora.adapter_path: the actor's engine (built as a job builds it) starts with the folder's
+    adapters: its step-0 logits are those of the model that wrote the folder."""
+    from trinity.config.megatron import MegatronConfig
+    from trinity.config.roles import Role
+    from trinity.config.schema import LoraConfig, OptimConfig
+    from trinity.convert.builtin import load_hf_weights
+    from trinity.models.build import build_model
+    from trinity.trainer.engine import RoleEngine
+
+    chunks = build_model(adapted.facts, MegatronConfig(), device="cpu", dtype=torch.float32)
+    load_hf_weights(chunks, adapted.hf_dir, adapted.facts)
+    lora = LoraConfig(rank=RANK, alpha=ALPHA, target_modules=["all-linear"], adapter_path=str(adapted.folder))
+    engine = RoleEngine(Role.actor, chunks, MegatronConfig(), OptimConfig(lr=1e-3), dtype=torch.float32,
+                        total_steps=2, lora=lora, facts=adapted.facts)
+    assert engine.lora_loaded == 2 * 4
+    assert torch.equal(_ours(engine.modules, adapted.facts.vocab_size), adapted.logits)
+
+
+def _job(small_job, **lora):
+    job = {**small_job, "actor_rollout_ref": {"actor": {"lora": lora}}}
+    return job
+
+
+def test_adapter_path_is_checked_against_the_job_before_launch(adapted, write_job, small_job, tmp_path):
+    from trinity.config.loader import load_config
+    from trinity.errors import ConfigError
+
+    p = "actor_rollout_ref.actor.lora"
+    where = adapted.folder / "adapter_config.json"
+    ok = load_config(write_job(_job(small_job, rank=RANK, alpha=ALPHA, adapter_path=str(adapted.folder))), []).config
+    assert ok.actor_rollout_ref.actor.lora.adapter_path == str(adapted.folder)
+
+    def problems(**lora):
+        with pytest.raises(ConfigError) as err:
+            load_config(write_job(_job(small_job, **lora)), [])
+        return sorted(x for x in err.value.problems if x.startswith(p))
+
+    assert problems(rank=8, alpha=16.0, target_modules=["q_proj", "o_proj"], adapter_path=str(adapted.folder)) == [
+        f"{p}.alpha: 16 but {where} has lora_alpha 8.0; set {p}.alpha to 8.0 to start from its adapters",
+        f"{p}.rank: 8 but {where} has r 4; set {p}.rank to 4 to start from its adapters",
+        f"{p}.target_modules: adapts linear_qkv, linear_proj but {where} adapts linear_qkv, linear_proj, "
+        f"linear_fc1, linear_fc2; set {p}.target_modules to ['linear_qkv', 'linear_proj', 'linear_fc1', 'linear_fc2']",
+    ]
+    assert problems(rank=RANK, adapter_path=str(tmp_path / "nowhere")) == [
+        f"{p}.adapter_path: {tmp_path / 'nowhere'} does not exist; point it at a PEFT adapter folder "
+        "(adapter_config.json + adapter_model.safetensors)"]
+    assert problems(adapter_path=str(adapted.folder)) == [
+        f"{p}.adapter_path: has no effect while {p}.rank is 0 (LoRA off); set rank >= 1 or remove the key"]
+    # a PEFT folder adapting q and v only: megatron's fused linear_qkv cannot hold a part of q, k, v
+    foreign = tmp_path / "qv"
+    foreign.mkdir()
+    (foreign / "adapter_model.safetensors").write_bytes((adapted.folder / "adapter_model.safetensors").read_bytes())
+    (foreign / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "r": RANK, "lora_alpha": ALPHA, "target_modules": ["q_proj", "v_proj"]}))
+    assert problems(rank=RANK, alpha=ALPHA, adapter_path=str(foreign)) == [
+        f"{p}.adapter_path: {foreign / 'adapter_config.json'}: target_modules adapts q_proj, v_proj but not k_proj; "
+        "megatron-core fuses q_proj, k_proj, v_proj into linear_qkv, whose one adapter cannot hold a part of them: "
+        "only folders adapting all of them (with one shared lora_A) load"]
+    (foreign / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "use_dora": True}))
+    assert problems(rank=RANK, alpha=ALPHA, adapter_path=str(foreign)) == [
+        f"{p}.adapter_path: {foreign / 'adapter_config.json'}: use_dora: only plain LoRA adapters (peft_type LORA, "
+        "one r and lora_alpha, no DoRA, rsLoRA, bias or modules_to_save) map onto trinity's adapters"]
+
+
+def test_rollout_weights_is_refused_where_there_is_no_rollout(write_job, small_job):
+    from trinity.config.loader import load_config
+    from trinity.errors import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        load_config(write_job(_job(small_job, rank=RANK, rollout_weights="adapters")), [])
+    assert err.value.problems == ["actor_rollout_ref.actor.lora.rollout_weights: sft jobs have no rollout, so it has "
+                                  "no effect; remove the key"]
+    job = {**_job(small_job, rank=RANK, rollout_weights="adapters"), "algorithm": {"name": "grpo"},
+           "data": {**small_job["data"], "train_batch_size": 8}}
+    assert load_config(write_job(job), []).config.actor_rollout_ref.actor.lora.rollout_weights == "adapters"

@@ -124,6 +124,39 @@ def _hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> An
     return output + adapter.delta(x).to(output.dtype)
 
 
+def active_adapter(module: torch.nn.Module) -> LoraAdapter | None:
+    """The module's adapter while it acts on the output (present and not switched off by
+    `adapters_disabled` / `adapters_merged`), else None."""
+    adapter = getattr(module, "lora", None)
+    return adapter if isinstance(adapter, LoraAdapter) and adapter.enabled else None
+
+
+def linear(x: torch.Tensor, module: torch.nn.Module, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T + bias of a megatron linear read directly (the rollout decoders' lean path, TP=1), plus its
+    active adapter's scaling * x A^T B^T: what the module's forward with its hook gives, without the hook.
+    No dropout (decoding is evaluation) and no TP collective (the lean path runs at TP=1 only). Inside a
+    CUDA graph the adapter's A and B are read by address, as the base weight is, so a graph captured with
+    adapters active decodes the adapted model whatever values they hold when it replays."""
+    y = torch.nn.functional.linear(x, module.weight, bias)
+    return _add_delta(y, x, active_adapter(module))
+
+
+def addmm(residual: torch.Tensor, x: torch.Tensor, module: torch.nn.Module) -> torch.Tensor:
+    """residual + x W^T (the decoders fold the residual add into the output GEMM), plus the active
+    adapter's scaling * x A^T B^T; x and residual 2-D [tokens, features]."""
+    y = torch.addmm(residual, x, module.weight.t())
+    return _add_delta(y, x, active_adapter(module))
+
+
+def _add_delta(y: torch.Tensor, x: torch.Tensor, adapter: LoraAdapter | None) -> torch.Tensor:
+    if adapter is None:
+        return y
+    h = torch.nn.functional.linear(x, adapter.lora_A)  # [tokens, r]
+    if y.dim() == 2:
+        return torch.addmm(y, h, adapter.lora_B.t(), alpha=adapter.scaling)  # one GEMM adds B h, scaled
+    return y + torch.nn.functional.linear(h, adapter.lora_B) * adapter.scaling
+
+
 def _sharded_state_dict(module: torch.nn.Module, original: Any) -> Any:
     """The linear's sharded_state_dict with its adapter split like the adapter (megatron's own treats
     every tensor but `weight`/`bias` as TP-replicated)."""
@@ -339,6 +372,7 @@ def adapter_state_dict(chunks: list[torch.nn.Module]) -> dict[str, torch.Tensor]
 
 __all__ = [
     "ALL_LINEAR", "COLUMN_PARALLEL", "HF_TO_MCORE", "MCORE_TARGETS", "ROW_PARALLEL", "LoraAdapter",
-    "adapter_state_dict", "adapters_disabled", "adapters_merged", "apply_lora", "has_lora", "lora_modules",
+    "active_adapter", "adapter_state_dict", "adapters_disabled", "adapters_merged", "addmm", "apply_lora", "has_lora",
+    "linear", "lora_modules",
     "resolve_targets", "trainable_parameters",
 ]

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Iterable
 
 # megatron-core module names LoRA can target, and how each is split over TP.
@@ -45,6 +46,96 @@ def resolve_targets(names: Iterable[str]) -> list[str]:
     return [t for t in MCORE_TARGETS if t in out]
 
 
+# A PEFT adapter folder (trinity.models.peft_io writes and reads it; config validation reads its config)
+PEFT_CONFIG_FILE = "adapter_config.json"
+PEFT_WEIGHTS_FILE = "adapter_model.safetensors"
+# the HF projections one fused megatron linear holds: a folder must adapt all of them or none
+_FUSED_PARTS = {"linear_qkv": ("q_proj", "k_proj", "v_proj"), "linear_fc1": ("gate_proj", "up_proj")}
+_FUSED_WHOLE = {"qkv_proj": "linear_qkv", "gate_up_proj": "linear_fc1"}
+
+
+def read_adapter_config(folder: str | Path) -> dict[str, Any]:
+    """adapter_config.json of a PEFT folder that holds plain LoRA adapters (both files present); UserError
+    naming the file otherwise."""
+    import json
+
+    from trinity.errors import UserError
+
+    folder = Path(folder)
+    cfg_path = folder / PEFT_CONFIG_FILE
+    for path in (cfg_path, folder / PEFT_WEIGHTS_FILE):
+        if not path.is_file():
+            raise UserError(f"{path}: missing; a PEFT adapter folder holds {PEFT_CONFIG_FILE} and {PEFT_WEIGHTS_FILE}")
+    try:
+        config = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as e:
+        raise UserError(f"{cfg_path}: not valid JSON ({e})") from None
+    unsupported = [
+        what for what, bad in (
+            (f"peft_type {config.get('peft_type')!r}", config.get("peft_type") != "LORA"),
+            ("use_dora", bool(config.get("use_dora"))), ("use_rslora", bool(config.get("use_rslora"))),
+            ("fan_in_fan_out", bool(config.get("fan_in_fan_out"))),
+            (f"bias {config.get('bias')!r}", config.get("bias", "none") != "none"),
+            ("modules_to_save", bool(config.get("modules_to_save"))),
+            ("rank_pattern / alpha_pattern", bool(config.get("rank_pattern") or config.get("alpha_pattern"))),
+        ) if bad
+    ]
+    if unsupported:
+        raise UserError(f"{cfg_path}: {', '.join(unsupported)}: only plain LoRA adapters (peft_type LORA, one r and "
+                        "lora_alpha, no DoRA, rsLoRA, bias or modules_to_save) map onto trinity's adapters")
+    return config
+
+
+def adapter_config_targets(config: dict[str, Any], where: str | Path) -> list[str]:
+    """megatron-core targets of a PEFT adapter_config.json's target_modules; UserError naming `where` for
+    names trinity cannot hold exactly (unknown ones, a regex, or part of a fused linear: q_proj without
+    k_proj and v_proj, gate_proj without up_proj)."""
+    from trinity.errors import UserError
+
+    names = config.get("target_modules") or []
+    names = [names] if isinstance(names, str) else list(names)
+    try:
+        targets = resolve_targets(names)
+    except ValueError as exc:
+        raise UserError(f"{where}: target_modules: {exc}") from None
+    given = set(names)
+    for linear, parts in _FUSED_PARTS.items():
+        whole = ALL_LINEAR in given or linear in given or any(_FUSED_WHOLE.get(n) == linear for n in given)
+        missing = [x for x in parts if x not in given]
+        if linear in targets and not whole and missing:
+            raise UserError(
+                f"{where}: target_modules adapts {', '.join(x for x in parts if x in given)} but not "
+                f"{', '.join(missing)}; megatron-core fuses {', '.join(parts)} into {linear}, whose one adapter "
+                "cannot hold a part of them: only folders adapting all of them (with one shared lora_A) load")
+    return targets
+
+
+def check_shared_a(folder: str | Path) -> None:
+    """UserError naming the weights file when the q/k/v (gate/up) adapters of one layer have different
+    lora_A: megatron's fused linear holds one A. Reads only the lora_A tensors (r x in each)."""
+    from safetensors import safe_open
+
+    from trinity.errors import UserError
+
+    where = Path(folder) / PEFT_WEIGHTS_FILE
+    with safe_open(str(where), framework="pt") as f:
+        keys = set(f.keys())
+        for linear, parts in _FUSED_PARTS.items():
+            suffix = f".{parts[0]}.lora_A.weight"
+            for key in sorted(k for k in keys if k.endswith(suffix)):
+                stem = key[: -len(suffix)]
+                first = f.get_tensor(key)
+                for part in parts[1:]:
+                    other = f"{stem}.{part}.lora_A.weight"
+                    if other in keys and not f.get_tensor(other).equal(first):
+                        m0 = (stem + "." + parts[0]).removeprefix("base_model.model.")
+                        m = (stem + "." + part).removeprefix("base_model.model.")
+                        raise UserError(
+                            f"{where}: {m} and {m0} have different lora_A; megatron fuses them into one linear "
+                            f"({linear}) whose adapter has one A, so only adapters trained by trinity (or with a "
+                            "shared A) load")
+
+
 def linear_shape(facts: Any, target: str) -> tuple[int, int]:
     """(in, out) of one layer's full (TP=1) megatron linear `target` of a dense model."""
     h, hd = facts.hidden_size, facts.head_dim
@@ -77,5 +168,6 @@ def adapter_parameters_per_gpu(facts: Any, rank: int, targets: Iterable[str], *,
 
 __all__ = [
     "ALL_LINEAR", "COLUMN_PARALLEL", "HF_TO_MCORE", "MCORE_TARGETS", "ROW_PARALLEL", "adapter_parameter_count",
-    "adapter_parameters_per_gpu", "linear_shape", "resolve_targets",
+    "PEFT_CONFIG_FILE", "PEFT_WEIGHTS_FILE", "adapter_config_targets", "check_shared_a", "adapter_parameters_per_gpu", "linear_shape",
+    "read_adapter_config", "resolve_targets",
 ]

@@ -33,9 +33,9 @@ from typing import Any, Iterator
 import torch
 
 from trinity.errors import UserError
+from trinity.models.lora_targets import PEFT_CONFIG_FILE as CONFIG_FILE
+from trinity.models.lora_targets import PEFT_WEIGHTS_FILE as WEIGHTS_FILE
 
-CONFIG_FILE = "adapter_config.json"
-WEIGHTS_FILE = "adapter_model.safetensors"
 # PEFT's saved keys: the PeftModel's module path without the adapter name ("default").
 _PREFIX = "base_model.model."
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
@@ -213,28 +213,10 @@ def read_peft_folder(folder: str | Path) -> tuple[dict[str, Any], dict[str, torc
     `model.layers.0.self_attn.q_proj.lora_A.weight`). UserError naming the file for what is not a LoRA folder."""
     from safetensors.torch import load_file
 
-    folder = Path(folder)
-    cfg_path, weights = folder / CONFIG_FILE, folder / WEIGHTS_FILE
-    for path in (cfg_path, weights):
-        if not path.is_file():
-            raise UserError(f"{path}: missing; a PEFT adapter folder holds {CONFIG_FILE} and {WEIGHTS_FILE}")
-    try:
-        config = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as e:
-        raise UserError(f"{cfg_path}: not valid JSON ({e})") from None
-    unsupported = [
-        what for what, bad in (
-            (f"peft_type {config.get('peft_type')!r}", config.get("peft_type") != "LORA"),
-            ("use_dora", bool(config.get("use_dora"))), ("use_rslora", bool(config.get("use_rslora"))),
-            ("fan_in_fan_out", bool(config.get("fan_in_fan_out"))),
-            (f"bias {config.get('bias')!r}", config.get("bias", "none") != "none"),
-            ("modules_to_save", bool(config.get("modules_to_save"))),
-            ("rank_pattern / alpha_pattern", bool(config.get("rank_pattern") or config.get("alpha_pattern"))),
-        ) if bad
-    ]
-    if unsupported:
-        raise UserError(f"{cfg_path}: {', '.join(unsupported)}: only plain LoRA adapters (peft_type LORA, one r and "
-                        "lora_alpha, no DoRA, rsLoRA, bias or modules_to_save) map onto trinity's adapters")
+    from trinity.models.lora_targets import read_adapter_config
+
+    config = read_adapter_config(folder)  # both files there, plain LoRA
+    weights = Path(folder) / WEIGHTS_FILE
     tensors: dict[str, torch.Tensor] = {}
     for key, value in load_file(str(weights)).items():
         name = key.removeprefix(_PREFIX).replace(".lora_A.default.", ".lora_A.").replace(".lora_B.default.", ".lora_B.")

@@ -43,6 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from trinity.errors import UserError
+from trinity.models import lora  # the lean path's linears: base weight + active LoRA adapter
 from trinity.rollout.types import Rollout, SamplingParams
 
 _LEN_BUCKET = 256  # attention reads the cache up to the longest live context rounded up to this
@@ -181,7 +182,7 @@ class SlotDecoder:
 
         attn, mlp = layer.self_attention, layer.mlp
         g, per, d = self.groups, self.heads // self.groups, self.head_dim
-        qkv = F.linear(_rms(x, layer.input_layernorm), attn.linear_qkv.weight, attn.linear_qkv.bias)
+        qkv = lora.linear(_rms(x, layer.input_layernorm), attn.linear_qkv, attn.linear_qkv.bias)
         qkv = qkv.view(s, b, g, per + 2, d)
         if ctx["decode"] and self.fused:
             from trinity.rollout.decode_fused import rope_store
@@ -211,13 +212,14 @@ class SlotDecoder:
 
     def _lean_rest(self, layer: Any, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """A lean layer after its attention: output projection + residual, then the SwiGLU MLP + residual."""
+        from trinity.models import lora
         from trinity.rollout.decode import _rms
 
         attn, mlp = layer.self_attention, layer.mlp
-        x = torch.addmm(x, out, attn.linear_proj.weight.t())
+        x = lora.addmm(x, out, attn.linear_proj)
         if attn.linear_proj.bias is not None:
             x = x + attn.linear_proj.bias
-        up = F.linear(_rms(x, layer.pre_mlp_layernorm), mlp.linear_fc1.weight)
+        up = lora.linear(_rms(x, layer.pre_mlp_layernorm), mlp.linear_fc1)
         if self.fused:
             from trinity.rollout.decode_fused import silu_mul
 
@@ -225,7 +227,7 @@ class SlotDecoder:
         else:
             gate, value = torch.chunk(up, 2, dim=-1)
             act = F.silu(gate) * value
-        return torch.addmm(x, act, mlp.linear_fc2.weight.t())
+        return lora.addmm(x, act, mlp.linear_fc2)
 
     def _module_attention(self, i: int, layer: Any, hidden: torch.Tensor, freqs: torch.Tensor, ctx: dict) -> torch.Tensor:
         from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from trinity.models import lora  # the lean path's linears: base weight + active LoRA adapter
 from trinity.models.rope import rotate_half
 
 _CACHE_MULTIPLE = 64  # cache length granularity: aligned rows for the attention kernels' mask reads
@@ -131,7 +132,7 @@ class StaticDecoder:
         """One layer on the residual stream x [s*b, h] (row = position-major, as megatron's [s, b, h])."""
         attn, mlp = layer.self_attention, layer.mlp
         b, g, per, d = x.shape[0] // s, self.groups, self.heads // self.groups, self.head_dim
-        qkv = F.linear(_rms(x, layer.input_layernorm), attn.linear_qkv.weight, attn.linear_qkv.bias)
+        qkv = lora.linear(_rms(x, layer.input_layernorm), attn.linear_qkv, attn.linear_qkv.bias)
         qkv = qkv.view(s, b, g, per + 2, d)  # megatron's layout: per group, its query heads, key, value
         if self.config.qk_layernorm:
             q = _rope(_rms(qkv[:, :, :, :per], attn.q_layernorm), cos, sin)
@@ -145,12 +146,12 @@ class StaticDecoder:
         q = q.permute(1, 2, 3, 0, 4).reshape(b, g, per * s, d)
         out = F.scaled_dot_product_attention(q, self.keys[i], self.values[i], attn_mask=bias, scale=self.scale)
         out = out.view(b, g, per, s, d).permute(3, 0, 1, 2, 4).reshape(s * b, g * per * d)
-        x = torch.addmm(x, out, attn.linear_proj.weight.t())
+        x = lora.addmm(x, out, attn.linear_proj)
         if attn.linear_proj.bias is not None:
             x = x + attn.linear_proj.bias
-        up = F.linear(_rms(x, layer.pre_mlp_layernorm), mlp.linear_fc1.weight)
+        up = lora.linear(_rms(x, layer.pre_mlp_layernorm), mlp.linear_fc1)
         gate, value = torch.chunk(up, 2, dim=-1)
-        return torch.addmm(x, F.silu(gate) * value, mlp.linear_fc2.weight.t())
+        return lora.addmm(x, F.silu(gate) * value, mlp.linear_fc2)
 
     def _lean_forward(self, x: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         s, b, h = x.shape

@@ -50,8 +50,11 @@ class WorkerContext:
 
         cfg = self.config
         lora = cfg.actor_rollout_ref.actor.lora if role is Role.actor else None  # the trained policy only
-        return RoleEngine.build(
+        engine = RoleEngine.build(
             role, self.facts, role.megatron(cfg), role.optim(cfg), weight_source(cfg, role),
             device=cfg.cluster.device, dtype=self.dtype, total_steps=total_steps, optimizer_on_host=optimizer_on_host,
             lora=lora,
         )
+        if getattr(engine, "lora_loaded", 0):
+            self.log(f"LoRA: adapters of {engine.lora_loaded} linears loaded from {lora.adapter_path}")
+        return engine

@@ -132,7 +132,8 @@ class Evaluator:
         samples: list[dict[str, Any]] = []
         for start in range(0, len(self.prompts), self.batch):
             part = self.prompts[start:start + self.batch]
-            with rollout_weights(recipe.actor):  # LoRA: the decoders read W + alpha/rank * B A
+            # LoRA: the decoders read W + alpha/rank * B A, or compute the adapters beside W (`adapters`)
+            with rollout_weights(recipe.actor, keep=self.cfg.actor_rollout_ref.actor.lora.rollout_weights):
                 ro = recipe.rollout_engine.generate([p.prompt_ids for p in part], self.sampling, gen)
             n = ro.response_mask.sum(-1).tolist()
             texts = [recipe.tokenizer.decode(row[: int(k)].tolist(), skip_special_tokens=True) for row, k in zip(ro.responses, n)]

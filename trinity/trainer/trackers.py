@@ -2,7 +2,7 @@
 
 Each gets the job config once and every metrics row (finite numbers only), on rank 0. The run is named
 after the output folder, so runs of one project tell apart as their folders do. Which ones run, and
-that their package is installed, is decided at validation (trinity.config.evaluation).
+that their package is installed, is decided at validation (trinity.config.rules.evaluation).
 """
 
 from __future__ import annotations

@@ -50,13 +50,14 @@ class StepResult:
 class RoleEngine:
     def __init__(
         self, role: Role, chunks: list[Any], megatron: Any, optim: Any | None, *, dtype: torch.dtype, total_steps: int,
-        optimizer_on_host: bool = False, lora: Any = None,
+        optimizer_on_host: bool = False, lora: Any = None, facts: Any = None,
     ):
         """`optimizer_on_host`: `megatron.optimizer_offload` keeps the optimizer in host memory and steps it
         there (single-phase recipes: `trinity.trainer.engine.host_optimizer`) instead of moving it
         between phases (RL: `trinity.trainer.engine.offload`). `lora` (actor.lora with rank >= 1, trained
         roles only): adapters are added to the loaded chunks and only they are trained (trinity.models.lora);
-        DDP buffers, optimizer and checkpoints then hold the adapters only."""
+        DDP buffers, optimizer and checkpoints then hold the adapters only; with `lora.adapter_path` they
+        start as that PEFT folder's adapters (`facts`: the model's, to map its names)."""
         self.role, self.megatron = role, megatron
         self.optimizer = self.scheduler = self.host = None
         self.lora = lora if optim is not None and lora is not None and lora.rank > 0 else None
@@ -65,6 +66,15 @@ class RoleEngine:
             from trinity.models.lora import apply_lora
 
             self.lora_params = apply_lora(chunks, self.lora)  # before DDP: its buffers see only adapters
+            self.lora_loaded = 0
+            if getattr(self.lora, "adapter_path", None):
+                from trinity.models.peft_io import load_peft_adapters
+
+                if facts is None:
+                    raise ValueError("RoleEngine: lora.adapter_path needs the model's facts")
+                # before DDP and the optimizer copy the parameters: both start from the folder's values
+                self.lora_loaded = load_peft_adapters(chunks, self.lora.adapter_path, facts, rank=self.lora.rank,
+                                                      alpha=self.lora.alpha)
         if optim is None:
             for chunk in chunks:
                 chunk.eval()
@@ -96,7 +106,7 @@ class RoleEngine:
             chunks = build_model(facts, megatron, device=device, dtype=dtype, value_head=role.value_head)
             load_weights(chunks, source, facts, value_head=role.value_head)
         return cls(role, chunks, megatron, optim, dtype=dtype, total_steps=total_steps, optimizer_on_host=optimizer_on_host,
-                   lora=lora)
+                   lora=lora, facts=facts)
 
     # ------------------------------------------------------------------ what recipes read
 

@@ -3,9 +3,11 @@
 - The reference policy is the actor's own engine with its adapters switched off (`AdaptersOff`): the base
   weights are frozen, so "adapters off" IS the initial policy, bit for bit, and no second model (no
   Role.ref engine, no second copy of the weights) is built.
-- The rollout decoders read the base weights directly (trinity.rollout.decode), not through the adapters'
-  forward hooks: around a rollout every adapted weight holds W + alpha/rank * B A (`rollout_weights`), and
-  gets its original bits back afterwards (trinity.models.lora.adapters_merged).
+- The rollout decoders' lean path reads the base weights directly (trinity.rollout.decode), not through the
+  adapters' forward hooks: by default around a rollout every adapted weight holds W + alpha/rank * B A
+  (`rollout_weights`), and gets its original bits back afterwards (trinity.models.lora.adapters_merged);
+  with actor.lora.rollout_weights `adapters` nothing is merged and the decoders add each active adapter's
+  x A^T B^T beside the base GEMM (trinity.models.lora.linear / addmm).
 """
 
 from __future__ import annotations
@@ -52,15 +54,18 @@ def rollout_weights(actor: Any, keep: str = "auto") -> Iterator[None]:
     Where the original bits wait decides the cost (benchmarks/lora_merge.py, one H100, 7B shape, rank 16 on
     every linear, 12.2 GiB of adapted weights): in host memory (trinity.models.lora.adapters_merged) the
     copies out and back took 9.1 + 2.1 s against a 2.6 s rollout of 64 x 256 tokens; a copy on the GPU takes
-    milliseconds. `keep`: "device" (a GPU copy), "host" (adapters_merged), "auto" (the GPU copy while at
-    least DEVICE_KEEP_FREE of the device's memory stays free besides it, else the host)."""
+    milliseconds. `keep` (actor.lora.rollout_weights): "device" (a GPU copy), "host" (adapters_merged), "auto"
+    (the GPU copy while at least DEVICE_KEEP_FREE of the device's memory stays free besides it, else the
+    host), "adapters" (no merge: the decoders compute the adapters beside the base weights)."""
     import torch
 
     from trinity.models.lora import adapters_merged, lora_modules
 
     chunks = actor.modules if hasattr(actor, "modules") and not callable(actor.modules) else actor
+    if keep not in ("auto", "device", "host", "adapters"):
+        raise ValueError(f"rollout_weights: keep must be auto, device, host or adapters, got {keep!r}")
     entries = [(m, a) for _, m, a in lora_modules(chunks)]
-    if not entries:
+    if not entries or keep == "adapters":
         yield
         return
     weight = entries[0][0].weight

@@ -252,7 +252,8 @@ class RLRecipe(Recipe):
         n = self.cfg.actor_rollout_ref.rollout.n
         ids = [p.prompt_ids for p in prompts for _ in range(n)]
         def run() -> Any:
-            with rollout_weights(self.actor):  # LoRA: the decoders read W + alpha/rank * B A
+            # LoRA: the decoders read W + alpha/rank * B A, or compute the adapters beside W (`adapters`)
+            with rollout_weights(self.actor, keep=self.cfg.actor_rollout_ref.actor.lora.rollout_weights):
                 return self.rollout_engine.generate(ids, self.sampling, gen)
 
         def tokens(r: Any) -> Any:

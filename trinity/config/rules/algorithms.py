@@ -1,0 +1,192 @@
+"""Rules on options that belong to one algorithm or training method (DAPO, DPO, LoRA, the RL reward):
+refused where they would be accepted and ignored, checked where they apply.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from trinity.config.rules.roles import OFFLOAD_FLAGS
+from trinity.config.schema import AlgorithmName, JobConfig
+from trinity.errors import UserError
+from trinity.models.facts import ModelFacts
+
+
+def check_dapo(cfg: JobConfig, problems: list[str]) -> None:
+    """DAPO's dynamic sampling and overlong shaping exist in the dapo recipe only, a policy loss in RL only:
+    refused elsewhere rather than accepted and ignored."""
+    name = cfg.algorithm.name
+    fg, ob = cfg.algorithm.filter_groups, cfg.reward_model.overlong_buffer
+    if not cfg.is_rl and cfg.actor_rollout_ref.actor.policy_loss.loss_mode != "vanilla":
+        problems.append(
+            f"actor_rollout_ref.actor.policy_loss.loss_mode: a policy loss applies to RL algorithms, not {name.value}; "
+            "remove the key"
+        )
+    if name != AlgorithmName.dapo:
+        if fg.enable:
+            problems.append(
+                f"algorithm.filter_groups.enable: dynamic sampling is part of the dapo recipe, not {name.value}; "
+                "set algorithm.name: dapo or remove the key"
+            )
+        if ob.enable:
+            problems.append(
+                f"reward_model.overlong_buffer.enable: overlong reward shaping is part of the dapo recipe, not "
+                f"{name.value}; set algorithm.name: dapo or remove the key"
+            )
+        return
+    limit = cfg.actor_rollout_ref.rollout.response_length
+    if ob.enable and not 0 < ob.len < limit:
+        problems.append(
+            f"reward_model.overlong_buffer.len: {ob.len} must be between 1 and actor_rollout_ref.rollout."
+            f"response_length - 1 ({limit - 1}): the penalty starts response_length - len tokens in"
+        )
+
+
+# What only a rollout or an RL loss uses: set in a dpo job, it would be accepted and change nothing.
+DPO_REFUSED = {
+    "algorithm": ("gamma", "lam", "norm_adv_by_std_in_grpo", "use_kl_in_reward", "kl_penalty", "kl_coef", "filter_groups"),
+    "data": ("answer_key", "response_key", "max_prompt_length", "train_batch_size", "train_weights", "text_key"),
+    "actor_rollout_ref.actor": ("ppo_mini_batch_size", "ppo_epochs", "clip_ratio_low", "clip_ratio_high", "clip_ratio_c",
+                                "use_kl_loss", "kl_loss_coef", "kl_loss_type", "entropy_coeff", "loss_agg_mode",
+                                "use_dynamic_bsz", "ppo_max_token_len_per_gpu", "recompute_old_log_prob"),
+    "actor_rollout_ref.ref": ("log_prob_use_dynamic_bsz", "log_prob_max_token_len_per_gpu"),
+    "actor_rollout_ref.rollout": None,  # every field
+    "reward": None,
+    "reward_model": None,
+}
+
+
+def non_default(block: Any, fields: Any) -> list[str]:
+    """Fields of `block` whose value differs from the schema default. (Not `model_fields_set`: the
+    workers read the resolved config, which spells every field out.)"""
+    out = []
+    for name in fields if fields is not None else type(block).model_fields:
+        info = type(block).model_fields[name]
+        default = info.default_factory() if info.default_factory is not None else info.default
+        if getattr(block, name) != default:
+            out.append(name)
+    return sorted(out)
+
+
+def check_dpo(cfg: JobConfig, problems: list[str]) -> None:
+    """algorithm.dpo belongs to dpo; a dpo job refuses the rollout / reward / RL-loss options."""
+    name = cfg.algorithm.name
+    if name != AlgorithmName.dpo:
+        if non_default(cfg.algorithm, ["dpo"]):
+            problems.append(
+                f"algorithm.dpo: DPO settings apply to algorithm.name dpo, not {name.value}; set algorithm.name: dpo "
+                "or remove the block"
+            )
+        return
+    for path, fields in DPO_REFUSED.items():
+        block: Any = cfg
+        for part in path.split("."):
+            block = getattr(block, part)
+        for field in non_default(block, fields):
+            problems.append(
+                f"{path}.{field}: not used by dpo (it trains on fixed chosen/rejected pairs: no rollout, reward, "
+                "RL loss or packing); remove the key (docs/rl.md, DPO)"
+            )
+    d = cfg.algorithm.dpo
+    if d.loss_type.value == "ipo" and d.label_smoothing:
+        problems.append(
+            f"algorithm.dpo.label_smoothing: {d.label_smoothing} has no effect with loss_type ipo; remove it, or use "
+            "sigmoid (conservative DPO) or robust"
+        )
+    if cfg.data.packing:  # false is dpo's default (JobConfig._pt_concatenates)
+        problems.append(
+            "data.packing: dpo runs each sequence of a pair in its own row (its log-prob is a per-row sum); "
+            "remove the key or set it to false"
+        )
+
+
+def check_lora(cfg: JobConfig, facts: ModelFacts | None, problems: list[str], check_paths: bool = True) -> None:
+    """actor.lora: target names known, settings only with rank >= 1, and only where adapters can act."""
+    lora = cfg.actor_rollout_ref.actor.lora
+    p = "actor_rollout_ref.actor.lora"
+    if lora.rank == 0:
+        for field in non_default(lora, ["alpha", "dropout", "target_modules", "rollout_weights", "adapter_path"]):
+            problems.append(f"{p}.{field}: has no effect while {p}.rank is 0 (LoRA off); set rank >= 1 or remove the key")
+        return
+    if not cfg.is_rl and non_default(lora, ["rollout_weights"]):
+        problems.append(f"{p}.rollout_weights: {cfg.algorithm.name.value} jobs have no rollout, so it has no effect; "
+                        "remove the key")
+    if lora.adapter_path is not None and check_paths:
+        check_adapter_path(lora, problems)
+    from trinity.models.lora_targets import resolve_targets
+
+    try:
+        targets = resolve_targets(lora.target_modules)
+    except ValueError as exc:
+        problems.append(f"{p}.target_modules: {exc}")
+        return
+    if not targets:
+        problems.append(f"{p}.target_modules: is empty; name at least one linear (e.g. all-linear)")
+    mlp = sorted(set(targets) & {"linear_fc1", "linear_fc2"})
+    if facts is not None and facts.is_moe and mlp:
+        problems.append(
+            f"{p}.target_modules: {', '.join(mlp)} of an MoE model are its experts, which LoRA does not adapt; "
+            "target linear_qkv and linear_proj only"
+        )
+
+
+def check_adapter_path(lora: Any, problems: list[str]) -> None:
+    """actor.lora.adapter_path: a PEFT folder of plain LoRA adapters whose r, lora_alpha and target modules
+    are the job's (the adapters are loaded into the job's own, which have the job's shapes)."""
+    from trinity.models.lora_targets import (
+        PEFT_CONFIG_FILE, adapter_config_targets, check_shared_a, read_adapter_config, resolve_targets,
+    )
+
+    p = "actor_rollout_ref.actor.lora"
+    folder = Path(lora.adapter_path)
+    if not folder.is_dir():
+        what = "is a file, not a folder" if folder.is_file() else "does not exist"
+        problems.append(f"{p}.adapter_path: {folder} {what}; point it at a PEFT adapter folder "
+                        "(adapter_config.json + adapter_model.safetensors)")
+        return
+    where = folder / PEFT_CONFIG_FILE
+    try:
+        config = read_adapter_config(folder)
+        theirs = adapter_config_targets(config, where)
+        check_shared_a(folder)
+    except UserError as exc:
+        problems.append(f"{p}.adapter_path: {exc}")
+        return
+    r, alpha = config.get("r"), config.get("lora_alpha")
+    if r != lora.rank:
+        problems.append(f"{p}.rank: {lora.rank} but {where} has r {r}; set {p}.rank to {r} to start from its adapters")
+    if alpha is None or float(alpha) != float(lora.alpha):
+        problems.append(f"{p}.alpha: {lora.alpha:g} but {where} has lora_alpha {alpha}; set {p}.alpha to {alpha} "
+                        "to start from its adapters")
+    try:
+        ours = resolve_targets(lora.target_modules)
+    except ValueError:
+        return  # _check_lora names the unknown target
+    if ours != theirs:
+        problems.append(f"{p}.target_modules: adapts {', '.join(ours) or 'nothing'} but {where} adapts "
+                        f"{', '.join(theirs) or 'nothing'}; set {p}.target_modules to {theirs}")
+
+
+def check_lora_ref(cfg: JobConfig, problems: list[str]) -> None:
+    """With LoRA the reference policy (RL with KL, DPO) is the actor with its adapters off
+    (trinity.trainer.recipes.lora_ref): no ref model is built, so its megatron block cannot apply."""
+    if cfg.actor_rollout_ref.actor.lora.rank == 0:
+        return
+    ref = cfg.actor_rollout_ref.ref.megatron
+    for name in non_default(ref, None):
+        if name in OFFLOAD_FLAGS and not cfg.needs_ref:
+            continue  # check_roles_exist already says the ref does not exist
+        problems.append(
+            f"actor_rollout_ref.ref.megatron.{name}: with actor_rollout_ref.actor.lora the reference policy is "
+            "the actor with its adapters off (no ref model is built), so the ref block cannot apply; remove the key"
+        )
+
+
+def check_reward(cfg: JobConfig, problems: list[str], check_paths: bool) -> None:
+    from trinity.rollout.rewards import BUILTIN_REWARDS, reward_problems
+
+    r = cfg.reward
+    if not check_paths and r.function not in BUILTIN_REWARDS:
+        return  # a user function's file is looked up on this machine: a path check
+    problems += reward_problems(r.function, r.format_pattern, r.extractor, r.marker)

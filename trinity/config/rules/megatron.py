@@ -1,0 +1,149 @@
+"""Rules on one role's `megatron:` block: parallel layout (against the world size and the model), weight
+source, recompute and megatron-core TransformerConfig overrides, mirrored from megatron-core's asserts.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import importlib.util
+from pathlib import Path
+
+from trinity.config.megatron import MegatronConfig, RecomputeGranularity, RecomputeMethod, RecomputeModule
+from trinity.config.schema import JobConfig
+from trinity.distributed.layout import layout_problems
+from trinity.models.facts import ModelFacts
+
+
+def check_megatron(
+    p: str,
+    m: MegatronConfig,
+    cfg: JobConfig,
+    facts: ModelFacts | None,
+    problems: list[str],
+    warnings: list[str],
+    check_paths: bool,
+) -> None:
+    world = cfg.cluster.world_size
+    lay = m.layout()
+    world_desc = f"world size {world} (cluster.nnodes {cfg.cluster.nnodes} x cluster.nproc_per_node {cfg.cluster.nproc_per_node})"
+    # The layout's own rules (trinity.distributed.layout.layout_problems); the model's come in
+    # _check_against_model, the rollout's in check_rl_roles.
+    for field, text in layout_problems(lay, world_size=world, world_desc=world_desc):
+        problems.append(f"{p}.{field}: {text}")
+    if m.sequence_parallel and lay.tp == 1:
+        m.sequence_parallel = False
+        warnings.append(f"{p}.sequence_parallel: has no effect with TP=1; disabled (as megatron-core does)")
+    if lay.cp > 1:
+        # Neither training loop gives each CP rank its share of the sequence (megatron's
+        # get_batch_on_this_cp_rank), on any device and with or without TransformerEngine; one message
+        # says so (validation is the only check: the recipes do not re-check it).
+        problems.append(
+            f"{p}.context_parallel_size: context parallelism is not supported: the SFT and RL loops do not "
+            "split sequences across CP ranks; set it to 1 (use recompute or TP/PP for long sequences)"
+        )
+    if m.use_mbridge and m.use_dist_checkpointing:
+        problems.append(f"{p}.use_mbridge: cannot be combined with use_dist_checkpointing; choose one weight source")
+    if m.use_dist_checkpointing:
+        ckpt = m.dist_checkpointing_path
+        if not ckpt:
+            problems.append(
+                f"{p}.dist_checkpointing_path: required with use_dist_checkpointing; "
+                "point it at the output of `trinity convert hf-to-mcore`"
+            )
+        elif check_paths and not Path(ckpt).is_dir():
+            problems.append(f"{p}.dist_checkpointing_path: {ckpt} does not exist; run `trinity convert hf-to-mcore` first")
+        elif check_paths and not (Path(ckpt) / ".metadata").is_file():
+            # Any megatron-core torch_dist checkpoint loads (trinity's or e.g. verl's converter's); all
+            # of them have torch's index file. Keys and shapes are checked against the model at load.
+            problems.append(
+                f"{p}.dist_checkpointing_path: {ckpt} is not a megatron-core dist checkpoint (no .metadata in it); "
+                "point it at the output of `trinity convert hf-to-mcore` (or of another megatron-core converter)"
+            )
+    if facts is not None:
+        _check_against_model(p, m, facts, problems, warnings)
+    _check_recompute(p, m, facts, problems)
+    _check_transformer_overrides(p, m, problems)
+
+
+def _check_against_model(p: str, m: MegatronConfig, f: ModelFacts, problems: list[str], warnings: list[str]) -> None:
+    for field, text in layout_problems(m.layout(), f, sequence_parallel=m.sequence_parallel):
+        problems.append(f"{p}.{field}: {text}")
+    if f.is_moe and m.moe_grouped_gemm and not any(
+        importlib.util.find_spec(mod) for mod in ("grouped_gemm", "transformer_engine")
+    ):
+        problems.append(
+            f"{p}.moe_grouped_gemm: needs the grouped_gemm package or TransformerEngine, neither is installed; "
+            "set it to false or use the Docker image (scripts/docker_for_megatron)"
+        )
+    if not f.is_moe:
+        # Refused, not warned about: on a dense model these options would be accepted and ignored.
+        # (moe_token_dispatcher_type has a default value, so the resolved config a worker re-validates
+        # always carries it: it cannot be told apart from a user's setting and is not checked.)
+        for key in (k for k in ("moe_grouped_gemm", "moe_layer_recompute") if getattr(m, k)):
+            problems.append(f"{p}.{key}: has no effect on the dense {f.architecture} (it has no MoE layers); remove it")
+
+
+def _check_recompute(p: str, m: MegatronConfig, f: ModelFacts | None, problems: list[str]) -> None:
+    o = m.override_transformer_config
+    q = f"{p}.override_transformer_config"
+    full = o.recompute_granularity == RecomputeGranularity.full
+    if m.moe_layer_recompute and full:
+        # megatron-core turns moe_layer_recompute into selective recompute of the MoE layers and raises
+        # on a full granularity (TransformerConfig.__post_init__).
+        problems.append(
+            f"{p}.moe_layer_recompute: megatron-core refuses it with override_transformer_config."
+            "recompute_granularity: full, which already recomputes whole layers; remove one of the two"
+        )
+    if not full:
+        for name in ("recompute_method", "recompute_num_layers"):
+            if getattr(o, name) is not None:
+                problems.append(f"{q}.{name}: only applies with recompute_granularity: full; remove it or set granularity full")
+    else:
+        if o.recompute_method is None:
+            problems.append(f"{q}.recompute_method: required with recompute_granularity: full; use uniform or block")
+        if o.recompute_num_layers is None:
+            problems.append(f"{q}.recompute_num_layers: required with recompute_granularity: full (e.g. 1)")
+        elif f is not None:
+            lay = m.layout()
+            limit = lay.layers_per_stage(f.num_layers) if o.recompute_method == RecomputeMethod.block else lay.layers_per_chunk(f.num_layers)
+            if limit and o.recompute_num_layers > limit:
+                problems.append(f"{q}.recompute_num_layers: {o.recompute_num_layers} is more than the {limit} layers per pipeline stage")
+    if o.recompute_modules is not None:
+        if o.recompute_granularity != RecomputeGranularity.selective:
+            problems.append(f"{q}.recompute_modules: only applies with recompute_granularity: selective")
+        mods = set(o.recompute_modules)
+        if RecomputeModule.mla_up_proj in mods:
+            problems.append(f"{q}.recompute_modules: mla_up_proj needs multi-latent attention, which no supported model uses")
+        if f is not None and not f.is_moe and mods & {RecomputeModule.moe, RecomputeModule.moe_act, RecomputeModule.shared_experts}:
+            problems.append(f"{q}.recompute_modules: moe/moe_act/shared_experts need an MoE model")
+        if RecomputeModule.moe_act in mods and not m.moe_grouped_gemm:
+            problems.append(f"{q}.recompute_modules: moe_act needs moe_grouped_gemm: true")
+
+
+@functools.lru_cache(maxsize=1)
+def transformer_config_fields() -> frozenset[str] | None:
+    """Field names of megatron-core's TransformerConfig, read from its source without importing it."""
+    spec = importlib.util.find_spec("megatron.core")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    root = Path(list(spec.submodule_search_locations)[0])
+    names: set[str] = set()
+    for rel, cls in (("transformer/transformer_config.py", "TransformerConfig"), ("model_parallel_config.py", "ModelParallelConfig")):
+        tree = ast.parse((root / rel).read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef) and node.name == cls:
+                names.update(s.target.id for s in node.body if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name))
+    return frozenset(names) or None
+
+
+def _check_transformer_overrides(p: str, m: MegatronConfig, problems: list[str]) -> None:
+    import difflib
+
+    extra = m.override_transformer_config.extra_fields()
+    known = transformer_config_fields() if extra else None
+    for name in extra if known else ():
+        if name not in known:
+            close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.6)
+            hint = f"did you mean '{close[0]}'?" if close else "see megatron-core's TransformerConfig for the field names"
+            problems.append(f"{p}.override_transformer_config.{name}: not a TransformerConfig field; {hint}")

@@ -1,0 +1,101 @@
+"""Rules on the roles of a job: which exist for the algorithm, their backend, what they must share (one
+parallel layout), and the offload flags a single-phase step cannot use.
+"""
+
+from __future__ import annotations
+
+from trinity.config.schema import AlgorithmName, JobConfig
+from trinity.distributed.layout import differing_sizes, rollout_problems
+
+
+OFFLOAD_FLAGS = ("param_offload", "grad_offload", "optimizer_offload")
+
+
+def check_roles_exist(cfg: JobConfig, problems: list[str]) -> None:
+    algo = cfg.algorithm.name
+    if algo == AlgorithmName.ppo and cfg.critic is None:
+        problems.append("critic: ppo needs a critic; add a `critic:` block (its megatron: and optim:)")
+    if algo != AlgorithmName.ppo and cfg.critic is not None:
+        problems.append(
+            f"critic: only ppo uses a critic, but algorithm.name is {algo.value}; remove the critic block"
+        )
+    if not cfg.needs_ref:
+        ref = cfg.actor_rollout_ref.ref.megatron
+        why = (
+            f"{algo.value} has no reference model"
+            if not cfg.is_rl
+            else "no KL is used (actor.use_kl_loss and algorithm.use_kl_in_reward are false)"
+        )
+        for flag in OFFLOAD_FLAGS:
+            if getattr(ref, flag):
+                problems.append(
+                    f"actor_rollout_ref.ref.megatron.{flag}: the ref role does not exist in this job ({why}); "
+                    "remove the flag"
+                )
+
+
+def check_strategy(cfg: JobConfig, problems: list[str]) -> None:
+    """Trinity-RFT / verl name the backend per role; `megatron` is the only one here."""
+    arr = cfg.actor_rollout_ref
+    blocks = {"actor_rollout_ref.actor": arr.actor, "actor_rollout_ref.ref": arr.ref}
+    if cfg.critic is not None:
+        blocks["critic"] = cfg.critic
+    for path, block in blocks.items():
+        if block.strategy is not None and block.strategy != "megatron":
+            problems.append(
+                f"{path}.strategy: {block.strategy!r} is not available: this toolkit trains with megatron-core "
+                "only; set it to megatron or remove the key"
+            )
+
+
+# Why param_offload / grad_offload cannot lower the peak of a single-phase (sft, pt) step.
+SFT_OFFLOAD_REFUSALS = {
+    "param_offload": "every parameter is read by the forward and the backward pass of every micro batch and no "
+                     "other phase runs between steps, so offloaded parameters would have to come straight back",
+    "grad_offload": "the fp32 gradient buffer is written by every backward pass and accumulates over the micro "
+                    "batches until the optimizer step, so it is needed on the GPU for the whole step "
+                    "(optimizer_offload already copies the gradients to the host for the step)",
+}
+
+
+def check_sft_offload(cfg: JobConfig, problems: list[str]) -> None:
+    """The SFT / pt recipes have one phase: `optimizer_offload` keeps the optimizer in host memory and
+    steps it there (trinity.trainer.engine.host_optimizer); the parameters and gradients are needed on
+    the GPU during the whole step, so their flags are refused with the reason rather than ignored."""
+    if cfg.is_rl:
+        return
+    actor = cfg.actor_rollout_ref.actor.megatron
+    algo = cfg.algorithm.name.value
+    for flag, why in SFT_OFFLOAD_REFUSALS.items():
+        if getattr(actor, flag):
+            problems.append(
+                f"actor_rollout_ref.actor.megatron.{flag}: cannot lower the GPU memory of a {algo} step ({why}); "
+                "set it to false and lower memory with optimizer_offload, recompute, TP or PP (docs/parallelism.md)"
+            )
+    if actor.optimizer_offload and cfg.model.dtype == "fp16":
+        problems.append(
+            f"actor_rollout_ref.actor.megatron.optimizer_offload: not available with model.dtype fp16 in {algo} jobs "
+            "(the host optimizer step has no loss scaling); use model.dtype bf16 (or auto)"
+        )
+
+
+def check_rl_roles(cfg: JobConfig, problems: list[str]) -> None:
+    """What the RL loop cannot do yet: what `rollout_problems` names (nothing today: sequence parallel and
+    virtual pipeline stages are served, trinity.distributed.sequence_parallel and trinity.rollout), and roles of different layouts (which would need resharding weights between them; dpo's ref too:
+    all roles share one parallel state)."""
+    roles = cfg.roles()
+    actor = roles.pop("actor_rollout_ref.actor")
+    a = "actor_rollout_ref.actor.megatron"
+    if cfg.is_rl:
+        for field, text in rollout_problems(actor.layout()):
+            problems.append(f"{a}.{field}: {text}")
+    for path, m in roles.items():
+        for field, value, actor_value in differing_sizes(m.layout(), actor.layout()):
+            problems.append(
+                f"{path}.megatron.{field}: {value} differs from the actor's {actor_value}; "
+                "roles share the GPUs with one layout (resharding between roles is out of scope)"
+            )
+        if m.sequence_parallel != actor.sequence_parallel:
+            problems.append(f"{path}.megatron.sequence_parallel: must equal the actor's ({actor.sequence_parallel})")
+    if cfg.critic is not None and cfg.critic.megatron.use_mbridge:
+        problems.append("critic.megatron.use_mbridge: the critic's value head cannot load through mbridge; set it to false")

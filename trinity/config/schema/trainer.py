@@ -1,0 +1,69 @@
+"""The `trainer:` block: steps, batch sizes, checkpoints, logging, evaluation and profiling."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from trinity.config.megatron import StrictModel
+
+
+class TrainerConfig(StrictModel):
+    """Steps, batch sizes, checkpoints and logging."""
+
+    total_steps: int | None = Field(default=None, ge=1)
+    """Optimizer steps to run; unset means total_epochs over the data."""
+    total_epochs: int = Field(default=1, ge=1)
+    """Epochs over the data when total_steps is unset."""
+    global_batch_size: int = Field(default=8, ge=1)
+    """SFT and pt: rows per optimizer step across all data-parallel ranks. dpo: preference pairs per step."""
+    micro_batch_size: int = Field(default=1, ge=1)
+    """Rows per forward pass on one GPU (gradient accumulation covers the rest). dpo: pairs per forward
+    pass (both sequences of a pair run in the same micro batch: 2 x micro_batch_size rows)."""
+    output_dir: str = "runs/job"
+    """Run folder: resolved config, logs, metrics.jsonl, checkpoints, HF export."""
+    save_interval: int | None = Field(default=None, ge=1)
+    """Save a checkpoint every N steps (unset: only at the end)."""
+    keep_last: int = Field(default=2, ge=1)
+    """Checkpoints to keep; older ones are deleted after a newer one is complete."""
+    resume: str = "auto"
+    """`auto` (newest complete checkpoint in output_dir), `disable`, or a checkpoint folder."""
+    export_hf: bool = True
+    """Export HF safetensors of the trained actor at the end (<output_dir>/hf)."""
+    log_interval: int = Field(default=1, ge=1)
+    """Print a step line every N steps (metrics.jsonl gets every step)."""
+    seed: int = 1234
+    """Seed of data order and sampling."""
+    tensorboard: bool | None = None
+    """Write TensorBoard events to <output_dir>/tensorboard when tensorboard is installed (unset: true).
+    The older switch: with trainer.logger set, list `tensorboard` there instead."""
+    logger: list[Literal["console", "jsonl", "tensorboard", "wandb", "mlflow"]] | None = None
+    """Where metrics go (as verl's trainer.logger). The console line and <output_dir>/metrics.jsonl are
+    always written; `tensorboard` writes <output_dir>/tensorboard, `wandb` a run named after output_dir
+    (WANDB_MODE=offline keeps it in <output_dir>/wandb; WANDB_PROJECT names the project, default trinity),
+    `mlflow` a run named after output_dir in MLFLOW_TRACKING_URI (default file:<output_dir>/mlruns). Each
+    gets the job config and every step's metrics. Unset: console, jsonl and trainer.tensorboard's choice."""
+    val_interval: int | None = Field(default=None, ge=1)
+    """Evaluate on data.val_files every N steps (verl's trainer.test_freq); unset: only before the first
+    step (trainer.val_before_train) and after the last."""
+    val_before_train: bool = True
+    """Evaluate on data.val_files before the first step (of this run: a resumed run evaluates at its start)."""
+    log_samples: int | None = Field(default=None, ge=0)
+    """RL: (prompt, response, reward) triples printed after each step line (unset: 2; the steps
+    trainer.log_interval prints); every step's responses go to
+    <output_dir>/samples/step_N.jsonl (val ones to val_step_N.jsonl). 0 prints none and writes no files."""
+    profile_step: int | None = Field(default=None, ge=1)
+    """Profile this step with torch.profiler on every rank: a Chrome trace per rank in
+    <output_dir>/profile and GPU time per kind of kernel printed; pick a step after the first
+    (which compiles and warms up). Unset: no profiling."""
+
+    def trackers(self) -> list[str]:
+        """The metric sinks beyond the console and metrics.jsonl that this job writes to."""
+        if self.logger is None:
+            return [] if self.tensorboard is False else ["tensorboard"]
+        return [name for name in ("tensorboard", "wandb", "mlflow") if name in self.logger]
+
+    def samples_per_step(self, is_rl: bool) -> int:
+        """log_samples with its default: 2 for RL, none for SFT (which generates nothing)."""
+        return (2 if self.log_samples is None else self.log_samples) if is_rl else 0
