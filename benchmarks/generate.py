@@ -117,8 +117,8 @@ def main() -> None:
     ap.add_argument("--random-init", action="store_true",
                     help="megatron's random initialisation on the device instead of an HF checkpoint (implies --no-hf)")
     ap.add_argument("--attention", default="auto",
-                    help="--lengths: comma list of decode attentions to time the continuous engine with: auto (the "
-                         "split-KV kernel where it runs), sdpa")
+                    help="--lengths: comma list of decode paths to time the continuous engine with: auto (the split-KV "
+                         "kernel and the fused RoPE/SwiGLU kernels where they run), unfused (split-KV only), sdpa")
     ap.add_argument("--eager", action="store_true", help="decode steps without CUDA graphs")
     ap.add_argument("--compile", action="store_true", help="torch.compile the decode step")
     ap.add_argument("--profile", action="store_true", help="profile one trinity call at the last batch size")
@@ -247,10 +247,10 @@ def rollout_table(args, gpt, facts, device, weight_bytes: int, kv_per_token: int
                    if e == "continuous" or batch <= args.static_max_batch]
         warmed: set[str] = set()
         for engine, max_num_seqs, attention in engines:
-            if attention == "sdpa":
-                os.environ["TRINITY_DECODE_ATTENTION"] = "sdpa"
-            else:
-                os.environ.pop("TRINITY_DECODE_ATTENTION", None)
+            # sdpa: SDPA decode attention; unfused: the split-KV kernel without the fused RoPE/SwiGLU
+            # kernels (trinity.rollout.decode_fused); auto: what the engine picks
+            os.environ["TRINITY_DECODE_ATTENTION"] = "sdpa" if attention == "sdpa" else ""
+            os.environ["TRINITY_DECODE_FUSED"] = "0" if attention in ("sdpa", "unfused") else "1"
             # the first call of an attention loads (and for Triton compiles) its kernels: timed apart; each
             # call captures its own graphs
             first = attention not in warmed

@@ -119,3 +119,25 @@ def test_split_kv_kernel_modes_match_sdpa(dtype):
     for splits in (None, 1, 5):
         out = decode_attention(q, k, v, lengths, cache, d**-0.5, splits=splits).float()
         assert ((out - ref).norm() / ref.norm()).item() <= tol, splits
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("per", [7, 6, 1])
+def test_fused_kernels_equal_the_torch_ops(dtype, per):
+    """RoPE + cache store bit-identical to the eager ops (each product and sum rounded as they round),
+    SwiGLU within rounding; and the engine uses them on CUDA."""
+    from trinity.rollout import decode_fused
+
+    decode_fused._CHECKED.clear()
+    assert decode_fused.available(torch.device("cuda"), 128, per, 128, dtype)
+
+
+def test_engine_uses_fused_kernels(built):
+    from trinity.rollout.continuous import RolloutStats, generate_continuous
+    from trinity.rollout.generate import SamplingParams
+
+    models, facts = built
+    stats = RolloutStats()
+    generate_continuous(models[torch.bfloat16], _prompts(facts, 4), SamplingParams(temperature=0.0, max_new_tokens=4),
+                        vocab_size=facts.vocab_size, pad_id=0, stats=stats)
+    assert "fused" in stats.attention, stats.attention

@@ -151,6 +151,8 @@ class SlotDecoder:
         # RoPE + cache store and SwiGLU as one kernel each (lean layers; Qwen3's q/k norms keep the torch ops)
         self.fused = self.lean and not self.config.qk_layernorm and decode_fused.available(
             self.device, self.head_dim, self.heads // self.groups, rot, self.dtype)
+        if self.fused:
+            self.attention += " + fused RoPE/SwiGLU"
 
     # ---- layers ------------------------------------------------------------------------------------
     def _rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -212,7 +214,6 @@ class SlotDecoder:
 
     def _lean_rest(self, layer: Any, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """A lean layer after its attention: output projection + residual, then the SwiGLU MLP + residual."""
-        from trinity.models import lora
         from trinity.rollout.decode import _rms
 
         attn, mlp = layer.self_attention, layer.mlp
