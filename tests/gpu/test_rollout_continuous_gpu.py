@@ -65,7 +65,7 @@ def test_graphs_match_eager_and_static_fp32(built):
     # each (batch bucket, length bucket) captured once, then replayed
     assert 0 < graphed_stats.graph_captures < graphed_stats.decode_steps / 2, graphed_stats
     assert eager_stats.graph_captures == 0
-    assert graphed_stats.attention == "triton split-KV", graphed_stats  # per-row context reads
+    assert graphed_stats.attention.startswith("triton split-KV"), graphed_stats  # per-row context reads
     # the SDPA decode attention (masked reads up to the longest live row) gives the same tokens
     import os
 
