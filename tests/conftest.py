@@ -66,6 +66,15 @@ def small_job():
     }
 
 
+def _rank_then_exit(worker, *args) -> None:
+    """A run_two_ranks child: the worker, then the exit a finished training rank takes (without the
+    interpreter's ~1.3 s teardown of torch and megatron-core). An exception exits as usual (code 1)."""
+    worker(*args)
+    from trinity.launch.child import exit_without_teardown
+
+    exit_without_teardown(0)
+
+
 def run_two_ranks(worker, *args, timeout: float = 240) -> None:
     """Run `worker(rank, port, *args)` in two spawned processes (a gloo/NCCL pair on localhost) and
     fail unless both exit 0; a rank still running after `timeout` seconds is killed."""
@@ -75,7 +84,7 @@ def run_two_ranks(worker, *args, timeout: float = 240) -> None:
 
     ctx = mp.get_context("spawn")
     port = free_port()
-    procs = [ctx.Process(target=worker, args=(rank, port, *args)) for rank in range(2)]
+    procs = [ctx.Process(target=_rank_then_exit, args=(worker, rank, port, *args)) for rank in range(2)]
     for p in procs:
         p.start()
     for p in procs:
@@ -93,9 +102,63 @@ def trinity_run_argv(config: Path, *overrides: str, debug: bool = False) -> list
             f"sys.exit(run({str(config)!r}, {list(overrides)!r}, debug={debug!r}))"]
 
 
-def trinity_run(cfg: dict, path: Path, *, timeout: float, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+# Where `trinity_run(..., reuse_conversion=True)` keeps one HF -> megatron-core conversion per model
+# folder and dtype for the whole test session (all xdist workers), set by the _conversion_store fixture.
+# An environment variable, not a global: test modules import this file as `tests.conftest`, a second
+# module object beside the one pytest loaded.
+CONVERSIONS_ENV = "TRINITY_TEST_CONVERSIONS"
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _conversion_store(tmp_path_factory):
+    base = tmp_path_factory.getbasetemp()
+    # Under xdist each worker's basetemp is <session folder>/popen-gwN: share the session folder.
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    (root / "mcore_conversions").mkdir(exist_ok=True)
+    os.environ[CONVERSIONS_ENV] = str(root / "mcore_conversions")
+
+
+def _conversion_key(cfg: dict) -> str | None:
+    """The name of a job's converted checkpoint in the store: the folder name `trinity run` gives it
+    under <output_dir>/mcore_cache (the HF folder's fingerprint), plus the dtype and device it was
+    converted for."""
+    from trinity.convert.dist_ckpt import source_fingerprint
+
+    model = Path(cfg["model"]["path"])
+    if not os.environ.get(CONVERSIONS_ENV) or not model.is_dir():
+        return None
+    return f"{source_fingerprint(model)}-{cfg['model'].get('dtype', 'auto')}-{cfg['cluster'].get('device', 'cuda')}"
+
+
+def seed_conversion(cfg: dict) -> Path | None:
+    """Put the session's conversion of the job's HF folder (if an earlier job stored one) into the
+    job's <output_dir>/mcore_cache, unless that exists; the store entry's path (None: no store)."""
+    import shutil
+
+    key = _conversion_key(cfg)
+    if key is None:
+        return None
+    stored = Path(os.environ[CONVERSIONS_ENV]) / key
+    cache = Path(cfg["trainer"]["output_dir"]) / "mcore_cache"
+    if (stored / "ckpt" / "trinity_meta.json").is_file() and not cache.exists():
+        shutil.copytree(stored / "ckpt", cache / (stored / "name").read_text())
+    return stored
+
+
+def trinity_run(cfg: dict, path: Path, *, timeout: float, env: dict[str, str] | None = None,
+                reuse_conversion: bool = False) -> subprocess.CompletedProcess:
     """Write `cfg` as YAML to `path` and run it; the output is printed (its end) and kept in
-    `<path stem>.out` beside the config."""
+    `<path stem>.out` beside the config.
+
+    reuse_conversion: the job starts with the megatron-core checkpoint an earlier such job of this
+    session converted from the same HF folder in its <output_dir>/mcore_cache, as a user's second run in
+    one output folder does ("using the cached megatron-core checkpoint"): ~4 s less per job (the
+    conversion imports megatron-core and mbridge). The first job converts, and tests of the conversion
+    itself leave this off."""
+    import shutil
+
+    stored = seed_conversion(cfg) if reuse_conversion else None
+    cache = Path(cfg["trainer"]["output_dir"]) / "mcore_cache"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     proc = subprocess.run(
         trinity_run_argv(path), cwd=REPO, env={**os.environ, **(env or {})},
@@ -103,6 +166,17 @@ def trinity_run(cfg: dict, path: Path, *, timeout: float, env: dict[str, str] | 
     )
     (path.parent / f"{path.stem}.out").write_text(proc.stdout)
     print(proc.stdout[-3000:])
+    if stored is not None and proc.returncode == 0 and not stored.exists():
+        made = [d for d in cache.glob("*") if (d / "trinity_meta.json").is_file()] if cache.is_dir() else []
+        if len(made) == 1:
+            # build beside, then rename: another worker may store the same conversion at the same time
+            build = stored.with_name(f".{stored.name}.{os.getpid()}")
+            shutil.copytree(made[0], build / "ckpt")
+            (build / "name").write_text(made[0].name)
+            try:
+                os.rename(build, stored)
+            except OSError:
+                shutil.rmtree(build, ignore_errors=True)
     return proc
 
 

@@ -49,7 +49,7 @@ def rows(out: Path) -> dict[int, dict]:
 def baseline(assets, tmp_path_factory) -> tuple[Path, str]:
     """8 steps of the example config at TP=PP=DP=1, 4 pairs per micro batch: (run folder, console output)."""
     root = tmp_path_factory.mktemp("dpo_run")
-    proc = trinity_run(job(assets, root / "run", 8), root / "job.yaml", timeout=170)
+    proc = trinity_run(job(assets, root / "run", 8), root / "job.yaml", timeout=170, reuse_conversion=True)
     assert proc.returncode == 0, proc.stdout[-3000:]
     return root / "run", proc.stdout
 
@@ -91,7 +91,7 @@ def test_dpo_resumes_exactly_on_another_layout(assets, baseline, tmp_path):
     cfg["trainer"].update(micro_batch_size=1, save_interval=None, export_hf=False)
     for role in ("actor", "ref"):
         cfg["actor_rollout_ref"].setdefault(role, {})["megatron"] = {"pipeline_model_parallel_size": 2}
-    proc = trinity_run(cfg, tmp_path / "pp2.yaml", timeout=170)
+    proc = trinity_run(cfg, tmp_path / "pp2.yaml", timeout=170, reuse_conversion=True)
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert "resumed from" in proc.stdout and "at step 4" in proc.stdout
     base, pp = rows(baseline[0]), rows(out)

@@ -55,7 +55,7 @@ def test_sft_val_loss_before_training_equals_step_1_loss(tiny, tmp_path):
                     "tensorboard": False, "export_hf": False},
         "actor_rollout_ref": {"actor": {"optim": {"lr": 1e-2, "weight_decay": 0.0}}},
     }
-    proc = trinity_run(cfg, tmp_path / "job.yaml", timeout=170)
+    proc = trinity_run(cfg, tmp_path / "job.yaml", timeout=170, reuse_conversion=True)
     assert proc.returncode == 0, proc.stdout[-3000:]
     val = [r for r in rows(out) if "val/loss" in r]
     train = [r for r in rows(out) if "loss" in r]
@@ -86,7 +86,7 @@ def test_grpo_val_reward_samples_and_trackers(tiny, tmp_path, monkeypatch):
         },
         "reward": {"function": "trinity.rollout.arithmetic_reward:closeness"},
     }
-    proc = trinity_run(cfg, tmp_path / "job.yaml", timeout=240, env={"WANDB_MODE": "offline", "WANDB_SILENT": "true"})
+    proc = trinity_run(cfg, tmp_path / "job.yaml", timeout=240, reuse_conversion=True, env={"WANDB_MODE": "offline", "WANDB_SILENT": "true"})
     assert proc.returncode == 0, proc.stdout[-3000:]
     val = [r for r in rows(out) if "val/reward_mean" in r]
     assert [r["step"] for r in val] == [0, 2, 3]

@@ -198,7 +198,7 @@ def test_grpo_with_lora_builds_no_ref_engine_and_exports_adapters(assets, tmp_pa
         },
         "reward": {"function": "trinity.rollout.arithmetic_reward:closeness"},
     }
-    proc = trinity_run(cfg, tmp_path / "grpo.yaml", timeout=240)
+    proc = trinity_run(cfg, tmp_path / "grpo.yaml", timeout=240, reuse_conversion=True)
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert "; roles: actor" in proc.stdout and "roles: actor, ref" not in proc.stdout
     m = rows(out)
@@ -234,7 +234,7 @@ def test_dpo_with_lora_learns_the_preference_with_the_adapters_off_as_reference(
     cfg["actor_rollout_ref"].pop("ref", None)
     cfg["actor_rollout_ref"]["actor"]["lora"] = LORA
     cfg["actor_rollout_ref"]["actor"]["optim"]["lr"] = 1e-2
-    proc = trinity_run(cfg, tmp_path / "dpo.yaml", timeout=240)
+    proc = trinity_run(cfg, tmp_path / "dpo.yaml", timeout=240, reuse_conversion=True)
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert "reference: the actor with its LoRA adapters off" in proc.stdout
     m = {r["step"]: r for r in rows(out)}

@@ -177,10 +177,18 @@ def losses(out: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in rows}
 
 
+_STORED: dict[Path, dict[str, torch.Tensor]] = {}
+
+
 def stored_tensors(ckpt: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a dist checkpoint by sharded key (in a child process: it needs a process group)."""
+    """Every tensor of a dist checkpoint by sharded key (in a child process: it needs a process group).
+    Read once per checkpoint: three tests compare against the baseline's step 4 (each child imports
+    megatron-core, seconds)."""
     import subprocess
     import sys
+
+    if ckpt in _STORED:
+        return {k: v.clone() for k, v in _STORED[ckpt].items()}
 
     code = (
         "import sys, torch, torch.distributed as d\n"
@@ -193,14 +201,15 @@ def stored_tensors(ckpt: Path) -> dict[str, torch.Tensor]:
     dest = ckpt.parent / f"{ckpt.name}.tensors.pt"
     subprocess.run([sys.executable, "-c", code, str(ckpt), str(dest)], check=True, timeout=120,
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    return torch.load(dest)
+    _STORED[ckpt] = torch.load(dest)
+    return {k: v.clone() for k, v in _STORED[ckpt].items()}
 
 
 @pytest.fixture(scope="module")
 def baseline(assets, tmp_path_factory) -> Path:
     """4 LoRA steps at TP=PP=DP=1, a checkpoint at step 2 and 4."""
     tmp = tmp_path_factory.mktemp("lora_base")
-    proc = trinity_run(job(assets, tmp / "run", save=2), tmp / "job.yaml", timeout=170)
+    proc = trinity_run(job(assets, tmp / "run", save=2), tmp / "job.yaml", timeout=170, reuse_conversion=True)
     assert proc.returncode == 0
     assert "LoRA: 13,312 trainable adapter parameters" in proc.stdout  # the plan
     assert "LoRA rank 4 on linear_qkv, linear_proj, linear_fc1, linear_fc2: 13,312 trainable parameters" in proc.stdout
@@ -222,8 +231,8 @@ def test_lora_sft_learns_and_its_checkpoint_holds_only_adapters(baseline):
 @pytest.mark.slow
 def test_resume_is_bit_exact(assets, baseline, tmp_path):
     out = tmp_path / "run"
-    assert trinity_run(job(assets, out, steps=2, save=2), tmp_path / "a.yaml", timeout=170).returncode == 0
-    proc = trinity_run(job(assets, out, steps=4, save=2), tmp_path / "b.yaml", timeout=170)
+    assert trinity_run(job(assets, out, steps=2, save=2), tmp_path / "a.yaml", timeout=170, reuse_conversion=True).returncode == 0
+    proc = trinity_run(job(assets, out, steps=4, save=2), tmp_path / "b.yaml", timeout=170, reuse_conversion=True)
     assert proc.returncode == 0 and "at step 2" in proc.stdout
     assert losses(out) == losses(baseline)  # bit-equal floats, steps 1-4
     mine, theirs = stored_tensors(out / "checkpoints" / "step_4"), stored_tensors(baseline / "checkpoints" / "step_4")
@@ -248,7 +257,7 @@ def test_layouts_give_the_same_lora_losses(assets, baseline, tmp_path, layout):
     this rank's sequence shard), PP=2 (+VPP: adapters live in each stage's chunks) and DP=2 (the
     distributed optimizer shards the adapters' states) follow the TP=1 run: the adapters, initialised
     from the layer's global name, are the same at any layout."""
-    assert trinity_run(job(assets, tmp_path / "run", nproc=2, **layout), tmp_path / "job.yaml", timeout=170).returncode == 0
+    assert trinity_run(job(assets, tmp_path / "run", nproc=2, **layout), tmp_path / "job.yaml", timeout=170, reuse_conversion=True).returncode == 0
     mine, ref = losses(tmp_path / "run"), losses(baseline)
     assert sorted(mine) == [1, 2, 3, 4]
     for step in mine:
@@ -262,7 +271,7 @@ def test_pretraining_with_lora_and_the_optimizer_in_host_memory(assets, baseline
     cfg = job(assets, tmp_path / "run", steps=6, optimizer_offload=True)
     cfg["algorithm"]["name"] = "pt"
     cfg["data"] = {"train_files": [str(Path(__file__).resolve().parents[2] / "README.md")], "seq_length": 64}
-    proc = trinity_run(cfg, tmp_path / "job.yaml", timeout=170)
+    proc = trinity_run(cfg, tmp_path / "job.yaml", timeout=170, reuse_conversion=True)
     assert proc.returncode == 0
     b = losses(tmp_path / "run")
     assert sorted(b) == list(range(1, 7)) and b[6] < b[1] - 0.1, b
@@ -279,7 +288,7 @@ def test_a_tp1_checkpoint_resumes_at_tp2(assets, baseline, tmp_path):
     out = tmp_path / "run"
     (out / "checkpoints").mkdir(parents=True)
     shutil.copytree(baseline / "checkpoints" / "step_2", out / "checkpoints" / "step_2")
-    proc = trinity_run(job(assets, out, save=2, nproc=2, tensor_model_parallel_size=2), tmp_path / "tp2.yaml", timeout=170)
+    proc = trinity_run(job(assets, out, save=2, nproc=2, tensor_model_parallel_size=2), tmp_path / "tp2.yaml", timeout=170, reuse_conversion=True)
     assert proc.returncode == 0 and "at step 2" in proc.stdout
     mine, ref = losses(out), losses(baseline)
     assert sorted(mine) == [3, 4]

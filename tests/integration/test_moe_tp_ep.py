@@ -75,7 +75,7 @@ def grpo_job(assets: dict[str, Path], out: Path, block: dict, nproc: int) -> dic
 
 
 def _run(cfg: dict, path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
-    proc = trinity_run(cfg, path, timeout=600)  # 4 ranks on a shared 2-core runner
+    proc = trinity_run(cfg, path, timeout=600, reuse_conversion=True)  # 4 ranks on a shared 2-core runner
     assert proc.returncode == 0, proc.stdout[-3000:]
     out = Path(cfg["trainer"]["output_dir"])
     (row,) = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

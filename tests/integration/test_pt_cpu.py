@@ -68,7 +68,7 @@ def losses(out: Path) -> dict[int, float]:
 def baseline(assets, tmp_path_factory) -> tuple[Path, str]:
     """An uninterrupted 6-step job on the indexed dataset, checkpointing at 3 and 6: (output_dir, its output)."""
     tmp = tmp_path_factory.mktemp("pt_base")
-    proc = trinity_run(job(assets, tmp / "run", [str(assets["indexed"])], save_interval=3), tmp / "base.yaml", timeout=240)
+    proc = trinity_run(job(assets, tmp / "run", [str(assets["indexed"])], save_interval=3), tmp / "base.yaml", timeout=240, reuse_conversion=True)
     assert proc.returncode == 0, proc.stdout[-3000:]
     return tmp / "run", proc.stdout
 
@@ -92,7 +92,7 @@ def test_indexed_dataset_resumes_at_the_same_position(assets, baseline, tmp_path
     full = losses(base)
     out = tmp_path / "resumed"
     cfg = job(assets, out, [str(assets["indexed"])], resume=str(base / "checkpoints" / "step_3"))
-    proc = trinity_run(cfg, tmp_path / "resumed.yaml", timeout=240)
+    proc = trinity_run(cfg, tmp_path / "resumed.yaml", timeout=240, reuse_conversion=True)
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert f"resumed from {base / 'checkpoints' / 'step_3'} at step 3" in proc.stdout
     again = losses(out)
@@ -105,7 +105,7 @@ def test_indexed_dataset_resumes_at_the_same_position(assets, baseline, tmp_path
 def test_text_jsonl_job_learns_and_exports(assets, tmp_path):
     out = tmp_path / "run"
     cfg = job(assets, out, [str(assets["jsonl"])], total_steps=12, export_hf=True)
-    proc = trinity_run(cfg, tmp_path / "job.yaml", timeout=240)
+    proc = trinity_run(cfg, tmp_path / "job.yaml", timeout=240, reuse_conversion=True)
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert "(records: 200 documents" in proc.stdout
     b = losses(out)

@@ -56,7 +56,7 @@ def ppo_job(assets: dict[str, Path], out: Path, *, tp: int, sp: bool) -> dict:
 
 def _run(assets: dict[str, Path], tmp: Path, name: str, **layout) -> tuple[list[dict], dict[str, torch.Tensor]]:
     out = tmp / name
-    proc = trinity_run(ppo_job(assets, out, **layout), tmp / f"{name}.yaml", timeout=300)
+    proc = trinity_run(ppo_job(assets, out, **layout), tmp / f"{name}.yaml", timeout=300, reuse_conversion=True)
     assert proc.returncode == 0, proc.stdout[-3000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     (val,) = [r for r in rows if "val/reward_mean" in r]
@@ -147,7 +147,7 @@ def test_dpo_with_vpp_equals_pp1(dpo_assets, tmp_path):
     res = {}
     for name, pp, vpp, micro in (("pp1", 1, None, 2), ("vpp", 2, 2, 1)):
         out = tmp_path / name
-        proc = trinity_run(dpo_job(dpo_assets, out, pp=pp, vpp=vpp, micro=micro), tmp_path / f"{name}.yaml", timeout=300)
+        proc = trinity_run(dpo_job(dpo_assets, out, pp=pp, vpp=vpp, micro=micro), tmp_path / f"{name}.yaml", timeout=300, reuse_conversion=True)
         assert proc.returncode == 0, proc.stdout[-3000:]
         res[name] = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in res["vpp"]] == [1, 2]

@@ -56,9 +56,10 @@ def job(assets: dict[str, Path], out: Path, **sections) -> dict:
     return cfg
 
 
-def run_job(cfg: dict, path: Path, env: dict[str, str] | None = None) -> int:
-    """`trinity run` in a child process; its exit code."""
-    return trinity_run(cfg, path, timeout=170, env=env).returncode
+def run_job(cfg: dict, path: Path, env: dict[str, str] | None = None, *, reuse_conversion: bool = False) -> int:
+    """`trinity run` in a child process; its exit code. reuse_conversion: see tests/conftest.py (off where
+    a test checks the run's own conversion)."""
+    return trinity_run(cfg, path, timeout=170, env=env, reuse_conversion=reuse_conversion).returncode
 
 
 def run_job_on_a_terminal(cfg: dict, path: Path) -> tuple[int, str]:
@@ -120,7 +121,7 @@ def baseline_run(assets, tmp_path_factory) -> Path:
     The lr is constant after a 2-step warm-up, so shorter runs of the same job follow the same schedule."""
     out = tmp_path_factory.mktemp("baseline")
     cfg = job(assets, out / "run", trainer={"total_steps": 10, "save_interval": 5, "export_hf": True, "profile_step": 3})
-    assert run_job(cfg, out / "job.yaml") == 0
+    assert run_job(cfg, out / "job.yaml", reuse_conversion=True) == 0
     return out / "run"
 
 
@@ -240,7 +241,7 @@ def test_stop_resume_and_kill_during_save(assets, baseline, tmp_path):
 def test_layouts_give_the_same_losses(assets, baseline, tmp_path_factory, layout):
     tmp = tmp_path_factory.mktemp("layout")
     cfg = job(assets, tmp / "run", trainer={"total_steps": 4}, cluster={"nproc_per_node": 2}, megatron=layout)
-    assert run_job(cfg, tmp / "job.yaml") == 0
+    assert run_job(cfg, tmp / "job.yaml", reuse_conversion=True) == 0
     b = losses(tmp / "run")
     assert sorted(b) == [1, 2, 3, 4]
     for step in b:
@@ -271,7 +272,7 @@ def test_layouts_give_the_same_losses(assets, baseline, tmp_path_factory, layout
 def test_recompute_gives_the_same_losses(assets, baseline, tmp_path_factory, recompute):
     tmp = tmp_path_factory.mktemp("recompute")
     cfg = job(assets, tmp / "run", trainer={"total_steps": 4}, megatron={"override_transformer_config": recompute})
-    assert run_job(cfg, tmp / "job.yaml") == 0
+    assert run_job(cfg, tmp / "job.yaml", reuse_conversion=True) == 0
     b = losses(tmp / "run")
     assert sorted(b) == [1, 2, 3, 4]
     for step in b:
@@ -323,7 +324,7 @@ def test_malformed_data_line_is_a_clean_error(assets, tmp_path):
     lines[17] = '{"prompt": "1+1=", "response": '
     bad.write_text("\n".join(lines) + "\n")
     cfg = job(assets, tmp_path / "run", data={"train_files": [str(bad)]}, trainer={"total_steps": 2, "global_batch_size": 2})
-    assert run_job(cfg, tmp_path / "job.yaml") != 0
+    assert run_job(cfg, tmp_path / "job.yaml", reuse_conversion=True) != 0
     text = (tmp_path / "job.out").read_text()
     assert f"{bad}:18" in text, text[-2000:]
     assert "error (rank 0)" in text
@@ -362,7 +363,7 @@ def test_optimizer_offload_at_dp2_gives_the_same_losses(assets, baseline, tmp_pa
     out = tmp_path / "run"
     cfg = job(assets, out, trainer={"total_steps": 3}, cluster={"nproc_per_node": 2},
               megatron={"optimizer_offload": True, "use_distributed_optimizer": True})
-    assert run_job(cfg, tmp_path / "job.yaml") == 0
+    assert run_job(cfg, tmp_path / "job.yaml", reuse_conversion=True) == 0
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3] and all(r["host_optimizer_s"] > 0 for r in rows)
     for r in rows:

@@ -6,6 +6,7 @@ Nothing heavy is imported here (no torch, megatron, mbridge, transformers): `tri
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -151,7 +152,18 @@ def mcore_to_hf(
 
 
 def main() -> None:
-    app()
+    try:
+        app()
+    except SystemExit as exc:
+        if "torch" not in sys.modules:  # nothing heavy loaded: the normal exit is instant
+            raise
+        # A command that loaded torch (and megatron-core, transformers) skips the interpreter's teardown
+        # of them, ~1.3 s (trinity.launch.child.exit_without_teardown).
+        from trinity.launch.child import exit_without_teardown
+
+        if isinstance(exc.code, str):
+            print(exc.code, file=sys.stderr)
+        exit_without_teardown(exc.code if isinstance(exc.code, int) else int(exc.code is not None))
 
 
 if __name__ == "__main__":

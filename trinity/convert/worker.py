@@ -42,4 +42,6 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":  # the dist-checkpoint writer re-imports __main__: keep the guard
-    sys.exit(main(sys.argv[1:]))
+    from trinity.launch.child import exit_without_teardown
+
+    exit_without_teardown(main(sys.argv[1:]))

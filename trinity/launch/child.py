@@ -76,3 +76,24 @@ def _stop(pid: int) -> None:
         sys.stderr.flush()
     finally:
         os._exit(143)  # as if SIGTERM: no clean-up that could block on the other ranks
+
+
+def exit_without_teardown(code: int) -> None:
+    """End a process that has finished its work (a training or conversion rank, the CLI): what the
+    interpreter's exit would do first (join non-daemon threads, run the atexit handlers, flush
+    stdout/stderr), then os._exit. The rest of a normal exit, deallocating every module and object that
+    torch, megatron-core and transformers loaded, is ~1.3 s of CPU per process that ends nothing
+    (measured: 5.6 s from the last log line to the end of a 4-rank job on 2 cores). Callers have
+    destroyed their process groups and closed their files before this point."""
+    import atexit
+
+    for t in threading.enumerate():
+        if t is not threading.main_thread() and not t.daemon:
+            t.join()
+    atexit._run_exitfuncs()  # the handlers the interpreter runs at exit (logging's flush among them)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed or broken pipe: nothing more to lose
+            pass
+    os._exit(code)

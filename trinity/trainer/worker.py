@@ -64,4 +64,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from trinity.launch.child import exit_without_teardown
+
+    # An exception other than a UserError propagates: the traceback and the normal exit (code 1).
+    exit_without_teardown(main())
