@@ -6,7 +6,7 @@
         --prompt-len 256 --new-tokens 1024 --no-hf      # variable lengths: continuous vs static batch
 
 With `--lengths fixed|uniform|lognormal` each of `--batches` rows gets a response length drawn from
-the distribution (the benchmark-only EOS schedule of `trinity.rollout.continuous`; lognormal: mean 30%
+the distribution (the benchmark-only EOS schedule of `trinity.rollout.bench_lengths`; lognormal: mean 30%
 of `--new-tokens`) and one whole rollout is timed per engine: the continuous-batching engine
 (`--max-num-seqs` slots, `--kv-gib` budget) and the static batch (decoding to the longest row).
 "Useful tokens/s" counts the drawn lengths only; the floor of the continuous run is, summed over its
