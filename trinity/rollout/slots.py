@@ -35,12 +35,9 @@ from trinity.rollout.decode import StageDecoder
 
 class SlotDecoder(StageDecoder):
     """Prefill and decode steps of one pipeline stage of a megatron GPTModel over a pool of KV slots
-    [slots, groups, cache_len, head_dim] per layer, each slot at its own position.
-
-    Layers run as `trinity.rollout.decode.StaticDecoder` runs them (the lean path at TP=1 with dense
-    SwiGLU MLPs and torch RMSNorms, megatron's submodules otherwise), with per-row RoPE positions.
-    The decode step reads its inputs from static buffers (`tok`, `pos`, `hidden`), so on CUDA (TP=1,
-    dense) each (batch bucket, length bucket) is captured once as a CUDA graph and replayed.
+    [slots, groups, cache_len, head_dim] per layer, each slot at its own position (module doc). The
+    decode step reads its inputs from static buffers (`tok`, `pos`, `hidden`), so on CUDA (TP=1, dense)
+    each (batch bucket, length bucket) is captured once as a CUDA graph and replayed.
 
     state_from: another chunk's decoder of the same rank (VPP) whose slot state (`tok`, `pos`, `done`)
     this one reads, so that the caller sets them once for all chunks."""
