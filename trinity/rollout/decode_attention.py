@@ -34,19 +34,29 @@ def available(device: torch.device, head_dim: int, per: int, dtype: torch.dtype)
     TRINITY_DECODE_ATTENTION=sdpa turns it off (a diagnostic: compare the two paths)."""
     import os
 
-    if os.environ.get("TRINITY_DECODE_ATTENTION", "") == "sdpa" or triton is None:
-        return False
-    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    if os.environ.get("TRINITY_DECODE_ATTENTION", "") == "sdpa" or not triton_runs(device):
         return False
     if head_dim not in (16, 32, 64, 128, 256) or per > 16:
         return False
-    key = (str(device), head_dim, per, dtype)
-    if key not in _CHECKED:
-        _CHECKED[key] = _self_check(device, head_dim, per, dtype)
-    return _CHECKED[key]
+    return checked_once(_CHECKED, (str(device), head_dim, per, dtype), lambda: _self_check(device, head_dim, per, dtype))
 
 
 _CHECKED: dict[tuple, bool] = {}
+
+
+def triton_runs(device: torch.device) -> bool:
+    """Triton is installed and runs on `device`: CUDA, or anywhere under its interpreter (TRITON_INTERPRET=1,
+    the CPU tests)."""
+    import os
+
+    return triton is not None and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")
+
+
+def checked_once(cache: dict, key: tuple, check) -> bool:
+    """`check()`'s verdict for `key`, computed at the first call of a process (a kernel's first-use check)."""
+    if key not in cache:
+        cache[key] = check()
+    return cache[key]
 
 
 def _self_check(device: torch.device, head_dim: int, per: int, dtype: torch.dtype) -> bool:

@@ -38,16 +38,13 @@ except ImportError:  # pragma: no cover - CPU-only installs
 def available(device: torch.device, head_dim: int, per: int, rot: int, dtype: torch.dtype) -> bool:
     """Whether the fused kernels run here: Triton on CUDA (or Triton's interpreter), RoPE over the whole
     head (rot == head_dim, a power of two of 16..256), and a first run that equals the torch ops."""
-    if os.environ.get("TRINITY_DECODE_FUSED", "1") == "0" or triton is None:
-        return False
-    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    from trinity.rollout.decode_attention import checked_once, triton_runs
+
+    if os.environ.get("TRINITY_DECODE_FUSED", "1") == "0" or not triton_runs(device):
         return False
     if rot != head_dim or head_dim not in (16, 32, 64, 128, 256):
         return False
-    key = (str(device), head_dim, per, dtype)
-    if key not in _CHECKED:
-        _CHECKED[key] = _self_check(device, head_dim, per, dtype)
-    return _CHECKED[key]
+    return checked_once(_CHECKED, (str(device), head_dim, per, dtype), lambda: _self_check(device, head_dim, per, dtype))
 
 
 _CHECKED: dict[tuple, bool] = {}
