@@ -6,7 +6,7 @@
         --prompt-len 256 --new-tokens 1024 --no-hf      # variable lengths: continuous vs static batch
 
 With `--lengths fixed|uniform|lognormal` each of `--batches` rows gets a response length drawn from
-the distribution (the benchmark-only EOS schedule of `trinity.rollout.continuous`; lognormal: mean 30%
+the distribution (the benchmark-only EOS schedule of `trinity.rollout.bench_lengths`; lognormal: mean 30%
 of `--new-tokens`) and one whole rollout is timed per engine: the continuous-batching engine
 (`--max-num-seqs` slots, `--kv-gib` budget) and the static batch (decoding to the longest row).
 "Useful tokens/s" counts the drawn lengths only; the floor of the continuous run is, summed over its
@@ -24,6 +24,7 @@ and writes both counted). On CPU the "bandwidth" is that of a memory copy.
 from __future__ import annotations
 
 import argparse
+import os
 import tempfile
 import time
 
@@ -81,6 +82,17 @@ def make_model(shape: str, out: str, dtype: torch.dtype) -> str:
     return out
 
 
+def make_config_only(shape: str, out: str, dtype: torch.dtype) -> str:
+    """`out/config.json` only: the model is built with megatron's random initialisation on the device
+    (`--random-init`), which skips creating, saving and loading a 15 GB HF checkpoint at 7B (minutes)."""
+    from transformers import Qwen2Config
+
+    cfg = Qwen2Config(**SHAPES[shape], max_position_embeddings=4096, tie_word_embeddings=shape != "7b", torch_dtype=dtype)
+    cfg.architectures = ["Qwen2ForCausalLM"]
+    cfg.save_pretrained(out)
+    return out
+
+
 def make_job_model(shape: str, root: Path, device: str) -> Path:
     """`root/model`: a random-weight model of `shape` (bf16 on cuda, fp32 on cpu) with the tiny local
     tokenizer beside its weights, as `trinity run` jobs of the benchmarks load it."""
@@ -102,6 +114,11 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--no-hf", action="store_true", help="skip HF generate")
+    ap.add_argument("--random-init", action="store_true",
+                    help="megatron's random initialisation on the device instead of an HF checkpoint (implies --no-hf)")
+    ap.add_argument("--attention", default="auto",
+                    help="--lengths: comma list of decode paths to time the continuous engine with: auto (the split-KV "
+                         "kernel and the fused RoPE/SwiGLU kernels where they run), unfused (split-KV only), sdpa")
     ap.add_argument("--eager", action="store_true", help="decode steps without CUDA graphs")
     ap.add_argument("--compile", action="store_true", help="torch.compile the decode step")
     ap.add_argument("--profile", action="store_true", help="profile one trinity call at the last batch size")
@@ -131,12 +148,14 @@ def main() -> None:
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     bw = bandwidth(device)
     with tempfile.TemporaryDirectory() as tmp:
-        path = make_model(args.shape, tmp, dtype)
+        path = (make_config_only if args.random_init else make_model)(args.shape, tmp, dtype)
+        args.no_hf = args.no_hf or args.random_init
         facts = ModelFacts.from_hf_dir(path)
         init_parallel(device=args.device, layout=MegatronConfig().layout(), seed=0)
         try:
             (gpt,) = build_model(facts, MegatronConfig(), device=args.device, dtype=dtype)
-            load_hf_weights([gpt], path, facts)
+            if not args.random_init:
+                load_hf_weights([gpt], path, facts)
             hf = None if args.no_hf else AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
             weight_bytes = sum(p.numel() * p.element_size() for p in gpt.parameters())
             kv_per_token = 2 * facts.num_layers * facts.num_query_groups * facts.head_dim * torch.finfo(dtype).bits // 8
@@ -223,11 +242,20 @@ def rollout_table(args, gpt, facts, device, weight_bytes: int, kv_per_token: int
         prompts = [p for p in distinct for _ in range(args.n)][:batch]
         lengths = draw_response_lengths(args.lengths, batch, args.new_tokens, seed=batch)
         useful = sum(lengths)
-        engines = [(e, m) for e in args.engines.split(",") for m in (args.max_num_seqs if e == "continuous" else [0])
+        engines = [(e, m, a) for e in args.engines.split(",") for m in (args.max_num_seqs if e == "continuous" else [0])
+                   for a in (args.attention.split(",") if e == "continuous" else ["-"])
                    if e == "continuous" or batch <= args.static_max_batch]
-        for k, (engine, max_num_seqs) in enumerate(engines):
-            # the first call loads kernels (and compiles nothing): timed apart; each call captures its graphs
-            for attempt in (("warm-up", "timed") if k == 0 else ("timed",)):
+        warmed: set[str] = set()
+        for engine, max_num_seqs, attention in engines:
+            # sdpa: SDPA decode attention; unfused: the split-KV kernel without the fused RoPE/SwiGLU
+            # kernels (trinity.rollout.decode_fused); auto: what the engine picks
+            os.environ["TRINITY_DECODE_ATTENTION"] = "sdpa" if attention == "sdpa" else ""
+            os.environ["TRINITY_DECODE_FUSED"] = "0" if attention in ("sdpa", "unfused") else "1"
+            # the first call of an attention loads (and for Triton compiles) its kernels: timed apart; each
+            # call captures its own graphs
+            first = attention not in warmed
+            warmed.add(attention)
+            for attempt in (("warm-up", "timed") if first else ("timed",)):
                 stats = RolloutStats()
                 _sync(device)
                 t0 = time.perf_counter()

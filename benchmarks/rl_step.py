@@ -9,7 +9,7 @@ on a random-weight Qwen2 of the chosen shape with the tiny local tokenizer (samp
 vocabulary decode to nothing, so responses run to `--response-length`: fixed-length decoding, which is
 what a throughput table wants). Numbers are medians over the steps after the first (which pays
 compilation). `--lengths uniform|lognormal` ends each response after a drawn number of tokens (the
-benchmark-only EOS schedule of `trinity.rollout.continuous`, through TRINITY_BENCH_RESPONSE_LENGTHS;
+benchmark-only EOS schedule of `trinity.rollout.bench_lengths`, through TRINITY_BENCH_RESPONSE_LENGTHS;
 lognormal: mean 30% of `--response-length`), so the rollout and the training phases see real length
 variation; tokens/s are real (response) tokens, and any `padding/...` metric the phases log is shown. On 2 GPUs the layout is DP=2 (`--layout tp` for TP=2). The decode floor is
 the bytes of the weights read once per decode step over the copy bandwidth measured in this run; tokens/s are rank 0's.

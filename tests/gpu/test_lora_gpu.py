@@ -32,6 +32,18 @@ def setup(tmp_path_factory):
     destroy()
 
 
+def _adapted_engine(facts, path):
+    """An engine whose adapters change the model (B drawn at random instead of zero)."""
+    from trinity.models.lora import lora_modules
+
+    engine = _engine(facts, path)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    with torch.no_grad():
+        for _, _, a in lora_modules(engine.modules):
+            a.lora_B.normal_(0.0, 0.05, generator=g)
+    return engine
+
+
 def _engine(facts, path):
     from trinity.config.megatron import MegatronConfig
     from trinity.config.roles import Role
@@ -81,17 +93,12 @@ def test_lora_sft_step_trains_only_the_adapters(setup):
 
 
 def test_merged_rollout_restores_the_base_weights_bit_exactly(setup):
-    from trinity.models.lora import lora_modules
     from trinity.rollout.generate import SamplingParams, generate
     from trinity.trainer.recipes.lora_ref import rollout_weights
     from trinity.trainer.recipes.rollout_forward import infer_logprobs
 
     facts, path = setup
-    engine = _engine(facts, path)
-    g = torch.Generator(device="cuda").manual_seed(0)
-    with torch.no_grad():
-        for _, _, a in lora_modules(engine.modules):
-            a.lora_B.normal_(0.0, 0.05, generator=g)
+    engine = _adapted_engine(facts, path)
     model = engine.modules[0]
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     prompts = [[5, 6, 7, 8] * 4, [9, 10] * 8]
@@ -114,7 +121,7 @@ def test_adapter_path_rollout_decodes_the_adapted_model_in_cuda_graphs(setup, en
     """rollout_weights `adapters`: nothing is merged; the decoders' lean path adds x A^T B^T inside their CUDA
     graphs. Its samples' log-probs are the adapted model's (the training forward with the adapters' hooks),
     as close as the merged rollout's, and far from the base model's."""
-    from trinity.models.lora import adapters_disabled, lora_modules
+    from trinity.models.lora import adapters_disabled
     from trinity.rollout.continuous import RolloutStats, generate_continuous
     from trinity.rollout.decode import StaticDecoder
     from trinity.rollout.generate import SamplingParams, generate
@@ -122,11 +129,7 @@ def test_adapter_path_rollout_decodes_the_adapted_model_in_cuda_graphs(setup, en
     from trinity.trainer.recipes.rollout_forward import infer_logprobs
 
     facts, path = setup
-    engine = _engine(facts, path)
-    g = torch.Generator(device="cuda").manual_seed(0)
-    with torch.no_grad():
-        for _, _, a in lora_modules(engine.modules):
-            a.lora_B.normal_(0.0, 0.05, generator=g)
+    engine = _adapted_engine(facts, path)
     model = engine.modules[0]
     decoder = StaticDecoder(model, 2, 64)
     assert decoder.lean and decoder.use_graph

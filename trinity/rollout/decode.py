@@ -82,28 +82,27 @@ def _rope(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return out if rest.shape[-1] == 0 else torch.cat((out, rest), dim=-1)
 
 
-class StaticDecoder:
-    """Prefill and single-token steps of one pipeline stage of a megatron GPTModel (the whole model at
-    PP=1) over a [batch, max_len] KV cache of its own layers."""
+class StageDecoder:
+    """What every KV-cached decoder of one pipeline stage of a megatron GPTModel sets up the same way
+    (`StaticDecoder` here, `trinity.rollout.slots.SlotDecoder`): this TP rank's attention geometry, a
+    [rows, groups, cache_len, head_dim] key and value cache per layer, megatron's RoPE table with its
+    cos/sin, the way through a layer (`lean`) and whether decode steps are captured as CUDA graphs.
+    One place, so that both decoders compute a layer from the same tables and take the same path."""
 
-    def __init__(self, gpt: Any, batch: int, max_len: int, *, cuda_graphs: bool = True, compile: bool = False) -> None:
+    def __init__(self, gpt: Any, rows: int, cache_len: int, *, cuda_graphs: bool) -> None:
         from megatron.core import parallel_state as ps
 
-        self.gpt = gpt
-        self.config = gpt.config
+        self.gpt, self.config = gpt, gpt.config
         self.layers = list(gpt.decoder.layers)
         first = self.layers[0].self_attention
         self.heads = first.num_attention_heads_per_partition
         self.groups, self.head_dim = first.num_query_groups_per_partition, first.hidden_size_per_attention_head
         param = next(gpt.parameters())
         self.device, self.dtype = param.device, param.dtype
-        cache_len = -(-max_len // _CACHE_MULTIPLE) * _CACHE_MULTIPLE
-        shape = (batch, self.groups, cache_len, self.head_dim)
+        shape = (rows, self.groups, cache_len, self.head_dim)
         self.keys = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
         self.values = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
-        self.valid = torch.zeros(batch, cache_len, dtype=torch.bool, device=self.device)
-        self.positions = torch.arange(cache_len, device=self.device)
-        # [cache_len, 1, 1, rot_dim]: megatron's rotary table (rope scaling included), indexed by slot
+        # [cache_len, 1, 1, rot_dim]: megatron's rotary table (rope scaling included), indexed by position
         self.freqs = gpt.rotary_pos_emb(cache_len)
         rot = self.freqs.shape[-1]
         # megatron casts cos/sin of its table to the activations' dtype before rotating
@@ -111,14 +110,26 @@ class StaticDecoder:
         self.sin = torch.sin(self.freqs).to(self.dtype).view(cache_len, rot)
         self.scale = self.config.softmax_scale or self.head_dim**-0.5
         self.lean = _lean_supported(gpt)
+        # no graphs at TP>1 (its all-reduces would be captured) nor with MoE routing (it syncs with the host)
         dense = all(not hasattr(layer.mlp, "router") for layer in self.layers)
         self.use_graph = (
             cuda_graphs and self.device.type == "cuda" and ps.get_tensor_model_parallel_world_size() == 1 and dense
         )
+        self.first, self.last = gpt.pre_process, gpt.post_process
+
+
+class StaticDecoder(StageDecoder):
+    """Prefill and single-token steps of one pipeline stage of a megatron GPTModel (the whole model at
+    PP=1) over a [batch, max_len] KV cache of its own layers."""
+
+    def __init__(self, gpt: Any, batch: int, max_len: int, *, cuda_graphs: bool = True, compile: bool = False) -> None:
+        cache_len = -(-max_len // _CACHE_MULTIPLE) * _CACHE_MULTIPLE
+        super().__init__(gpt, batch, cache_len, cuda_graphs=cuda_graphs)
+        self.valid = torch.zeros(batch, cache_len, dtype=torch.bool, device=self.device)
+        self.positions = torch.arange(cache_len, device=self.device)
         self._graph: torch.cuda.CUDAGraph | None = None
         self._token = torch.zeros(batch, 1, dtype=torch.long, device=self.device)
         self._slot = torch.zeros(1, dtype=torch.long, device=self.device)
-        self.first, self.last = gpt.pre_process, gpt.post_process
         # the previous stage's hidden state of the decode step (non-first pipeline stages)
         self._hidden = None if self.first else torch.zeros(1, batch, self.config.hidden_size, dtype=self.dtype, device=self.device)
         self._logits: torch.Tensor | None = None

@@ -34,19 +34,29 @@ def available(device: torch.device, head_dim: int, per: int, dtype: torch.dtype)
     TRINITY_DECODE_ATTENTION=sdpa turns it off (a diagnostic: compare the two paths)."""
     import os
 
-    if os.environ.get("TRINITY_DECODE_ATTENTION", "") == "sdpa" or triton is None:
-        return False
-    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    if os.environ.get("TRINITY_DECODE_ATTENTION", "") == "sdpa" or not triton_runs(device):
         return False
     if head_dim not in (16, 32, 64, 128, 256) or per > 16:
         return False
-    key = (str(device), head_dim, per, dtype)
-    if key not in _CHECKED:
-        _CHECKED[key] = _self_check(device, head_dim, per, dtype)
-    return _CHECKED[key]
+    return checked_once(_CHECKED, (str(device), head_dim, per, dtype), lambda: _self_check(device, head_dim, per, dtype))
 
 
 _CHECKED: dict[tuple, bool] = {}
+
+
+def triton_runs(device: torch.device) -> bool:
+    """Triton is installed and runs on `device`: CUDA, or anywhere under its interpreter (TRITON_INTERPRET=1,
+    the CPU tests)."""
+    import os
+
+    return triton is not None and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")
+
+
+def checked_once(cache: dict, key: tuple, check) -> bool:
+    """`check()`'s verdict for `key`, computed at the first call of a process (a kernel's first-use check)."""
+    if key not in cache:
+        cache[key] = check()
+    return cache[key]
 
 
 def _self_check(device: torch.device, head_dim: int, per: int, dtype: torch.dtype) -> bool:
@@ -137,6 +147,31 @@ if triton is not None:
             tl.store(Acc + b * sa_b + g * sa_g + s * sa_s + rows[:, None] * sa_p + dims[None, :], acc)
 
 
+    @triton.jit
+    def _combine_kernel(Acc, Mx, Den, Out, sa_b, sa_g, sa_s, sa_p, sm_b, sm_g, sm_s, so_b, so_g, so_p,
+                        PER: tl.constexpr, P_PAD: tl.constexpr, D: tl.constexpr, S: tl.constexpr,
+                        S_PAD: tl.constexpr):
+        """`combine` in one program per (row, group): the splits' partials weighed by exp(max - top)."""
+        b = tl.program_id(0)
+        g = tl.program_id(1)
+        rows = tl.arange(0, P_PAD)
+        dims = tl.arange(0, D)
+        sp = tl.arange(0, S_PAD)
+        stat = b * sm_b + g * sm_g + sp[:, None] * sm_s + rows[None, :]
+        mx = tl.load(Mx + stat, mask=sp[:, None] < S, other=float("-inf"))  # [S_PAD, P_PAD]
+        top = tl.max(mx, 0)  # split 0 always holds a key: finite
+        w = tl.exp(mx - top[None, :])  # a split with no key (-inf) weighs 0
+        den = tl.sum(tl.load(Den + stat, mask=sp[:, None] < S, other=0.0) * w, 0)
+        num = tl.zeros([P_PAD, D], tl.float32)
+        for s in range(S):
+            ws = tl.exp(tl.load(Mx + b * sm_b + g * sm_g + s * sm_s + rows) - top)
+            part = tl.load(Acc + b * sa_b + g * sa_g + s * sa_s + rows[:, None] * sa_p + dims[None, :])
+            num += part * ws[:, None]
+        out = num / den[:, None]
+        tl.store(Out + b * so_b + g * so_g + rows[:, None] * so_p + dims[None, :], out.to(Out.dtype.element_ty),
+                 mask=rows[:, None] < PER)
+
+
 def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor,
                      L: int, scale: float, splits: int | None = None) -> torch.Tensor:
     """q [b, groups, per, d]; keys/values [slots >= b, groups, cache_len, d]; lengths [b] (keys per
@@ -171,7 +206,13 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
         acc.stride(0), acc.stride(1), acc.stride(2), acc.stride(3), mx.stride(0), mx.stride(1), mx.stride(2),
         **common,
     )
-    return combine(acc[:, :, :, :per], mx[:, :, :, :per], den[:, :, :, :per]).to(q.dtype)
+    # one merge kernel instead of the ~9 torch ops of `combine` (kept as the reference): the rollout's
+    # tail runs these steps ~700 times x layers
+    out = torch.empty(b, g, per, d, dtype=q.dtype, device=q.device)
+    _combine_kernel[(b, g)](acc, mx, den, out, acc.stride(0), acc.stride(1), acc.stride(2), acc.stride(3),
+                            mx.stride(0), mx.stride(1), mx.stride(2), out.stride(0), out.stride(1), out.stride(2),
+                            PER=per, P_PAD=p_pad, D=d, S=splits, S_PAD=triton.next_power_of_2(splits))
+    return out
 
 
 def combine(acc: torch.Tensor, mx: torch.Tensor, den: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,277 @@
+"""The continuous-batching engine's decoder: prefill and decode steps over a pool of KV-cache slots.
+
+`SlotDecoder` holds one pipeline stage's (one model chunk's) keys and values as `slots` rows of
+`cache_len` positions per layer; `trinity.rollout.continuous.generate_continuous` decides which rows
+go to which slot and when. Here:
+- every slot has its own position: a row's tokens sit at positions 0.. of its slot (no left padding), so
+  RoPE (megatron's table, indexed per row) and the causal mask are those of the row alone;
+- prefill runs right-padded prompts at positions 0..s-1 and copies a prompt's keys/values to each of its
+  samples' slots (identical prompts are prefilled once);
+- a decode step runs the slots [0, b) from static buffers (`tok`, `pos`, `done`, and the previous
+  stage's `hidden`), attending over the first `L` cache positions, keys after a row's position masked;
+  on CUDA the attention is a Triton split-KV kernel that reads each row's own keys
+  (`trinity.rollout.decode_attention`), with RoPE + cache store and SwiGLU fused on lean layers
+  (`trinity.rollout.decode_fused`); elsewhere torch's SDPA with an additive mask;
+- layers run as `trinity.rollout.decode.StaticDecoder` runs them (the lean path at TP=1 with dense
+  SwiGLU MLPs and torch RMSNorms, megatron's submodules otherwise; `StageDecoder` sets up both);
+- on CUDA (TP=1, dense MLPs) a decode step is one CUDA graph per (batch bucket, length bucket), captured
+  at first use within a `generate_continuous` call (offload between RL phases moves parameter storages,
+  and a graph replays the addresses it was captured with);
+- virtual pipeline stages: each model chunk of a rank has its own `SlotDecoder` (its layers' cache),
+  the later ones reading the first one's slot state (`state_from`).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from trinity.models import lora  # the lean path's linears: base weight + active LoRA adapter
+from trinity.rollout.decode import StageDecoder
+
+
+class SlotDecoder(StageDecoder):
+    """Prefill and decode steps of one pipeline stage of a megatron GPTModel over a pool of KV slots
+    [slots, groups, cache_len, head_dim] per layer, each slot at its own position (module doc). The
+    decode step reads its inputs from static buffers (`tok`, `pos`, `hidden`), so on CUDA (TP=1, dense)
+    each (batch bucket, length bucket) is captured once as a CUDA graph and replayed.
+
+    state_from: another chunk's decoder of the same rank (VPP) whose slot state (`tok`, `pos`, `done`)
+    this one reads, so that the caller sets them once for all chunks."""
+
+    def __init__(self, gpt: Any, slots: int, cache_len: int, *, cuda_graphs: bool = True,
+                 state_from: "SlotDecoder | None" = None) -> None:
+        # geometry, the per-layer K/V slot pool, megatron's RoPE table, lean path and CUDA-graph eligibility
+        super().__init__(gpt, slots, cache_len, cuda_graphs=cuda_graphs)
+        rot = self.cos.shape[-1]
+        self.slots, self.cache_len = slots, cache_len
+        # the decode step's static inputs: token and position of every slot, the previous stage's hidden
+        self.owns_state = state_from is None
+        self.tok = torch.zeros(slots, dtype=torch.long, device=self.device) if state_from is None else state_from.tok
+        self.pos = torch.zeros(slots, dtype=torch.long, device=self.device) if state_from is None else state_from.pos
+        self.hidden = None if self.first else torch.zeros(1, slots, self.config.hidden_size, dtype=self.dtype, device=self.device)
+        # rows whose sequence ended (or that hold none): the split-KV kernel reads one key for them
+        self.done = torch.ones(slots, dtype=torch.bool, device=self.device) if state_from is None else state_from.done
+        self.rows = torch.arange(slots, device=self.device)
+        self.kpos = torch.arange(cache_len, device=self.device)
+        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._pool = torch.cuda.graph_pool_handle() if self.use_graph else None
+        self.captures, self.capture_s = 0, 0.0
+        from trinity.rollout import decode_attention
+
+        self.split_kv = decode_attention.available(self.device, self.head_dim, self.heads // self.groups, self.dtype)
+        self.attention = "triton split-KV" if self.split_kv else "sdpa"
+        from trinity.rollout import decode_fused
+
+        # RoPE + cache store and SwiGLU as one kernel each (lean layers; Qwen3's q/k norms keep the torch ops)
+        self.fused = self.lean and not self.config.qk_layernorm and decode_fused.available(
+            self.device, self.head_dim, self.heads // self.groups, rot, self.dtype)
+        if self.fused:
+            self.attention += " + fused RoPE/SwiGLU"
+
+    # ---- layers ------------------------------------------------------------------------------------
+    def _rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cos.index_select(0, positions.reshape(-1)), self.sin.index_select(0, positions.reshape(-1))
+
+    def _attend_prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention of right-padded prompts: q [b, heads, s, d], k/v [b, groups, s, d]."""
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=True)
+
+    def _store_prefill(self, i: int, k: torch.Tensor, v: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy prefill rows `src` of k/v [b, groups, s, d] into slots `dst` (a prompt's n samples share it)."""
+        s = k.shape[2]
+        self.keys[i][dst, :, :s] = k.index_select(0, src)
+        self.values[i][dst, :, :s] = v.index_select(0, src)
+
+    def _attend_decode(self, i: int, q: torch.Tensor, ctx: dict) -> torch.Tensor:
+        """One query per row, a group's heads stacked: q [b, g, per, d] against the row's keys 0..pos."""
+        b, L = q.shape[0], ctx["L"]
+        if self.split_kv:
+            from trinity.rollout.decode_attention import decode_attention
+
+            return decode_attention(q, self.keys[i], self.values[i], ctx["nkeys"], L, self.scale)
+        return F.scaled_dot_product_attention(q, self.keys[i][:b, :, :L], self.values[i][:b, :, :L],
+                                              attn_mask=ctx["bias"], scale=self.scale)
+
+    def _lean_layer(self, i: int, layer: Any, x: torch.Tensor, s: int, b: int, cos: torch.Tensor, sin: torch.Tensor,
+                    ctx: dict) -> torch.Tensor:
+        from trinity.rollout.decode import _rms, _rope
+
+        attn, mlp = layer.self_attention, layer.mlp
+        g, per, d = self.groups, self.heads // self.groups, self.head_dim
+        qkv = lora.linear(_rms(x, layer.input_layernorm), attn.linear_qkv, attn.linear_qkv.bias)
+        qkv = qkv.view(s, b, g, per + 2, d)
+        if ctx["decode"] and self.fused:
+            from trinity.rollout.decode_fused import rope_store
+
+            q = rope_store(qkv[0], self.cos, self.sin, self.pos[:b], self.keys[i], self.values[i])
+            out = self._attend_decode(i, q, ctx).reshape(b, g * per * d)
+            return self._lean_rest(layer, x, out)
+        if self.config.qk_layernorm:
+            q = _rope(_rms(qkv[:, :, :, :per], attn.q_layernorm), cos, sin)
+            k = _rope(_rms(qkv[:, :, :, per:per + 1], attn.k_layernorm), cos, sin)
+        else:
+            qk = _rope(qkv[:, :, :, :per + 1], cos, sin)
+            q, k = qk[:, :, :, :per], qk[:, :, :, per:]
+        v = qkv[:, :, :, per + 1]
+        if ctx["decode"]:
+            # s == 1: write this step's key/value at each row's own position, then attend over the first
+            # L positions with the group's query heads stacked along the query axis (no repeated K/V)
+            self.keys[i][self.rows[:b], :, self.pos[:b]] = k[0, :, :, 0]
+            self.values[i][self.rows[:b], :, self.pos[:b]] = v[0]
+            out = self._attend_decode(i, q[0], ctx).reshape(b, g * per * d)  # q [b, g, per, d]
+        else:
+            kk, vv = k.squeeze(3).permute(1, 2, 0, 3), v.permute(1, 2, 0, 3)  # [b, g, s, d]
+            self._store_prefill(i, kk, vv, ctx["src"], ctx["dst"])
+            qq = q.permute(1, 2, 3, 0, 4).reshape(b, g * per, s, d)
+            out = self._attend_prefill(qq, kk, vv).permute(2, 0, 1, 3).reshape(s * b, g * per * d)
+        return self._lean_rest(layer, x, out)
+
+    def _lean_rest(self, layer: Any, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """A lean layer after its attention: output projection + residual, then the SwiGLU MLP + residual."""
+        from trinity.rollout.decode import _rms
+
+        attn, mlp = layer.self_attention, layer.mlp
+        x = lora.addmm(x, out, attn.linear_proj)
+        if attn.linear_proj.bias is not None:
+            x = x + attn.linear_proj.bias
+        up = lora.linear(_rms(x, layer.pre_mlp_layernorm), mlp.linear_fc1)
+        if self.fused:
+            from trinity.rollout.decode_fused import silu_mul
+
+            act = silu_mul(up)
+        else:
+            gate, value = torch.chunk(up, 2, dim=-1)
+            act = F.silu(gate) * value
+        return lora.addmm(x, act, mlp.linear_fc2)
+
+    def _module_attention(self, i: int, layer: Any, hidden: torch.Tensor, freqs: torch.Tensor, ctx: dict) -> torch.Tensor:
+        from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+
+        attn = layer.self_attention
+        q, k, v = attn.get_query_key_value_tensors(hidden, None)  # [s, b, heads|groups, d]
+        q = apply_rotary_pos_emb(q, freqs, config=self.config)
+        k = apply_rotary_pos_emb(k, freqs, config=self.config)
+        s, b = hidden.shape[:2]
+        if ctx["decode"]:
+            self.keys[i][self.rows[:b], :, self.pos[:b]] = k[0]
+            self.values[i][self.rows[:b], :, self.pos[:b]] = v[0]
+            per = self.heads // self.groups
+            out = self._attend_decode(i, q[0].reshape(b, self.groups, per, self.head_dim), ctx)
+            out = out.reshape(b, self.heads, 1, self.head_dim)
+        else:
+            kk, vv = k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3)
+            self._store_prefill(i, kk, vv, ctx["src"], ctx["dst"])
+            out = self._attend_prefill(q.permute(1, 2, 0, 3), kk, vv)
+        out, bias = attn.linear_proj(out.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.head_dim))
+        return out if bias is None else out + bias
+
+    def _layers(self, x: torch.Tensor, positions: torch.Tensor, ctx: dict) -> torch.Tensor:
+        """x [s, b, h]; positions [s, b] (RoPE)."""
+        s, b, h = x.shape
+        if self.lean:
+            cos, sin = self._rope_tables(positions)
+            cos, sin = cos.view(s, b, 1, 1, -1), sin.view(s, b, 1, 1, -1)
+            x = x.reshape(s * b, h)
+            for i, layer in enumerate(self.layers):
+                x = self._lean_layer(i, layer, x, s, b, cos, sin, ctx)
+            return x.view(s, b, h)
+        freqs = self.freqs.index_select(0, positions.reshape(-1)).view(s, b, 1, -1)
+        for i, layer in enumerate(self.layers):
+            x = x + self._module_attention(i, layer, layer.input_layernorm(x), freqs, ctx)
+            out, bias = layer.mlp(layer.pre_mlp_layernorm(x))
+            x = x + (out if bias is None else out + bias)
+        return x
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        """x [1, b, h] -> logits [b, vocab (gathered over TP, padded)]."""
+        x = self.gpt.decoder.final_layernorm(x)
+        weight = self.gpt.shared_embedding_or_output_weight() if self.gpt.share_embeddings_and_output_weights else None
+        logits, _ = self.gpt.output_layer(x, weight=weight, runtime_gather_output=True)
+        return logits[0]
+
+    # ---- prefill -----------------------------------------------------------------------------------
+    @torch.no_grad()
+    def prefill(self, tokens: torch.Tensor, lengths: torch.Tensor, src: torch.Tensor, dst: torch.Tensor,
+                hidden: torch.Tensor | None) -> torch.Tensor:
+        """Right-padded prompts tokens [u, s] (lengths [u]) at positions 0..s-1; prompt src[j]'s keys and
+        values go to slot dst[j]. Returns each prompt's last-token logits [u, vocab] (last stage) or the
+        hidden states [s, u, h] to send on."""
+        u, s = tokens.shape
+        positions = torch.arange(s, device=self.device).view(s, 1).expand(s, u)
+        if self.first:
+            x = self.gpt.embedding(input_ids=tokens, position_ids=positions.t())
+        else:
+            assert hidden is not None, "a non-first pipeline stage needs the previous stage's hidden states"
+            x = hidden
+        x = self._layers(x, positions, {"decode": False, "src": src, "dst": dst})
+        if not self.last:
+            return x
+        last = x[lengths - 1, torch.arange(u, device=self.device)].unsqueeze(0)  # [1, u, h]
+        return self._logits(last)
+
+    # ---- decode ------------------------------------------------------------------------------------
+    def _step(self, b: int, L: int) -> torch.Tensor:
+        pos = self.pos[:b]
+        # additive mask: a row attends to its positions 0..pos (written by its prefill and earlier steps)
+        bias = None if self.split_kv else torch.zeros(b, 1, 1, L, dtype=self.dtype, device=self.device).masked_fill_(
+            (self.kpos[:L].view(1, 1, 1, L) > pos.view(b, 1, 1, 1)), float("-inf"))
+        nkeys = torch.where(self.done[:b], torch.ones_like(pos), pos + 1) if self.split_kv else None
+        ctx = {"decode": True, "L": L, "bias": bias, "nkeys": nkeys}
+        x = self.gpt.embedding(input_ids=self.tok[:b].view(b, 1), position_ids=pos.view(b, 1)) if self.first else self.hidden[:, :b]
+        x = self._layers(x, pos.view(1, b), ctx)
+        return self._logits(x) if self.last else x
+
+    @torch.no_grad()
+    def step(self, b: int, L: int, hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """One token for each of the slots [0, b) from `tok`/`pos` (set by the caller), attending over the
+        first L positions; `hidden` [1, b, h] from the previous stage (non-first stages). Returns logits
+        [b, vocab] (last stage) or hidden states [1, b, h] (a graph's output buffer: valid until the
+        next step)."""
+        if self.hidden is not None:
+            assert hidden is not None, "a non-first pipeline stage needs the previous stage's hidden state"
+            self.hidden[:, :b].copy_(hidden)
+        if not self.use_graph:
+            return self._step(b, L)
+        key = (b, L)
+        if key not in self._graphs:
+            self._capture(key)
+        graph, out = self._graphs[key]
+        graph.replay()
+        return out
+
+    def _capture(self, key: tuple[int, int]) -> None:
+        # A warm-up run on a side stream (lazy inits, cuBLAS workspaces) before capture, as torch advises.
+        # Its cache writes are those the replay below makes again (same tokens at the same positions).
+        start = time.perf_counter()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            self._step(*key)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            out = self._step(*key)
+        self._graphs[key] = (graph, out)
+        torch.cuda.synchronize()
+        self.captures += 1
+        self.capture_s += time.perf_counter() - start
+
+    def close(self) -> None:
+        """Drop the KV cache and the graphs now: `generate_continuous`'s nested functions reference this
+        decoder in a reference cycle, which only the garbage collector would break, late."""
+        self.keys, self.values = [], []
+        self._graphs.clear()
+
+    @torch.no_grad()
+    def move(self, src: list[int], dst: list[int]) -> None:
+        """Move the KV cache rows of slots `src` to slots `dst` (compaction)."""
+        s = torch.tensor(src, device=self.device)
+        d = torch.tensor(dst, device=self.device)
+        for cache in (*self.keys, *self.values):
+            cache.index_copy_(0, d, cache.index_select(0, s))
+        for buf in (self.tok, self.pos) if self.owns_state else ():
+            buf.index_copy_(0, d, buf.index_select(0, s))
