@@ -58,7 +58,7 @@ def run(ctx: WorkerContext, recipe_cls: type[Recipe]) -> None:
                           show=step % cfg.trainer.log_interval == 0 or step == recipe.total_steps)
             if evaluator is not None and evaluator.due(step):
                 evaluate(step)
-            if (save_every and step % save_every == 0) or step == recipe.total_steps:
+            if (save_every and step % save_every == 0) or (step == recipe.total_steps and cfg.trainer.save_last):
                 recipe.all_resident()
                 metrics.print(f"saved checkpoint {ckpt.save(step)}")
         if metrics.first is not None:

@@ -24,7 +24,11 @@ class TrainerConfig(StrictModel):
     output_dir: str = "runs/job"
     """Run folder: resolved config, logs, metrics.jsonl, checkpoints, HF export."""
     save_interval: int | None = Field(default=None, ge=1)
-    """Save a checkpoint every N steps (unset: only at the end)."""
+    """Save a checkpoint every N steps (unset: only at the end, see save_last)."""
+    save_last: bool = True
+    """Save a checkpoint after the last step (model, optimizer and RNG state: what resuming or continuing
+    the run needs). false: only save_interval's checkpoints are written; the HF export (export_hf) does
+    not need one. verl's `trainer.save_freq: -1` (no checkpoints) is `save_last: false` without save_interval."""
     keep_last: int = Field(default=2, ge=1)
     """Checkpoints to keep; older ones are deleted after a newer one is complete."""
     resume: str = "auto"
