@@ -281,7 +281,3 @@ def generate(
         logprobs=logprobs * response_mask,
     )
 
-
-# The built-in engine (continuous batching) lives in trinity.rollout.continuous; this module keeps the
-# static batch, the reference the tests compare it against.
-from trinity.rollout.continuous import ActorRollout  # noqa: E402,F401  (re-exported)
