@@ -73,23 +73,27 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def make_model(shape: str, out: str, dtype: torch.dtype) -> str:
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+def hf_config(shape: str, dtype: torch.dtype):
+    """The HF Qwen2 config of a benchmark shape (the 7B shape unties its embeddings, as Qwen2.5-7B does)."""
+    from transformers import Qwen2Config
 
     cfg = Qwen2Config(**SHAPES[shape], max_position_embeddings=4096, tie_word_embeddings=shape != "7b", torch_dtype=dtype)
+    cfg.architectures = ["Qwen2ForCausalLM"]
+    return cfg
+
+
+def make_model(shape: str, out: str, dtype: torch.dtype) -> str:
+    from transformers import Qwen2ForCausalLM
+
     torch.manual_seed(0)
-    Qwen2ForCausalLM(cfg).to(dtype).save_pretrained(out, safe_serialization=True)
+    Qwen2ForCausalLM(hf_config(shape, dtype)).to(dtype).save_pretrained(out, safe_serialization=True)
     return out
 
 
 def make_config_only(shape: str, out: str, dtype: torch.dtype) -> str:
     """`out/config.json` only: the model is built with megatron's random initialisation on the device
     (`--random-init`), which skips creating, saving and loading a 15 GB HF checkpoint at 7B (minutes)."""
-    from transformers import Qwen2Config
-
-    cfg = Qwen2Config(**SHAPES[shape], max_position_embeddings=4096, tie_word_embeddings=shape != "7b", torch_dtype=dtype)
-    cfg.architectures = ["Qwen2ForCausalLM"]
-    cfg.save_pretrained(out)
+    hf_config(shape, dtype).save_pretrained(out)
     return out
 
 

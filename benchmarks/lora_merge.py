@@ -33,7 +33,7 @@ from types import SimpleNamespace
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from generate import SHAPES  # noqa: E402
+from generate import SHAPES, make_config_only  # noqa: E402
 
 
 def _sync() -> None:
@@ -66,19 +66,16 @@ def _decode_ms(chunks: list, facts, prompts: list, new_tokens: int, device: str)
 
 
 def measure(shape: str, rank: int, repeats: int, batch: int, prompt_len: int, new_tokens: int, device: str) -> dict:
-    from transformers import Qwen2Config
-
     from trinity.config.megatron import MegatronConfig
     from trinity.models.build import build_model
     from trinity.models.facts import ModelFacts
     from trinity.models.lora import apply_lora, lora_modules
     from trinity.trainer.recipes.lora_ref import rollout_weights
 
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
     with tempfile.TemporaryDirectory() as tmp:
-        Qwen2Config(**SHAPES[shape], max_position_embeddings=4096, tie_word_embeddings=shape != "7b",
-                    architectures=["Qwen2ForCausalLM"]).save_pretrained(tmp)
-        facts = ModelFacts.from_hf_dir(tmp)
-    chunks = build_model(facts, MegatronConfig(), device=device, dtype=torch.bfloat16 if device == "cuda" else torch.float32)
+        facts = ModelFacts.from_hf_dir(make_config_only(shape, tmp, dtype))
+    chunks = build_model(facts, MegatronConfig(), device=device, dtype=dtype)
     lora = SimpleNamespace(rank=rank, alpha=2.0 * rank, dropout=0.0, target_modules=["all-linear"])
     apply_lora(chunks, lora)
     g = torch.Generator(device=device).manual_seed(0)

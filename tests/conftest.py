@@ -101,8 +101,7 @@ def trinity_run_argv(config: Path, *overrides: str, debug: bool = False) -> list
     return [sys.executable, "-c",
             f"import sys; from trinity.cli.commands import run; "
             f"code = run({str(config)!r}, {list(overrides)!r}, debug={debug!r}); "
-            f"from trinity.launch.child import exit_without_teardown; "
-            f"exit_without_teardown(code) if 'torch' in sys.modules else sys.exit(code)"]
+            f"from trinity.launch.child import end_process; end_process(code)"]
 
 
 # Where `trinity_run(..., reuse_conversion=True)` keeps one HF -> megatron-core conversion per model

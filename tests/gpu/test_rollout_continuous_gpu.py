@@ -130,7 +130,8 @@ def test_fused_kernels_equal_the_torch_ops(dtype, per):
 
     decode_fused._CHECKED.clear()
     assert decode_fused.available(torch.device("cuda"), 128, per, 128, dtype)
-    # the RoPE part is meant to be exact (same roundings as the eager ops): say so when it is not
+    # the RoPE part is exact (same roundings as the eager ops, no fused multiply-add): measured 0 difference
+    # on an H100 in fp32 and bf16
     g = torch.Generator().manual_seed(1)
     qkv = torch.randn(9, 4, per + 2, 128, generator=g).to("cuda", dtype)
     angles = torch.rand(64, 64, generator=g) * torch.arange(64).view(64, 1)
@@ -139,8 +140,9 @@ def test_fused_kernels_equal_the_torch_ops(dtype, per):
     caches = [torch.zeros(9, 4, 64, 128, dtype=dtype, device="cuda") for _ in range(4)]
     a = decode_fused.rope_store(qkv, cos, sin, pos, caches[0], caches[1])
     b = decode_fused.reference_rope_store(qkv, cos, sin, pos, caches[2], caches[3])
-    print(f"rope_store {dtype} per={per}: q max |diff| {(a.float() - b.float()).abs().max().item():.3e}, "
-          f"k cache max |diff| {(caches[0].float() - caches[2].float()).abs().max().item():.3e}")
+    assert torch.equal(a, b) and torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3]), (
+        f"rope_store {dtype} per={per}: q max |diff| {(a.float() - b.float()).abs().max().item():.3e}, "
+        f"k cache max |diff| {(caches[0].float() - caches[2].float()).abs().max().item():.3e}")
 
 
 def test_engine_uses_fused_kernels(built):

@@ -7,12 +7,6 @@ import pytest
 import torch
 
 from tests.unit.test_seeds import GROUPED_GEMM_LIMIT, HAVE_GROUPED_GEMM, _base, _roll, _validate, _with_te
-from trinity.distributed.layout import ParallelLayout, rollout_problems
-
-def test_rollout_serves_sp_and_vpp():
-    # the rollout decodes through every model chunk of a rank (VPP), with sequence parallel switched off
-    assert rollout_problems(ParallelLayout(tp=2, pp=2, ep=4)) == []
-    assert rollout_problems(ParallelLayout(tp=2, pp=2, vpp=8, ep=4)) == []
 
 
 def test_pad_to_multiple_appends_masked_positions():

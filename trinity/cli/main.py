@@ -158,12 +158,12 @@ def main() -> None:
         if "torch" not in sys.modules:  # nothing heavy loaded: the normal exit is instant
             raise
         # A command that loaded torch (and megatron-core, transformers) skips the interpreter's teardown
-        # of them, ~1.3 s (trinity.launch.child.exit_without_teardown).
-        from trinity.launch.child import exit_without_teardown
+        # of them, ~1.3 s (trinity.launch.child.end_process).
+        from trinity.launch.child import end_process
 
         if isinstance(exc.code, str):
             print(exc.code, file=sys.stderr)
-        exit_without_teardown(exc.code if isinstance(exc.code, int) else int(exc.code is not None))
+        end_process(exc.code if isinstance(exc.code, int) else int(exc.code is not None))
 
 
 if __name__ == "__main__":

@@ -94,7 +94,6 @@ def layout_problems(
     world_size: int | None = None,
     world_desc: str | None = None,
     sequence_parallel: bool | None = None,
-    rollout: bool = False,
 ) -> list[tuple[str, str]]:
     """Every rule a parallel layout must satisfy, as (field, message) pairs: `field` is the megatron
     block's field the problem is about, `message` spells other fields through `name` (a job config's
@@ -102,8 +101,9 @@ def layout_problems(
     (`trinity.convert.api.check_layout`) render the same rules; nothing re-checks them at run time.
 
     facts: the model (a trinity.models.facts.ModelFacts) when known; world_size: when the job's size is
-    known; sequence_parallel: the role's flag when it has one; rollout: the actor of
-    an RL job, which also generates."""
+    known; sequence_parallel: the role's flag when it has one. The built-in rollout adds no rule: it
+    serves sequence parallel (switched off while decoding, trinity.distributed.sequence_parallel) and
+    virtual pipeline stages (every chunk in ring order, trinity.rollout.generate._Pipeline)."""
     n = name
     out: list[tuple[str, str]] = []
     for attr in ("tp", "pp", "ep"):
@@ -141,17 +141,4 @@ def layout_problems(
             out.append((FIELDS["ep"], f"{f.num_experts} experts are not divisible by EP={lay.ep}"))
         if f.is_moe and lay.ep > 1 and lay.tp > 1 and sequence_parallel is False:
             out.append(("sequence_parallel", "megatron-core needs sequence_parallel with both TP>1 and EP>1; set it to true"))
-    if rollout:
-        out.extend(rollout_problems(lay))
     return out
-
-
-def rollout_problems(lay: ParallelLayout) -> list[tuple[str, str]]:
-    """What the built-in rollout engine cannot serve (the actor of an RL job), as (field, message) pairs.
-
-    Sequence parallel is served: the training and log-prob / value forwards run with it, the rollout
-    runs the same modules with it switched off (`trinity.distributed.sequence_parallel`). Virtual
-    pipeline stages are served too: the rollout runs each rank's model chunks in order, handing hidden
-    states around the ring of pipeline stages (`trinity.rollout.generate._Pipeline`). Nothing is
-    refused today; the hook stays for the layout rules the rollout may need."""
-    return []

@@ -97,3 +97,11 @@ def exit_without_teardown(code: int) -> None:
         except (OSError, ValueError):  # a closed or broken pipe: nothing more to lose
             pass
     os._exit(code)
+
+
+def end_process(code: int) -> None:
+    """Exit with `code`: as the interpreter does while nothing heavy is loaded (instant), without its
+    teardown (`exit_without_teardown`) once torch is (the CLI's commands that ran a job or a conversion)."""
+    if "torch" not in sys.modules:
+        sys.exit(code)
+    exit_without_teardown(code)

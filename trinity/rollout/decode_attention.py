@@ -8,7 +8,7 @@ live-KV floor of a rollout counts.
 Layout: queries [b, groups, per, d] (a group's query heads stacked, as the lean decode path computes
 them), the cache [slots, groups, cache_len, d]; row b attends to keys 0..lengths[b]-1 of slot b. The
 grid is (row, group, split): each program runs an online softmax over its split of the keys (stopping
-at the row's end) and writes its partial sum, maximum and normaliser; `combine` merges the splits in
+at the row's end) and writes its partial sum, maximum and normaliser; `_combine_kernel` merges the splits in
 fp32. With enough rows there is one split per row and the program writes the normalised output. Every shape is fixed for a given (rows, L) bucket, so the launch is captured
 in the decode step's CUDA graph.
 """
@@ -151,7 +151,9 @@ if triton is not None:
     def _combine_kernel(Acc, Mx, Den, Out, sa_b, sa_g, sa_s, sa_p, sm_b, sm_g, sm_s, so_b, so_g, so_p,
                         PER: tl.constexpr, P_PAD: tl.constexpr, D: tl.constexpr, S: tl.constexpr,
                         S_PAD: tl.constexpr):
-        """`combine` in one program per (row, group): the splits' partials weighed by exp(max - top)."""
+        """Merge the splits' online-softmax partials, one program per (row, group): each split's sum
+        weighed by exp(its max - the top max), divided by the weighed normalisers. A split past the row's
+        end has max -inf and weighs 0 (split 0 always holds a key)."""
         b = tl.program_id(0)
         g = tl.program_id(1)
         rows = tl.arange(0, P_PAD)
@@ -178,7 +180,7 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     row, >= 1); L >= max(lengths). Returns [b, groups, per, d] in q's dtype.
 
     With b x groups >= _FULL_GRID programs (or splits=1) each program takes a whole row and writes the
-    normalised output; fewer rows (a rollout's tail) split each row into L / SPLIT parts that `combine`
+    normalised output; fewer rows (a rollout's tail) split each row into L / SPLIT parts that `_combine_kernel`
     merges, so that the GPU still has enough programs."""
     import os
 
@@ -206,19 +208,10 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
         acc.stride(0), acc.stride(1), acc.stride(2), acc.stride(3), mx.stride(0), mx.stride(1), mx.stride(2),
         **common,
     )
-    # one merge kernel instead of the ~9 torch ops of `combine` (kept as the reference): the rollout's
+    # one merge kernel instead of ~9 torch ops (max, exp, products, sums, division): the rollout's
     # tail runs these steps ~700 times x layers
     out = torch.empty(b, g, per, d, dtype=q.dtype, device=q.device)
     _combine_kernel[(b, g)](acc, mx, den, out, acc.stride(0), acc.stride(1), acc.stride(2), acc.stride(3),
                             mx.stride(0), mx.stride(1), mx.stride(2), out.stride(0), out.stride(1), out.stride(2),
                             PER=per, P_PAD=p_pad, D=d, S=splits, S_PAD=triton.next_power_of_2(splits))
     return out
-
-
-def combine(acc: torch.Tensor, mx: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
-    """Merge per-split online-softmax partials: acc [b, g, S, p, d], mx/den [b, g, S, p] -> [b, g, p, d].
-    A split past a row's end has max -inf and weight 0 (split 0 always holds a key)."""
-    top = mx.max(dim=2, keepdim=True).values
-    w = torch.exp(mx - top)  # [b, g, S, p]; a split with no key (-inf) weighs 0
-    num = (acc * w.unsqueeze(-1)).sum(2)
-    return num / (den * w).sum(2).unsqueeze(-1)

@@ -55,6 +55,6 @@ class WorkerContext:
             device=cfg.cluster.device, dtype=self.dtype, total_steps=total_steps, optimizer_on_host=optimizer_on_host,
             lora=lora,
         )
-        if getattr(engine, "lora_loaded", 0):
+        if engine.lora_loaded:
             self.log(f"LoRA: adapters of {engine.lora_loaded} linears loaded from {lora.adapter_path}")
         return engine

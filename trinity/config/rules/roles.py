@@ -5,7 +5,7 @@ parallel layout), and the offload flags a single-phase step cannot use.
 from __future__ import annotations
 
 from trinity.config.schema import AlgorithmName, JobConfig
-from trinity.distributed.layout import differing_sizes, rollout_problems
+from trinity.distributed.layout import differing_sizes
 
 
 OFFLOAD_FLAGS = ("param_offload", "grad_offload", "optimizer_offload")
@@ -80,15 +80,11 @@ def check_sft_offload(cfg: JobConfig, problems: list[str]) -> None:
 
 
 def check_rl_roles(cfg: JobConfig, problems: list[str]) -> None:
-    """What the RL loop cannot do yet: what `rollout_problems` names (nothing today: sequence parallel and
-    virtual pipeline stages are served, trinity.distributed.sequence_parallel and trinity.rollout), and roles of different layouts (which would need resharding weights between them; dpo's ref too:
-    all roles share one parallel state)."""
+    """What the RL loop cannot do yet: roles of different layouts (which would need resharding weights
+    between them; dpo's ref too: all roles share one parallel state). The rollout itself serves every
+    layout the actor trains with (sequence parallel, virtual pipeline stages: trinity.distributed.layout)."""
     roles = cfg.roles()
     actor = roles.pop("actor_rollout_ref.actor")
-    a = "actor_rollout_ref.actor.megatron"
-    if cfg.is_rl:
-        for field, text in rollout_problems(actor.layout()):
-            problems.append(f"{a}.{field}: {text}")
     for path, m in roles.items():
         for field, value, actor_value in differing_sizes(m.layout(), actor.layout()):
             problems.append(

@@ -61,13 +61,12 @@ class RoleEngine:
         self.role, self.megatron = role, megatron
         self.optimizer = self.scheduler = self.host = None
         self.lora = lora if optim is not None and lora is not None and lora.rank > 0 else None
-        self.lora_params = 0
+        self.lora_params = self.lora_loaded = 0  # adapter parameters; linears loaded from lora.adapter_path
         if self.lora is not None:
             from trinity.models.lora import apply_lora
 
             self.lora_params = apply_lora(chunks, self.lora)  # before DDP: its buffers see only adapters
-            self.lora_loaded = 0
-            if getattr(self.lora, "adapter_path", None):
+            if self.lora.adapter_path:
                 from trinity.models.peft_io import load_peft_adapters
 
                 if facts is None:
