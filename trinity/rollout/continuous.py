@@ -19,7 +19,10 @@ The prefill and decode steps over the pool (per-row RoPE, the attention kernels,
 (batch bucket, length bucket) on CUDA) are `trinity.rollout.slots.SlotDecoder`'s.
 
 Sampling (temperature / top-k / top-p), EOS handling, the returned `Rollout` layout and log-probs are
-those of `trinity.rollout.generate` (same `sample`, log p under the temperature-1 distribution).
+those of `trinity.rollout.generate` (the same `trinity.rollout.sampler.Sampler`, log p under the
+temperature-1 distribution). With the fused sampler a row's draws are named by (output row, token index)
+and do not depend on its slot or wave. On CUDA (one stage, TP=1, the fused sampler) a decode step's
+sampling and bookkeeping are captured in the step's CUDA graph with its layers: one replay per step.
 Tensor parallelism: TP rank 0's samples are broadcast to its group. Pipeline parallelism: each stage
 keeps its own layers' KV cache, hidden states go stage to stage (`_Pipeline`), the last stage samples
 and broadcasts the tokens every step; every rank derives "which rows ended" from those tokens with the
@@ -45,6 +48,7 @@ import torch
 from trinity.rollout.bench_lengths import BENCH_LENGTHS_ENV, bench_response_lengths, draw_response_lengths  # noqa: F401
 from trinity.rollout.kv_budget import (  # noqa: F401
     DEFAULT_GPU_MEMORY_UTILIZATION, KVBudget, free_memory, kv_bytes_per_token, plan_slots)
+from trinity.rollout.sampler import Sampler
 from trinity.rollout.slots import SlotDecoder
 from trinity.rollout.types import Rollout, SamplingParams
 
@@ -78,6 +82,8 @@ class RolloutStats:
     slot_steps: int = 0  # sum over decode steps of the batch bucket (rows computed, live or not)
     tokens: int = 0
     attention: str = ""  # the decode attention: "triton split-KV" (CUDA) or "sdpa"
+    sampler: str = ""  # "fused" (one Triton pass over the logits) or "torch"
+    graph_tail: bool = False  # sampling and bookkeeping captured in the decode step's CUDA graph
     graph_captures: int = 0
     capture_s: float = 0.0
     waves: int = 0  # admissions
@@ -146,7 +152,7 @@ def generate_continuous(
     response_lengths: benchmark-only: row i also ends after response_lengths[i] tokens (a schedule of
     "EOS" positions for random-weight models that never emit one)."""
     from trinity.models.build import unwrap
-    from trinity.rollout.generate import _Pipeline, _tp_broadcast, left_pad, sample
+    from trinity.rollout.generate import _Pipeline, left_pad
 
     gpts = [unwrap(m) for m in (model if isinstance(model, (list, tuple)) else [model])]
     param = next(gpts[0].parameters())
@@ -165,6 +171,11 @@ def generate_continuous(
     decs = [dec] + [SlotDecoder(g, slots, cache_len, cuda_graphs=cuda_graphs, state_from=dec) for g in gpts[1:]]
     stats.rows, stats.slots, stats.cache_len, stats.kv_bytes_per_token = rows, slots, cache_len, kv_bytes_per_token(gpts)
     eos = torch.tensor(sorted(set(params.eos_token_ids)) or [-1], device=device)
+    sampler = Sampler(params, generator, device, vocab_size)
+    # one CUDA graph per step for the layers, the sampling and the bookkeeping: one stage, one chunk, the
+    # fused sampler (the torch ops' multinomial draws from a generator the graph would not advance)
+    graph_tail = dec.use_graph and pipe.size == 1 and len(decs) == 1 and sampler.fused
+    stats.sampler, stats.graph_tail = sampler.label, graph_tail
 
     # outputs: one extra row (`rows`) takes the writes of slots that hold no live row
     out_tokens = torch.full((rows + 1, max_new), pad_id, dtype=torch.long, device=device)
@@ -206,15 +217,29 @@ def generate_continuous(
         done[idx] = done[idx] | (live & (torch.isin(nxt, eos) | (n >= limit[r])))
         dec.tok[idx] = torch.where(live, nxt, dec.tok[idx])
 
-    def sample_broadcast(logits: torch.Tensor | None, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def keys(idx: torch.Tensor) -> torch.Tensor:
+        """What names the draw of slots `idx`' next tokens (trinity.rollout.sampler): output row x
+        max_new + the token's index in its response, whatever the slot or the wave."""
+        return row_of[idx] * max_new + count[idx]
+
+    def sample_broadcast(logits: torch.Tensor | None, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        n = idx.numel()
         if pipe.last:
-            last = logits[:, :vocab_size].float()
-            nxt = _tp_broadcast(sample(last, params, generator).contiguous())
-            logp = torch.log_softmax(last, -1).gather(-1, nxt.unsqueeze(-1)).squeeze(-1)
+            nxt, logp = sampler(logits, keys(idx))
         else:
             nxt = torch.empty(n, dtype=torch.long, device=device)
             logp = torch.zeros(n, dtype=torch.float32, device=device)
         return pipe.from_last(nxt), logp
+
+    def tail(b: int, logits: torch.Tensor, book: bool = True) -> None:
+        """Sampling and bookkeeping of a decode step over slots [0, b), inside its CUDA graph (`graph_tail`);
+        book=False: the sampling alone (the warm-up before a capture)."""
+        idx = dec.rows[:b]
+        live = ~done[:b]
+        nxt, logp = sampler(logits, keys(idx))
+        if book:
+            record(idx, nxt, logp, live)
+            dec.pos[:b] += live.long()
 
     def admit(it: int) -> None:
         take: list[tuple[tuple[int, ...], list[int]]] = []
@@ -263,7 +288,7 @@ def generate_continuous(
         count[dst] = 0
         done[dst] = False
         dec.pos[dst] = lengths.index_select(0, src)  # the first sampled token goes at position len(prompt)
-        nxt, logp = sample_broadcast(out.index_select(0, src) if pipe.last else None, len(pairs))
+        nxt, logp = sample_broadcast(out.index_select(0, src) if pipe.last else None, dst)
         record(dst, nxt, logp, torch.ones_like(dst, dtype=torch.bool))
         for (r, s), j in zip(pairs, src_l):
             slot_row[s], slot_admit[s], slot_pos[s] = r, it, len(chunk[j][0])
@@ -313,14 +338,17 @@ def generate_continuous(
                 # each row's own keys whatever L is: one L, one graph per batch bucket
                 L = cache_len if dec.split_kv else min(
                     cache_len, -(-(max(slot_pos[s] for s in active) + 1) // _LEN_BUCKET) * _LEN_BUCKET)
-                live = ~done[:b]
-                for v, d in enumerate(decs):
-                    out = d.step(b, L, pipe.recv(1, b, v))
-                    pipe.send(out, v)
-                nxt, logp = sample_broadcast(out if pipe.last else None, b)
-                idx = dec.rows[:b]
-                record(idx, nxt, logp, live)
-                dec.pos[:b] += live.long()
+                if graph_tail:
+                    dec.step(b, L, tail=tail)
+                else:
+                    live = ~done[:b]
+                    for v, d in enumerate(decs):
+                        out = d.step(b, L, pipe.recv(1, b, v))
+                        pipe.send(out, v)
+                    idx = dec.rows[:b]
+                    nxt, logp = sample_broadcast(out if pipe.last else None, idx)
+                    record(idx, nxt, logp, live)
+                    dec.pos[:b] += live.long()
                 live_ctx = 0
                 for s in active:
                     slot_pos[s] = min(slot_pos[s] + 1, cache_len - 1)

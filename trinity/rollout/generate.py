@@ -3,7 +3,8 @@
 The engine the RL recipes, `trinity generate` and evaluation use is the continuous-batching one in
 `trinity.rollout.continuous` (a slot pool under a KV-cache budget); this module decodes all rows as one
 batch until the longest ends, and the tests check the continuous engine against it. Its helpers
-(`sample`, `left_pad`, `_Pipeline`, `_tp_broadcast`) are shared by both.
+(`sample`, `left_pad`, `_Pipeline`, `_tp_broadcast`) are shared by both, and both pick tokens through
+`trinity.rollout.sampler.Sampler`.
 
 Layout: prompts are LEFT-padded to the batch's longest prompt, so every row's next token sits at the same
 KV-cache slot and one static KV cache serves the whole batch. megatron's GPT applies RoPE by
@@ -208,6 +209,7 @@ def generate(
     """
     from trinity.models.build import unwrap
     from trinity.rollout.decode import StaticDecoder
+    from trinity.rollout.sampler import Sampler
 
     gpts = [unwrap(m) for m in (model if isinstance(model, (list, tuple)) else [model])]
     param = next(gpts[0].parameters())
@@ -226,6 +228,8 @@ def generate(
     out_logp = torch.zeros((batch, params.max_new_tokens), dtype=torch.float32, device=device)
     done = torch.zeros(batch, dtype=torch.bool, device=device)
     lengths = torch.zeros(batch, dtype=torch.long, device=device)
+    sampler = Sampler(params, generator, device, vocab_size)
+    rows = torch.arange(batch, device=device)
     # "every row has stopped" is read one step late on CUDA: reading it at once would make the host
     # wait for each step before queueing the next, leaving the GPU idle in between.
     stop = _StopFlag(device)
@@ -247,9 +251,8 @@ def generate(
                     out = decoders[v].step(seq[:, -1], plen + step - 1, hidden)
                 pipe.send(out, v)
             if pipe.last:
-                last = out[:, :vocab_size].float()
-                nxt = _tp_broadcast(sample(last, params, generator).contiguous())
-                logp = torch.log_softmax(last, -1).gather(-1, nxt.unsqueeze(-1)).squeeze(-1)
+                # the draw of row i's token `step` is named i x max_new + step, as the continuous engine names it
+                nxt, logp = sampler(out, rows * params.max_new_tokens + step)
             else:
                 nxt = torch.empty(batch, dtype=torch.long, device=device)
                 logp = torch.zeros(batch, dtype=torch.float32, device=device)

@@ -57,7 +57,7 @@ class SlotDecoder(StageDecoder):
         self.done = torch.ones(slots, dtype=torch.bool, device=self.device) if state_from is None else state_from.done
         self.rows = torch.arange(slots, device=self.device)
         self.kpos = torch.arange(cache_len, device=self.device)
-        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._graphs: dict[tuple[int, int, bool], tuple[torch.cuda.CUDAGraph, Any]] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.use_graph else None
         self.captures, self.capture_s = 0, 0.0
         from trinity.rollout import decode_attention
@@ -226,35 +226,44 @@ class SlotDecoder(StageDecoder):
         return self._logits(x) if self.last else x
 
     @torch.no_grad()
-    def step(self, b: int, L: int, hidden: torch.Tensor | None = None) -> torch.Tensor:
+    def step(self, b: int, L: int, hidden: torch.Tensor | None = None, tail: Any = None) -> Any:
         """One token for each of the slots [0, b) from `tok`/`pos` (set by the caller), attending over the
         first L positions; `hidden` [1, b, h] from the previous stage (non-first stages). Returns logits
         [b, vocab] (last stage) or hidden states [1, b, h] (a graph's output buffer: valid until the
-        next step)."""
+        next step); with `tail`, what tail(b, that output, book=True) returns: the engine's sampling and
+        bookkeeping, captured in the same CUDA graph (the same function at every step of a decoder;
+        book=False must compute without side effects: the warm-up before a capture runs it so)."""
         if self.hidden is not None:
             assert hidden is not None, "a non-first pipeline stage needs the previous stage's hidden state"
             self.hidden[:, :b].copy_(hidden)
         if not self.use_graph:
-            return self._step(b, L)
-        key = (b, L)
+            out = self._step(b, L)
+            return out if tail is None else tail(b, out, book=True)
+        key = (b, L, tail is not None)
         if key not in self._graphs:
-            self._capture(key)
+            self._capture(key, tail)
         graph, out = self._graphs[key]
         graph.replay()
         return out
 
-    def _capture(self, key: tuple[int, int]) -> None:
-        # A warm-up run on a side stream (lazy inits, cuBLAS workspaces) before capture, as torch advises.
-        # Its cache writes are those the replay below makes again (same tokens at the same positions).
+    def _capture(self, key: tuple[int, int, bool], tail: Any) -> None:
+        # A warm-up run on a side stream (lazy inits, cuBLAS workspaces, Triton compiles for this shape)
+        # before capture, as torch advises. Its cache writes are those the replay below makes again (same
+        # tokens at the same positions); its tail runs without booking (book=False).
         start = time.perf_counter()
+        b, L = key[0], key[1]
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            self._step(*key)
+            out = self._step(b, L)
+            if tail is not None:
+                tail(b, out, book=False)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            out = self._step(*key)
+            out = self._step(b, L)
+            if tail is not None:
+                out = tail(b, out, book=True)
         self._graphs[key] = (graph, out)
         torch.cuda.synchronize()
         self.captures += 1
