@@ -132,6 +132,10 @@ def main() -> None:
                     help="--lengths: slots of the continuous engine (one row of the table each)")
     ap.add_argument("--kv-gib", type=float, default=None, help="--lengths: KV-cache budget (default: 0.8 of free memory)")
     ap.add_argument("--engines", default="continuous,static", help="--lengths: engines to time")
+    ap.add_argument("--temperature", type=float, default=0.0, help="--lengths: 0 greedy (default); RL samples at 1.0")
+    ap.add_argument("--samplers", default="fused",
+                    help="--lengths: comma list of the continuous engine's samplers: fused (one Triton pass, in the "
+                         "decode step's CUDA graph), torch (the torch ops, outside it)")
     ap.add_argument("--n", type=int, default=8, help="--lengths: rows per distinct prompt (RL's rollout.n)")
     ap.add_argument("--static-max-batch", type=int, default=256,
                     help="--lengths: skip the static engine above this many rows (its unchunked prefill and full cache)")
@@ -246,36 +250,40 @@ def rollout_table(args, gpt, facts, device, weight_bytes: int, kv_per_token: int
         prompts = [p for p in distinct for _ in range(args.n)][:batch]
         lengths = draw_response_lengths(args.lengths, batch, args.new_tokens, seed=batch)
         useful = sum(lengths)
-        engines = [(e, m, a) for e in args.engines.split(",") for m in (args.max_num_seqs if e == "continuous" else [0])
+        engines = [(e, m, a, smp) for e in args.engines.split(",") for m in (args.max_num_seqs if e == "continuous" else [0])
                    for a in (args.attention.split(",") if e == "continuous" else ["-"])
+                   for smp in (args.samplers.split(",") if e == "continuous" else ["torch"])
                    if e == "continuous" or batch <= args.static_max_batch]
         warmed: set[str] = set()
-        for engine, max_num_seqs, attention in engines:
+        for engine, max_num_seqs, attention, smp in engines:
+            os.environ["TRINITY_FUSED_SAMPLER"] = "1" if smp == "fused" else "0"
             # sdpa: SDPA decode attention; unfused: the split-KV kernel without the fused RoPE/SwiGLU
             # kernels (trinity.rollout.decode_fused); auto: what the engine picks
             os.environ["TRINITY_DECODE_ATTENTION"] = "sdpa" if attention == "sdpa" else ""
             os.environ["TRINITY_DECODE_FUSED"] = "0" if attention in ("sdpa", "unfused") else "1"
             # the first call of an attention loads (and for Triton compiles) its kernels: timed apart; each
             # call captures its own graphs
-            first = attention not in warmed
-            warmed.add(attention)
+            first = (attention, smp) not in warmed
+            warmed.add((attention, smp))
             for attempt in (("warm-up", "timed") if first else ("timed",)):
                 stats = RolloutStats()
                 _sync(device)
                 t0 = time.perf_counter()
                 if engine == "continuous":
-                    params = SamplingParams(temperature=0.0, max_new_tokens=args.new_tokens)
+                    params = SamplingParams(temperature=args.temperature, max_new_tokens=args.new_tokens)
                     generate_continuous(gpt, prompts, params, vocab_size=facts.vocab_size, pad_id=0,
                                         budget=KVBudget(max_num_seqs, None, args.kv_gib),
-                                        response_lengths=lengths, stats=stats)
+                                        response_lengths=lengths, stats=stats,
+                                        generator=torch.Generator(device=device).manual_seed(0))
                 else:  # the static batch decodes every row to the longest
-                    params = SamplingParams(temperature=0.0, max_new_tokens=max(lengths))
+                    params = SamplingParams(temperature=args.temperature, max_new_tokens=max(lengths))
                     generate(gpt, prompts, params, vocab_size=facts.vocab_size, pad_id=0)
                 _sync(device)
                 dt = time.perf_counter() - t0
             if engine == "continuous":
                 floor = (stats.decode_steps * weight_bytes + stats.live_kv_tokens * kv_per_token) / bw
-                engine = f"continuous ({stats.attention}, {stats.slots} slots)"
+                engine = (f"continuous ({stats.attention}, {stats.sampler} sampler"
+                          f"{' in the graph' if stats.graph_tail else ''}, {stats.slots} slots)")
                 extra = (f"{stats.decode_steps} | {stats.slot_steps / max(1, stats.decode_steps):.0f} | "
                          f"{stats.graph_captures} ({stats.capture_s:.2f}) | {floor:.2f} | {100 * floor / dt:.1f}%")
             else:

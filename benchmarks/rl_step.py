@@ -11,7 +11,11 @@ what a throughput table wants). Numbers are medians over the steps after the fir
 compilation). `--lengths uniform|lognormal` ends each response after a drawn number of tokens (the
 benchmark-only EOS schedule of `trinity.rollout.bench_lengths`, through TRINITY_BENCH_RESPONSE_LENGTHS;
 lognormal: mean 30% of `--response-length`), so the rollout and the training phases see real length
-variation; tokens/s are real (response) tokens, and any `padding/...` metric the phases log is shown. On 2 GPUs the layout is DP=2 (`--layout tp` for TP=2). The decode floor is
+variation; `fixed:N` ends every response after N tokens under the same `--response-length` (the same
+token budgets): a fixed-length run with the real tokens of a lognormal one. A comma list runs one case
+each. tokens/s are real (response) tokens, and any `padding/...` metric the phases log is shown.
+`--token-budget` sets the packed micro batches' tokens of every role (`ppo_max_token_len_per_gpu`,
+`log_prob_max_token_len_per_gpu`; 0: the config's default), a comma list one case each. On 2 GPUs the layout is DP=2 (`--layout tp` for TP=2). The decode floor is
 the bytes of the weights read once per decode step over the copy bandwidth measured in this run; tokens/s are rank 0's.
 """
 
@@ -37,7 +41,7 @@ PHASES = ("rollout", "reward", "ref", "old_logp", "values", "update_actor", "upd
 
 
 def job(model: Path, prompts: Path, out: Path, *, algo: str, gpus: int, layout: str, offload: bool, args,
-        lora: int = 0) -> dict:
+        lora: int = 0, budget: int = 0) -> dict:
     """`lora` > 0: LoRA adapters of that rank on every linear; the ref is then the actor with its adapters off
     (no ref block, no second model: docs/lora.md)."""
     par = {"tensor_model_parallel_size": 2} if gpus == 2 and layout == "tp" else {}
@@ -61,6 +65,11 @@ def job(model: Path, prompts: Path, out: Path, *, algo: str, gpus: int, layout: 
     }
     if algo == "ppo":
         cfg["critic"] = {"optim": {"lr": 1e-6, "weight_decay": 0.0}, "megatron": {**par, **flags}}
+    if budget:
+        cfg["actor_rollout_ref"]["actor"]["ppo_max_token_len_per_gpu"] = budget
+        cfg["actor_rollout_ref"]["ref"]["log_prob_max_token_len_per_gpu"] = budget
+        if algo == "ppo":
+            cfg["critic"]["ppo_max_token_len_per_gpu"] = budget
     if lora:
         cfg["actor_rollout_ref"]["actor"]["lora"] = {"rank": lora, "alpha": 2.0 * lora, "target_modules": ["all-linear"]}
         del cfg["actor_rollout_ref"]["ref"]
@@ -121,8 +130,9 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=4, help="responses per prompt")
     ap.add_argument("--response-length", type=int, default=128)
     ap.add_argument("--micro", type=int, default=8)
-    ap.add_argument("--lengths", choices=["fixed", "uniform", "lognormal"], default="fixed",
-                    help="response lengths per row: fixed (to --response-length), uniform, lognormal (mean 30%%)")
+    ap.add_argument("--lengths", default="fixed",
+                    help="comma list, one case each: fixed (to --response-length), fixed:N, uniform, lognormal (mean 30%%)")
+    ap.add_argument("--token-budget", default="0", help="comma list of tokens per packed micro batch (0: default)")
     ap.add_argument("--max-num-seqs", type=int, default=None, help="actor_rollout_ref.rollout.max_num_seqs (default: the config's)")
     ap.add_argument("--timeout", type=int, default=400, help="seconds per case")
     ap.add_argument("--profile-step", type=int, default=None,
@@ -141,17 +151,21 @@ def main() -> None:
         bw = bandwidth(torch.device(args.device))
         weight_bytes = sum(f.stat().st_size for f in model.glob("*.safetensors"))
         floor_ms = weight_bytes / bw * 1e3  # one decode step reads every weight once
-        print(f"lengths {args.lengths}; shape {args.shape}: {weight_bytes / 2**30:.2f} GiB bf16 weights, copy bandwidth {bw / 1e9:.0f} GB/s, "
+        print(f"lengths {args.lengths}; token budgets {args.token_budget}; shape {args.shape}: {weight_bytes / 2**30:.2f} GiB bf16 weights, copy bandwidth {bw / 1e9:.0f} GB/s, "
               f"decode floor {floor_ms:.3f} ms/step; {args.prompts} prompts x n={args.n} per GPU, "
               f"{args.response_length} new tokens, {args.layout.upper()} on 2 GPUs", flush=True)
         results = []
         for algo in args.algos.split(","):
             for gpus in (int(g) for g in args.gpus.split(",")):
-                for off, lora in ((o, int(r)) for o in args.offload.split(",") for r in args.lora_rank.split(",")):
-                    name = f"{algo}_{gpus}gpu_offload-{off}" + (f"_lora-{lora}" if lora else "")
+                for off, lora, lengths, budget in ((o, int(r), ln, int(tb)) for o in args.offload.split(",")
+                                                   for r in args.lora_rank.split(",") for ln in args.lengths.split(",")
+                                                   for tb in args.token_budget.split(",")):
+                    name = (f"{algo}_{gpus}gpu_offload-{off}" + (f"_lora-{lora}" if lora else "")
+                            + (f"_{lengths.replace(':', '')}" if "," in args.lengths else "")
+                            + (f"_budget-{budget}" if budget else ""))
                     cfg = job(model, prompts, root / name, algo=algo, gpus=gpus, layout=args.layout,
-                              offload=off == "yes", args=args, lora=lora)
-                    med = summarize(run_case(cfg, root / f"{name}.yaml", args.timeout, args.log_tail, args.lengths))
+                              offload=off == "yes", args=args, lora=lora, budget=budget)
+                    med = summarize(run_case(cfg, root / f"{name}.yaml", args.timeout, args.log_tail, lengths))
                     if args.profile_step:
                         from trinity.trainer.profiling import summary_path
 
@@ -170,12 +184,14 @@ def main() -> None:
         if args.json:
             args.json.write_text(json.dumps(results, indent=1))
         print()
-        print("| case | step s | rollout tokens/s | decode-floor tokens/s | % of floor |")
-        print("|---|---|---|---|---|")
+        print("| case | step s | rollout s | ref s | old_logp s | update_actor s | response mean / max | rollout tokens/s | decode-floor tokens/s | % of floor |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
         for r in results:
             tps = r["tokens_per_s/rollout"]
-            print(f"| {r['case']} | {r['step_time_s']:.2f} | {tps:.0f} | {r['floor_tokens_per_s']:.0f} | "
-                  f"{100 * tps / r['floor_tokens_per_s']:.1f} |")
+            t = {ph: (f"{r[f'time/{ph}_s']:.2f}" if f"time/{ph}_s" in r else "-") for ph in PHASES}
+            print(f"| {r['case']} | {r['step_time_s']:.2f} | {t['rollout']} | {t['ref']} | {t['old_logp']} | {t['update_actor']} | "
+                  f"{r.get('response_length/mean', float('nan')):.0f} / {r.get('response_length/max', float('nan')):.0f} | "
+                  f"{tps:.0f} | {r['floor_tokens_per_s']:.0f} | {100 * tps / r['floor_tokens_per_s']:.1f} |")
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ _bench_calls = [0]  # seeds each draw: every rank of a job makes the same calls,
 
 def bench_response_lengths(rows: int, max_new: int) -> list[int] | None:
     """Benchmark-only EOS schedule (benchmarks/rl_step.py --lengths): with TRINITY_BENCH_RESPONSE_LENGTHS
-    set to `uniform` or `lognormal`, each row ends after a drawn number of tokens (see
+    set to `uniform`, `lognormal` or `fixed:N`, each row ends after a drawn number of tokens (see
     `draw_response_lengths`), seeded by the call count so that every rank of a job draws the same;
     `fixed` or unset: no schedule (rows end at EOS or max_new_tokens)."""
     kind = os.environ.get(BENCH_LENGTHS_ENV, "fixed")
@@ -28,11 +28,14 @@ def bench_response_lengths(rows: int, max_new: int) -> list[int] | None:
 
 
 def draw_response_lengths(kind: str, rows: int, max_new: int, seed: int = 0) -> list[int]:
-    """`rows` response lengths in 1..max_new: `fixed` (all max_new), `uniform`, or `lognormal` (sigma 1,
-    mean 30% of max_new before clipping at max_new)."""
+    """`rows` response lengths in 1..max_new: `fixed` (all max_new), `fixed:N` (all N: a fixed-length run
+    with the real tokens of another distribution, under the same max_new), `uniform`, or `lognormal`
+    (sigma 1, mean 30% of max_new before clipping at max_new)."""
     g = torch.Generator().manual_seed(seed)
     if kind == "fixed":
         return [max_new] * rows
+    if kind.startswith("fixed:") and kind[6:].isdigit():
+        return [max(1, min(max_new, int(kind[6:])))] * rows
     if kind == "uniform":
         return torch.randint(1, max_new + 1, (rows,), generator=g).tolist()
     if kind == "lognormal":
@@ -40,4 +43,4 @@ def draw_response_lengths(kind: str, rows: int, max_new: int, seed: int = 0) -> 
         mu = math.log(0.3 * max_new) - sigma**2 / 2  # E[X] = exp(mu + sigma^2 / 2) = 0.3 max_new
         x = torch.exp(mu + sigma * torch.randn(rows, generator=g))
         return x.round().clamp(1, max_new).long().tolist()
-    raise ValueError(f"response lengths {kind!r}: expected fixed, uniform or lognormal")
+    raise ValueError(f"response lengths {kind!r}: expected fixed, fixed:N, uniform or lognormal")

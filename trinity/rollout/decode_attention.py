@@ -175,21 +175,25 @@ if triton is not None:
 
 
 def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor,
-                     L: int, scale: float, splits: int | None = None) -> torch.Tensor:
+                     L: int, scale: float, splits: int | None = None, tune: dict | None = None) -> torch.Tensor:
     """q [b, groups, per, d]; keys/values [slots >= b, groups, cache_len, d]; lengths [b] (keys per
     row, >= 1); L >= max(lengths). Returns [b, groups, per, d] in q's dtype.
 
     With b x groups >= _FULL_GRID programs (or splits=1) each program takes a whole row and writes the
     normalised output; fewer rows (a rollout's tail) split each row into L / SPLIT parts that `_combine_kernel`
-    merges, so that the GPU still has enough programs."""
+    merges, so that the GPU still has enough programs. `tune` (benchmarks/decode_kernels.py) overrides
+    block_n, split, full_grid, num_warps and num_stages."""
     import os
 
+    tune = tune or {}
+    block_n, full_grid = tune.get("block_n", BLOCK_N), tune.get("full_grid", _FULL_GRID)
     b, g, per, d = q.shape
     if splits is None:
-        splits = 1 if b * g >= _FULL_GRID else -(-L // SPLIT)
-    split_len = -(-(-(-L // splits)) // BLOCK_N) * BLOCK_N
+        splits = 1 if b * g >= full_grid else -(-L // tune.get("split", SPLIT))
+    split_len = -(-(-(-L // splits)) // block_n) * block_n
     p_pad = 16
-    common = dict(PER=per, P_PAD=p_pad, D=d, SPLIT_LEN=split_len, BLOCK=BLOCK_N,
+    launch = {k: tune[k] for k in ("num_warps", "num_stages") if k in tune}
+    common = dict(PER=per, P_PAD=p_pad, D=d, SPLIT_LEN=split_len, BLOCK=block_n, **launch,
                   # fp32 caches (tests, CPU-precision checks) multiply in full fp32, not TF32
                   PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
                   SINGLE=splits == 1, DYNAMIC=os.environ.get("TRITON_INTERPRET") != "1")
