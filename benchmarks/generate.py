@@ -18,7 +18,9 @@ random-weight Qwen2 of the chosen shape. "decode ms/step" is the time of one dec
 step), divided by the difference in steps; "call" columns time the whole call (prefill included).
 The floor of one decode step is (weight bytes + KV-cache bytes at the mean context length) / memory
 bandwidth, the bandwidth being the bytes a large device-to-device copy moves per second (its reads
-and writes both counted). On CPU the "bandwidth" is that of a memory copy.
+and writes both counted). On CPU the "bandwidth" is that of a memory copy. The weight bytes are those a
+step reads: all of them but an untied input embedding (the 7B shape's 1.09 GB), of which a step reads
+its tokens' rows only (counted whole before 2026-11-26, which made the 7B floor ~6% too high).
 """
 
 from __future__ import annotations
@@ -165,10 +167,15 @@ def main() -> None:
             if not args.random_init:
                 load_hf_weights([gpt], path, facts)
             hf = None if args.no_hf else AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+            # what a decode step must read: every weight once, except an untied input embedding, of which
+            # it reads only the rows of its batch's tokens (a tied one is read whole as the output layer)
             weight_bytes = sum(p.numel() * p.element_size() for p in gpt.parameters())
+            if not gpt.share_embeddings_and_output_weights:
+                emb = gpt.embedding.word_embeddings.weight
+                weight_bytes -= emb.numel() * emb.element_size()
             kv_per_token = 2 * facts.num_layers * facts.num_query_groups * facts.head_dim * torch.finfo(dtype).bits // 8
             params = SamplingParams(temperature=0.0, max_new_tokens=args.new_tokens)
-            print(f"shape {args.shape} on {args.device} ({'eager' if args.eager else 'CUDA graphs'}{', compiled' if args.compile else ''} decode steps): {weight_bytes / 2**30:.3f} GiB weights, "
+            print(f"shape {args.shape} on {args.device} ({'eager' if args.eager else 'CUDA graphs'}{', compiled' if args.compile else ''} decode steps): {weight_bytes / 2**30:.3f} GiB weights read per step, "
                   f"copy bandwidth {bw / 1e9:.1f} GB/s (read + write), prompt {args.prompt_len}, {args.new_tokens} new tokens")
             if args.lengths:
                 rollout_table(args, gpt, facts, device, weight_bytes, kv_per_token, bw)
@@ -297,13 +304,20 @@ def rollout_table(args, gpt, facts, device, weight_bytes: int, kv_per_token: int
 
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
         params = SamplingParams(temperature=0.0, max_new_tokens=args.new_tokens)
+        t0 = time.perf_counter()
         with profile(activities=acts) as prof:
             generate_continuous(gpt, prompts, params, vocab_size=facts.vocab_size, pad_id=0,
-                                budget=KVBudget(args.max_num_seqs[0], None, args.kv_gib), response_lengths=lengths)
+                                budget=KVBudget(args.max_num_seqs[0], None, args.kv_gib), response_lengths=lengths,
+                                generator=torch.Generator(device=device).manual_seed(0))
             _sync(device)
+        wall = time.perf_counter() - t0
+        from trinity.trainer.profiling import kernel_kind_table, kernel_kind_totals
+
+        events = prof.key_averages()
+        print("\n".join(kernel_kind_table(kernel_kind_totals(events), wall)))
         for key in ("self_cpu_time_total", "self_cuda_time_total" if device.type == "cuda" else None):
             if key:
-                print(prof.key_averages().table(sort_by=key, row_limit=22, max_name_column_width=50))
+                print(events.table(sort_by=key, row_limit=30, max_name_column_width=70))
 
 
 if __name__ == "__main__":
