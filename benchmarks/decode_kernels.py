@@ -113,7 +113,15 @@ def sampler(args, bw: float) -> None:
             t_torch = _bench(torch_ops)
             t_fused = _bench(lambda: fused_sample(logits, vocab, temp, seed, keys))
             floor = rows * vocab * 2 / bw  # one read of the logits at the copy's rate of bytes moved
-            print(f"| {rows} | {temp} | {t_torch * 1e6:.1f} | {t_fused * 1e6:.1f} | {t_torch / t_fused:.1f}x | "
+            best = ""
+            if rows in args.sweep_rows:  # launch settings: columns per block, warps, rows x splits aimed at
+                timed = []
+                for blk, nw, progs in itertools.product((2048, 4096), (4, 8), (264, 1056)):
+                    tune = dict(block=blk, num_warps=nw, programs=progs)
+                    timed.append((_bench(lambda: fused_sample(logits, vocab, temp, seed, keys, tune=tune)), tune))
+                sec, tune = min(timed, key=lambda t: t[0])
+                best = f" (best {sec * 1e6:.1f} us: {tune})"
+            print(f"| {rows} | {temp} | {t_torch * 1e6:.1f} | {t_fused * 1e6:.1f}{best} | {t_torch / t_fused:.1f}x | "
                   f"{floor * 1e6:.1f} |", flush=True)
 
 

@@ -12,7 +12,8 @@ logits once (in their own dtype) and computes, per row:
 - its log-prob x[token] - logsumexp(x) under the temperature-1 distribution over the real vocabulary
   (`Rollout.logprobs`' definition), from the same pass (online max and sum of exponentials).
 
-The uniforms U come from Philox keyed by `seed + key[row]` at counter = column: the engines pass
+The uniforms U come from Philox keyed by `seed + key[row]` at counter = column // 4 (one call gives four
+uniforms; column c takes the (c % 4)-th, a fixed map): the engines pass
 key = output row x max_new_tokens + the token's index in the response, so a row's draws depend on the
 seed, its place in the rollout and its logits only, not on the slot, the batch or the wave it ran in,
 nor on the device. The seed is drawn from the caller's torch.Generator once per `generate` call.
@@ -44,9 +45,9 @@ _TARGET_PROGRAMS = 264  # rows x splits to aim for: two programs per SM of an H1
 _MAX_SPLITS = 64
 
 
-def splits_for(rows: int, vocab: int) -> int:
+def splits_for(rows: int, vocab: int, programs: int = _TARGET_PROGRAMS, block: int = BLOCK) -> int:
     """Programs per row: enough rows x splits to fill the GPU, each split at least a block of columns."""
-    return max(1, min(_MAX_SPLITS, -(-_TARGET_PROGRAMS // max(rows, 1)), -(-vocab // BLOCK)))
+    return max(1, min(_MAX_SPLITS, -(-programs // max(rows, 1)), -(-vocab // block)))
 
 
 def available(device: torch.device, params: SamplingParams) -> bool:
@@ -122,7 +123,11 @@ if triton is not None:
             if GREEDY:
                 score = x
             else:
-                u = tl.rand(seed, cols)
+                # one Philox call gives 4 uniforms: column group (c // 4) draws them, column c takes the
+                # (c % 4)-th in the join's order (a fixed map, so a column's uniform ignores the split)
+                groups = (start + k * BLOCK) // 4 + tl.arange(0, BLOCK // 4)
+                u0, u1, u2, u3 = tl.rand4x(seed, groups)
+                u = tl.reshape(tl.join(tl.join(u0, u1), tl.join(u2, u3)), [BLOCK])
                 score = x * inv_t - tl.log(-tl.log(u))
             score = tl.where(ok, score, float("-inf"))
             top = tl.max(score, 0)
@@ -157,22 +162,26 @@ if triton is not None:
 
 
 def fused_sample(logits: torch.Tensor, vocab_size: int, temperature: float, seed: torch.Tensor,
-                 keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                 keys: torch.Tensor, tune: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(tokens [b] int64, log p [b] fp32) from logits [b, >= vocab_size] (any float dtype, unit column
-    stride); seed [1] and keys [b] integer tensors on the logits' device (module doc)."""
+    stride); seed [1] and keys [b] integer tensors on the logits' device (module doc). `tune`
+    (benchmarks/decode_kernels.py): block, num_warps, programs (the rows x splits to aim for)."""
+    tune = tune or {}
+    block = tune.get("block", BLOCK)
     b = logits.shape[0]
     assert logits.stride(1) == 1 and logits.shape[1] >= vocab_size
-    splits = splits_for(b, vocab_size)
-    chunk = -(-(-(-vocab_size // splits)) // BLOCK) * BLOCK  # columns per split, whole blocks
+    splits = splits_for(b, vocab_size, tune.get("programs", _TARGET_PROGRAMS), block)
+    chunk = -(-(-(-vocab_size // splits)) // block) * block  # columns per split, whole blocks
     splits = -(-vocab_size // chunk)  # every split holds a column
     dev = logits.device
     mx = torch.empty(b, splits, dtype=torch.float32, device=dev)
     total, best = torch.empty_like(mx), torch.empty_like(mx)
     idx = torch.empty(b, splits, dtype=torch.int32, device=dev)
     greedy = temperature <= 0
+    launch = {"num_warps": tune["num_warps"]} if "num_warps" in tune else {}
     _partial_kernel[(b, splits)](logits, seed, keys, mx, total, best, idx, logits.stride(0), vocab_size, chunk,
-                                 chunk // BLOCK, 0.0 if greedy else 1.0 / temperature,
-                                 GREEDY=greedy, SPLITS=splits, BLOCK=BLOCK)
+                                 chunk // block, 0.0 if greedy else 1.0 / temperature,
+                                 GREEDY=greedy, SPLITS=splits, BLOCK=block, **launch)
     tokens = torch.empty(b, dtype=torch.long, device=dev)
     logp = torch.empty(b, dtype=torch.float32, device=dev)
     _merge_kernel[(b,)](logits, mx, total, best, idx, tokens, logp, logits.stride(0),
