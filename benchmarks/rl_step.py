@@ -14,8 +14,9 @@ lognormal: mean 30% of `--response-length`), so the rollout and the training pha
 variation; `fixed:N` ends every response after N tokens under the same `--response-length` (the same
 token budgets): a fixed-length run with the real tokens of a lognormal one. A comma list runs one case
 each. tokens/s are real (response) tokens, and any `padding/...` metric the phases log is shown.
-`--token-budget` sets the packed micro batches' tokens of every role (`ppo_max_token_len_per_gpu`,
-`log_prob_max_token_len_per_gpu`; 0: the config's default), a comma list one case each. On 2 GPUs the layout is DP=2 (`--layout tp` for TP=2). The decode floor is
+`--token-budget` sets the packed micro batches' tokens (`ppo_max_token_len_per_gpu`,
+`log_prob_max_token_len_per_gpu`; 0: the config's default): N for every role, or A/R for the actor's
+update and the forward-only passes (ref, critic); a comma list, one case each. On 2 GPUs the layout is DP=2 (`--layout tp` for TP=2). The decode floor is
 the bytes of the weights read once per decode step over the copy bandwidth measured in this run; tokens/s are rank 0's.
 """
 
@@ -41,7 +42,7 @@ PHASES = ("rollout", "reward", "ref", "old_logp", "values", "update_actor", "upd
 
 
 def job(model: Path, prompts: Path, out: Path, *, algo: str, gpus: int, layout: str, offload: bool, args,
-        lora: int = 0, budget: int = 0) -> dict:
+        lora: int = 0, budget: str = "0") -> dict:
     """`lora` > 0: LoRA adapters of that rank on every linear; the ref is then the actor with its adapters off
     (no ref block, no second model: docs/lora.md)."""
     par = {"tensor_model_parallel_size": 2} if gpus == 2 and layout == "tp" else {}
@@ -65,11 +66,15 @@ def job(model: Path, prompts: Path, out: Path, *, algo: str, gpus: int, layout: 
     }
     if algo == "ppo":
         cfg["critic"] = {"optim": {"lr": 1e-6, "weight_decay": 0.0}, "megatron": {**par, **flags}}
-    if budget:
-        cfg["actor_rollout_ref"]["actor"]["ppo_max_token_len_per_gpu"] = budget
-        cfg["actor_rollout_ref"]["ref"]["log_prob_max_token_len_per_gpu"] = budget
+    # "N": every role's packed micro batches hold N tokens; "A/R": the actor's A, the ref's (and critic's) R
+    train, infer = (int(x) for x in (budget.split("/") if "/" in budget else (budget, budget)))
+    if train:
+        cfg["actor_rollout_ref"]["actor"]["ppo_max_token_len_per_gpu"] = train
+    if infer:
+        if "ref" in cfg["actor_rollout_ref"]:
+            cfg["actor_rollout_ref"]["ref"]["log_prob_max_token_len_per_gpu"] = infer
         if algo == "ppo":
-            cfg["critic"]["ppo_max_token_len_per_gpu"] = budget
+            cfg["critic"]["ppo_max_token_len_per_gpu"] = infer
     if lora:
         cfg["actor_rollout_ref"]["actor"]["lora"] = {"rank": lora, "alpha": 2.0 * lora, "target_modules": ["all-linear"]}
         del cfg["actor_rollout_ref"]["ref"]
@@ -132,7 +137,8 @@ def main() -> None:
     ap.add_argument("--micro", type=int, default=8)
     ap.add_argument("--lengths", default="fixed",
                     help="comma list, one case each: fixed (to --response-length), fixed:N, uniform, lognormal (mean 30%%)")
-    ap.add_argument("--token-budget", default="0", help="comma list of tokens per packed micro batch (0: default)")
+    ap.add_argument("--token-budget", default="0",
+                    help="comma list of tokens per packed micro batch, N (every role) or A/R (actor / ref and critic); 0: default")
     ap.add_argument("--max-num-seqs", type=int, default=None, help="actor_rollout_ref.rollout.max_num_seqs (default: the config's)")
     ap.add_argument("--timeout", type=int, default=400, help="seconds per case")
     ap.add_argument("--profile-step", type=int, default=None,
@@ -157,12 +163,12 @@ def main() -> None:
         results = []
         for algo in args.algos.split(","):
             for gpus in (int(g) for g in args.gpus.split(",")):
-                for off, lora, lengths, budget in ((o, int(r), ln, int(tb)) for o in args.offload.split(",")
+                for off, lora, lengths, budget in ((o, int(r), ln, tb) for o in args.offload.split(",")
                                                    for r in args.lora_rank.split(",") for ln in args.lengths.split(",")
                                                    for tb in args.token_budget.split(",")):
                     name = (f"{algo}_{gpus}gpu_offload-{off}" + (f"_lora-{lora}" if lora else "")
                             + (f"_{lengths.replace(':', '')}" if "," in args.lengths else "")
-                            + (f"_budget-{budget}" if budget else ""))
+                            + (f"_budget-{budget.replace('/', '-')}" if budget != "0" else ""))
                     cfg = job(model, prompts, root / name, algo=algo, gpus=gpus, layout=args.layout,
                               offload=off == "yes", args=args, lora=lora, budget=budget)
                     med = summarize(run_case(cfg, root / f"{name}.yaml", args.timeout, args.log_tail, lengths))
