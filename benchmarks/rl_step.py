@@ -53,7 +53,7 @@ def job(model: Path, prompts: Path, out: Path, *, algo: str, gpus: int, layout: 
         "data": {"train_files": [str(prompts)], "max_prompt_length": 64, "train_batch_size": args.prompts * gpus},
         "cluster": {"device": args.device, "nproc_per_node": gpus},
         "trainer": {"total_steps": args.steps, "micro_batch_size": args.micro, "output_dir": str(out),
-                    "save_interval": None, "log_interval": 1, "tensorboard": False, "export_hf": False,
+                    "save_interval": None, "save_last": False, "log_interval": 1, "tensorboard": False, "export_hf": False,
                     "profile_step": args.profile_step},
         "actor_rollout_ref": {
             "actor": {"ppo_mini_batch_size": args.prompts * gpus, "use_kl_loss": algo == "grpo",

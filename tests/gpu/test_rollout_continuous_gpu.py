@@ -75,7 +75,7 @@ def test_graphs_match_eager_and_static_fp32(built):
         sdpa = generate_continuous(gpt, prompts, params, budget=KVBudget(max_num_seqs=7), stats=sdpa_stats, **kw)
     finally:
         del os.environ["TRINITY_DECODE_ATTENTION"]
-    assert sdpa_stats.attention == "sdpa"
+    assert sdpa_stats.attention.startswith("sdpa"), sdpa_stats.attention  # "sdpa + fused RoPE/SwiGLU"
     assert torch.equal(sdpa.tokens, want.tokens) and (sdpa.logprobs - want.logprobs).abs().max().item() <= 1e-4
 
 

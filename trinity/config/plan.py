@@ -180,19 +180,27 @@ def _activations(f: ModelFacts, m: MegatronConfig, s: int, b: int, layers: int, 
     return int(stage * in_flight)
 
 
+REF_BUDGET_FACTOR = 4  # the ref's unset budget: this many padded micro batches' tokens (forward only)
+
+
 def rl_token_budget(cfg: JobConfig, role: Role) -> int | None:
-    """Tokens per packed micro batch of an RL role (`use_dynamic_bsz` and its `*_max_token_len_per_gpu`,
-    unset: one padded micro batch's tokens); None: padded rows of trainer.micro_batch_size sequences."""
+    """Tokens per packed micro batch of an RL role (`use_dynamic_bsz` and its `*_max_token_len_per_gpu`);
+    None: padded rows of trainer.micro_batch_size sequences. Unset: one padded micro batch's tokens, and
+    REF_BUDGET_FACTOR times that for the ref, whose pass is forward only (no activations kept for a
+    backward: its memory per token is the logits'; measured on an H100, 0.5B, 4x: the ref phase 1.86 ->
+    1.45 s, docs/performance.md)."""
     arr = cfg.actor_rollout_ref
+    factor = 1
     if role is Role.actor:
         on, budget = arr.actor.use_dynamic_bsz, arr.actor.ppo_max_token_len_per_gpu
     elif role is Role.ref:
         on, budget = arr.ref.log_prob_use_dynamic_bsz, arr.ref.log_prob_max_token_len_per_gpu
+        factor = REF_BUDGET_FACTOR
     else:
         on, budget = (cfg.critic.use_dynamic_bsz, cfg.critic.ppo_max_token_len_per_gpu) if cfg.critic else (False, None)
     if not on:
         return None
-    return budget or cfg.trainer.micro_batch_size * (cfg.data.max_prompt_length + arr.rollout.response_length)
+    return budget or factor * cfg.trainer.micro_batch_size * (cfg.data.max_prompt_length + arr.rollout.response_length)
 
 
 def build_plan(cfg: JobConfig, facts: ModelFacts, warnings: list[str]) -> JobPlan:
