@@ -59,14 +59,29 @@ def checked_once(cache: dict, key: tuple, check) -> bool:
     return cache[key]
 
 
+def verdict(check, disabled: str) -> bool:
+    """Run a kernel's first-use check: `check()` returns None when the kernel agrees with the torch ops,
+    else the reason it does not; an exception (a Triton build or launch problem on this machine) is a
+    reason too. False comes with the warning `disabled` (a format string of `reason`): the torch ops
+    still work, the rollout is slower."""
+    import warnings
+
+    try:
+        reason = check()
+    except Exception as exc:
+        reason = f"{type(exc).__name__}: {exc}"
+    if reason is None:
+        return True
+    warnings.warn(disabled.format(reason=reason), stacklevel=3)
+    return False
+
+
 def _self_check(device: torch.device, head_dim: int, per: int, dtype: torch.dtype) -> bool:
     """The kernel against SDPA on random rows of 1..700 keys; False (and a warning) on any error or a
     difference above the dtype's rounding."""
-    import warnings
-
     import torch.nn.functional as F
 
-    try:
+    def check() -> str | None:
         g = torch.Generator(device="cpu").manual_seed(0)
         b, groups, cache = 5, 2, 768
         q = torch.randn(b, groups, per, head_dim, generator=g).to(device, dtype)
@@ -78,13 +93,9 @@ def _self_check(device: torch.device, head_dim: int, per: int, dtype: torch.dtyp
                                                         scale=head_dim**-0.5) for i, n in enumerate(lengths.tolist())])
         err = max(((out - ref).norm() / ref.norm()).item() for out in outs)
         tol = 1e-5 if dtype == torch.float32 else 2e-2
-        if err <= tol:
-            return True
-        reason = f"relative error {err:.2e} against SDPA"
-    except Exception as exc:  # a Triton build or launch problem on this machine: SDPA still works
-        reason = f"{type(exc).__name__}: {exc}"
-    warnings.warn(f"split-KV decode attention disabled ({reason}); the rollout uses SDPA", stacklevel=2)
-    return False
+        return None if err <= tol else f"relative error {err:.2e} against SDPA"
+
+    return verdict(check, "split-KV decode attention disabled ({reason}); the rollout uses SDPA")
 
 
 _FULL_GRID = 512  # rows x groups at which one program per (row, group) already fills an H100 (132 SMs)

@@ -66,11 +66,11 @@ def reference_rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 
 
 def _self_check(device: torch.device, head_dim: int, per: int, dtype: torch.dtype) -> bool:
-    import warnings
+    from trinity.rollout.decode_attention import verdict
 
     import torch.nn.functional as F
 
-    try:
+    def check() -> str | None:
         g = torch.Generator(device="cpu").manual_seed(0)
         b, groups, cache = 5, 2, 96
         qkv = torch.randn(b, groups, per + 2, head_dim, generator=g).to(device, dtype)
@@ -89,12 +89,10 @@ def _self_check(device: torch.device, head_dim: int, per: int, dtype: torch.dtyp
         errors = {name: ((a.float() - b.float()).norm() / b.float().norm()).item() for name, (a, b) in pairs.items()}
         tol = 1e-6 if dtype == torch.float32 else 1e-2
         if max(errors.values()) <= tol:
-            return True
-        reason = "relative error against the torch ops: " + ", ".join(f"{k} {v:.2e}" for k, v in errors.items())
-    except Exception as exc:  # a Triton build or launch problem on this machine: the torch ops still work
-        reason = f"{type(exc).__name__}: {exc}"
-    warnings.warn(f"fused decode kernels disabled ({reason}); the decoder uses the torch ops", stacklevel=2)
-    return False
+            return None
+        return "relative error against the torch ops: " + ", ".join(f"{k} {v:.2e}" for k, v in errors.items())
+
+    return verdict(check, "fused decode kernels disabled ({reason}); the decoder uses the torch ops")
 
 
 if triton is not None:

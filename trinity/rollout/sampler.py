@@ -69,9 +69,9 @@ def _self_check(device: torch.device) -> bool:
     """The kernel against the torch ops on random logits: greedy tokens equal, log-probs of greedy and
     sampled tokens equal to log_softmax's, sampled tokens in the vocabulary; False (and a warning) on any
     error or difference."""
-    import warnings
+    from trinity.rollout.decode_attention import verdict
 
-    try:
+    def check() -> str | None:
         g = torch.Generator(device="cpu").manual_seed(0)
         # a few rows split over several programs (greedy and sampled), and enough rows for one program each
         for dtype, rows, vocab, temps in ((torch.bfloat16, 3, 5000, (0.0, 1.0)), (torch.float32, _TARGET_PROGRAMS, 700, (0.0,))):
@@ -81,18 +81,16 @@ def _self_check(device: torch.device) -> bool:
             ref = torch.log_softmax(logits[:, :vocab].float(), -1)
             picked = [fused_sample(logits, vocab, t, seed, keys) for t in temps]
             if not torch.equal(picked[0][0], ref.argmax(-1)):
-                raise ValueError("greedy tokens differ from argmax")
+                return "greedy tokens differ from argmax"
             if any(int(tok.min()) < 0 or int(tok.max()) >= vocab for tok, _ in picked):
-                raise ValueError("a sampled token outside the vocabulary")
+                return "a sampled token outside the vocabulary"
             for tok, logp in picked:
                 err = float((logp - ref.gather(-1, tok[:, None])[:, 0]).abs().max())
                 if err > 1e-4:
-                    raise ValueError(f"log-prob differs from log_softmax by {err:.2e}")
-        return True
-    except Exception as exc:  # a Triton build or launch problem on this machine: the torch ops still work
-        reason = f"{type(exc).__name__}: {exc}"
-    warnings.warn(f"fused sampler disabled ({reason}); the rollout samples with the torch ops", stacklevel=2)
-    return False
+                    return f"log-prob differs from log_softmax by {err:.2e}"
+        return None
+
+    return verdict(check, "fused sampler disabled ({reason}); the rollout samples with the torch ops")
 
 
 if triton is not None:
