@@ -3,8 +3,9 @@ log-probs equal torch's, sampled tokens follow softmax(x / T), and a row's draw 
 (not on the batch it runs in, nor on how its vocabulary is split over programs).
 
 Triton reads TRITON_INTERPRET when a kernel is defined, so the checks run in a child process that sets it
-before importing the module. Skipped where Triton is not installed (the CPU wheel of torch does not
-bring it; tests/gpu/test_rollout_continuous_gpu.py runs the kernel on a GPU)."""
+before importing the module; skipped where Triton is not installed (the CPU wheel of torch does not
+bring it; tests/gpu/test_rollout_continuous_gpu.py runs the kernel on a GPU). The first-use verdict
+that every decode kernel shares needs no Triton."""
 
 from __future__ import annotations
 
@@ -15,8 +16,6 @@ import sys
 import textwrap
 
 import pytest
-
-pytest.importorskip("triton")
 
 CHILD = textwrap.dedent("""
     import json, sys
@@ -70,6 +69,7 @@ CHILD = textwrap.dedent("""
 
 @pytest.mark.slow
 def test_fused_sampler_under_interpreter():
+    pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     proc = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=240)
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
@@ -84,3 +84,21 @@ def test_fused_sampler_under_interpreter():
     # 4.5 standard errors on the worst of 8 categories: a biased sampler (no Gumbel noise, a wrong
     # temperature) is off by tens
     assert res["z_1.0"] < 4.5 and res["z_0.6"] < 4.5, res
+
+
+def test_first_use_verdict_warns_with_the_reason():
+    """A kernel whose first-use check fails (a difference, or a Triton error) is not used, and the warning
+    names why (docs/troubleshooting.md lists these warnings)."""
+    import warnings
+
+    from trinity.rollout.decode_attention import verdict
+
+    msg = "fused sampler disabled ({reason}); the rollout samples with the torch ops"
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert verdict(lambda: None, msg)
+        assert not verdict(lambda: "log-prob differs from log_softmax by 3.00e-02", msg)
+        assert not verdict(lambda: 1 // 0, msg)
+    texts = [str(w.message) for w in seen]
+    assert texts == ["fused sampler disabled (log-prob differs from log_softmax by 3.00e-02); the rollout samples with the torch ops",
+                     "fused sampler disabled (ZeroDivisionError: integer division or modulo by zero); the rollout samples with the torch ops"]
