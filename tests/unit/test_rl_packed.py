@@ -239,17 +239,20 @@ def test_config_budget_too_small_is_refused_naming_the_key(small_job, write_job)
         load_config(write_job(job))
 
 
-def test_unset_budgets_one_padded_micro_batch_and_four_for_the_ref(small_job, write_job):
+def test_unset_budgets_one_padded_micro_batch_and_four_for_the_ref_on_cuda(small_job, write_job):
     """Unset budgets: the actor's (and the critic's) packed micro batch holds one padded micro batch's
-    tokens; the ref's forward-only pass four times that; a set budget is taken as it is."""
+    tokens; on CUDA the ref's forward-only pass four times that (on CPU, where packed rows attend through
+    a dense mask, one); a set budget is taken as it is."""
     from trinity.config.loader import load_config
     from trinity.config.plan import rl_token_budget
     from trinity.config.roles import Role
 
     cfg = load_config(write_job(_rl_job(small_job))).config
     one = 1 * (64 + 64)  # micro_batch_size x (max_prompt_length + response_length)
-    assert rl_token_budget(cfg, Role.actor) == one
-    assert rl_token_budget(cfg, Role.ref) == 4 * one
+    assert cfg.cluster.device == "cuda"
+    assert (rl_token_budget(cfg, Role.actor), rl_token_budget(cfg, Role.ref)) == (one, 4 * one)
+    on_cpu = cfg.model_copy(update={"cluster": cfg.cluster.model_copy(update={"device": "cpu"})})
+    assert (rl_token_budget(on_cpu, Role.actor), rl_token_budget(on_cpu, Role.ref)) == (one, one)
     job = _rl_job(small_job, ppo_max_token_len_per_gpu=300)
     job["actor_rollout_ref"]["ref"] = {"log_prob_max_token_len_per_gpu": 200}
     cfg = load_config(write_job(job)).config

@@ -180,22 +180,24 @@ def _activations(f: ModelFacts, m: MegatronConfig, s: int, b: int, layers: int, 
     return int(stage * in_flight)
 
 
-REF_BUDGET_FACTOR = 4  # the ref's unset budget: this many padded micro batches' tokens (forward only)
+REF_BUDGET_FACTOR = 4  # the ref's unset budget on CUDA: this many padded micro batches' tokens (forward only)
 
 
 def rl_token_budget(cfg: JobConfig, role: Role) -> int | None:
     """Tokens per packed micro batch of an RL role (`use_dynamic_bsz` and its `*_max_token_len_per_gpu`);
-    None: padded rows of trainer.micro_batch_size sequences. Unset: one padded micro batch's tokens, and
-    REF_BUDGET_FACTOR times that for the ref, whose pass is forward only (no activations kept for a
+    None: padded rows of trainer.micro_batch_size sequences. Unset: one padded micro batch's tokens, and on
+    CUDA REF_BUDGET_FACTOR times that for the ref, whose pass is forward only (no activations kept for a
     backward: its memory per token is the logits'; measured on an H100, 0.5B, 4x: the ref phase 1.86 ->
-    1.45 s, docs/performance.md)."""
+    1.45 s, docs/performance.md). Not on CPU: there packed rows attend through a dense block-diagonal
+    mask, whose cost grows with the square of the row length (the CPU test suite took 31 min instead of
+    17 with it)."""
     arr = cfg.actor_rollout_ref
     factor = 1
     if role is Role.actor:
         on, budget = arr.actor.use_dynamic_bsz, arr.actor.ppo_max_token_len_per_gpu
     elif role is Role.ref:
         on, budget = arr.ref.log_prob_use_dynamic_bsz, arr.ref.log_prob_max_token_len_per_gpu
-        factor = REF_BUDGET_FACTOR
+        factor = REF_BUDGET_FACTOR if cfg.cluster.device == "cuda" else 1
     else:
         on, budget = (cfg.critic.use_dynamic_bsz, cfg.critic.ppo_max_token_len_per_gpu) if cfg.critic else (False, None)
     if not on:

@@ -165,9 +165,9 @@ class RefConfig(StrictModel):
     """Pack the ref log-prob pass's sequences into rows of log_prob_max_token_len_per_gpu tokens (as
     actor.use_dynamic_bsz); false: padded rows of trainer.micro_batch_size sequences."""
     log_prob_max_token_len_per_gpu: int | None = Field(default=None, ge=1)
-    """Tokens per packed micro batch of the ref log-prob pass; unset: 4 x actor.ppo_max_token_len_per_gpu's
-    default (the pass is forward only: no activations kept for a backward). Must hold the longest sequence
-    (data.max_prompt_length + rollout.response_length)."""
+    """Tokens per packed micro batch of the ref log-prob pass; unset: actor.ppo_max_token_len_per_gpu's
+    default, 4 x that on CUDA (the pass is forward only: no activations kept for a backward). Must hold the
+    longest sequence (data.max_prompt_length + rollout.response_length)."""
 
 
 class RolloutConfig(StrictModel):
