@@ -40,6 +40,12 @@ def assets(tmp_path_factory) -> dict[str, Path]:
             "prompts": write_prompt_dataset(root / "prompts.jsonl", 8, seed=0)}
 
 
+# adam_eps 1 with lr 1: the first Adam step is ~ lr * grad, so the weights after it compare the gradients.
+# With the default eps a gradient element near 1e-8 gets a step that its rounding decides (seen: one
+# v_proj element 1.2e-5 apart after a change of the sampled responses).
+OPTIM = {"lr": 1.0, "adam_eps": 1.0, "weight_decay": 0.0}
+
+
 def _trainer(out: Path, **extra) -> dict:
     return {"total_steps": 1, "output_dir": str(out), "save_interval": 100, "log_interval": 1,
             "tensorboard": False, "export_hf": True, **extra}
@@ -52,7 +58,7 @@ def sft_job(assets: dict[str, Path], out: Path, block: dict, nproc: int) -> dict
         "data": {"train_files": [str(assets["sft"])], "seq_length": 64, "packing": True},
         "cluster": {"device": "cpu", "nproc_per_node": nproc},
         "trainer": _trainer(out, global_batch_size=4, micro_batch_size=1),
-        "actor_rollout_ref": {"actor": {"optim": {"lr": 1e-3, "weight_decay": 0.0}, "megatron": dict(block)}},
+        "actor_rollout_ref": {"actor": {"optim": dict(OPTIM), "megatron": dict(block)}},
     }
 
 
@@ -64,7 +70,7 @@ def grpo_job(assets: dict[str, Path], out: Path, block: dict, nproc: int) -> dic
         "cluster": {"device": "cpu", "nproc_per_node": nproc},
         "trainer": _trainer(out, micro_batch_size=2),
         "actor_rollout_ref": {
-            "actor": {"ppo_mini_batch_size": 2, "use_kl_loss": True, "optim": {"lr": 1e-3, "weight_decay": 0.0},
+            "actor": {"ppo_mini_batch_size": 2, "use_kl_loss": True, "optim": dict(OPTIM),
                       "megatron": dict(block)},
             "ref": {"megatron": dict(block)},
             "rollout": {"n": 2, "response_length": 5},
