@@ -189,8 +189,7 @@ def rl_token_budget(cfg: JobConfig, role: Role) -> int | None:
     CUDA REF_BUDGET_FACTOR times that for the ref, whose pass is forward only (no activations kept for a
     backward: its memory per token is the logits'; measured on an H100, 0.5B, 4x: the ref phase 1.86 ->
     1.45 s, docs/performance.md). Not on CPU: there packed rows attend through a dense block-diagonal
-    mask, whose cost grows with the square of the row length (the CPU test suite took 31 min instead of
-    17 with it)."""
+    mask, whose cost grows with the square of the row length, so longer rows buy nothing."""
     arr = cfg.actor_rollout_ref
     factor = 1
     if role is Role.actor:
