@@ -124,7 +124,7 @@ def _conversion_key(cfg: dict) -> str | None:
     """The name of a job's converted checkpoint in the store: the folder name `trinity run` gives it
     under <output_dir>/mcore_cache (the HF folder's fingerprint), plus the dtype and device it was
     converted for."""
-    from trinity.convert.dist_ckpt import source_fingerprint
+    from trinity.convert.fingerprint import source_fingerprint
 
     model = Path(cfg["model"]["path"])
     if not os.environ.get(CONVERSIONS_ENV) or not model.is_dir():

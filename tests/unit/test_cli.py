@@ -45,6 +45,27 @@ def test_validate_imports_nothing_heavy(write_job, small_job):
     assert out.stdout.strip().splitlines()[-1] == "[]"
 
 
+def test_what_trinity_run_checks_around_a_launch_imports_nothing_heavy(tmp_path):
+    """The conversion cache's key and the complete checkpoints, which `trinity run` reads before and after
+    every launch: importing torch for them cost ~2-6 s of CPU per job (py-spy, 2026-11-26)."""
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "checkpoints" / "step_3").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "step_3" / "complete").write_text("")
+    (tmp_path / "checkpoints" / "step_5").mkdir()  # not complete
+    code = (
+        "import sys\nfrom pathlib import Path\n"
+        "from trinity.convert.fingerprint import source_fingerprint\n"
+        "from trinity.trainer.resume import complete_checkpoints\n"
+        "import trinity.cli.commands, trinity.cli.generate\n"
+        f"root = Path({str(tmp_path)!r})\n"
+        "print(len(source_fingerprint(root)), [s for s, _ in complete_checkpoints(root / 'checkpoints')])\n"
+        f"print(sorted(m for m in sys.modules if m.split('.')[0] in {HEAVY!r}))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines() == ["16 [3]", "[]"]
+
+
 def test_version_and_schema():
     from trinity import __version__
 

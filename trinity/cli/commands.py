@@ -90,7 +90,7 @@ def run(config: Path, overrides: list[str], *, dry_run: bool = False, debug: boo
 def _run_record(out: Path) -> dict:
     """What a previous job left in `out`: its resolved config (bytes) and what it trained (the
     metrics' size and the complete checkpoints)."""
-    from trinity.trainer.checkpoint import complete_checkpoints
+    from trinity.trainer.resume import complete_checkpoints
 
     resolved, metrics = out / "resolved_config.yaml", out / "metrics.jsonl"
     return {
@@ -101,7 +101,7 @@ def _run_record(out: Path) -> dict:
 
 def interrupted_message(out: Path) -> str:
     """What to tell a user who stopped the job: where it can go on from."""
-    from trinity.trainer.checkpoint import complete_checkpoints
+    from trinity.trainer.resume import complete_checkpoints
 
     found = complete_checkpoints(out / "checkpoints")
     if not found:
@@ -128,7 +128,7 @@ def prepare_weights(loaded: LoadedConfig, out: Path) -> None:
     roles = [r.megatron(cfg) for r in job_roles(cfg) if weight_source(cfg, r).kind is WeightKind.hf]
     if not roles:
         return
-    from trinity.convert.dist_ckpt import source_fingerprint
+    from trinity.convert.fingerprint import source_fingerprint
 
     src = Path(cfg.model.path)
     cache = out / "mcore_cache" / source_fingerprint(src)

@@ -17,7 +17,6 @@ same decode loop as the RL rollout, so what it answers is what the rollout would
 from __future__ import annotations
 
 import json
-import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,8 +24,6 @@ from typing import Any, Sequence, TextIO
 
 from trinity.errors import UserError
 
-_STEP = re.compile(r"^step_(\d+)$")
-COMPLETE = "complete"  # the marker trinity.trainer.checkpoint writes into a finished checkpoint
 META = "trinity_meta.json"  # the file trinity.convert.dist_ckpt writes into every dist checkpoint
 
 
@@ -44,10 +41,9 @@ def _is_hf(path: Path) -> bool:
 
 
 def _newest_checkpoint(root: Path) -> Path | None:
-    found = sorted(
-        (int(m.group(1)), child) for child in root.iterdir()
-        if (m := _STEP.match(child.name)) and child.is_dir() and (child / COMPLETE).is_file()
-    ) if root.is_dir() else []
+    from trinity.trainer.resume import complete_checkpoints
+
+    found = complete_checkpoints(root)
     return found[-1][1] if found else None
 
 

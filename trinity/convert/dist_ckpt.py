@@ -17,7 +17,6 @@ the end; a failure leaves no output folder.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import queue
 import shutil
@@ -27,6 +26,7 @@ from typing import Any
 
 import torch
 
+from trinity.convert.fingerprint import source_fingerprint
 from trinity.convert.hf_io import copy_side_files
 from trinity.convert.outdir import check_output, publish, temp_sibling
 from trinity.errors import UserError
@@ -35,16 +35,6 @@ from trinity.models.build import unwrap
 META = "trinity_meta.json"
 HF_SUBDIR = "hf"
 FORMAT = "trinity-mcore-dist/1"
-
-
-def source_fingerprint(hf_dir: str | Path) -> str:
-    """Identity of an HF folder's weights and config (names, sizes, mtimes)."""
-    h = hashlib.sha256()
-    for f in sorted(Path(hf_dir).iterdir()):
-        if f.is_file() and f.suffix in (".json", ".safetensors", ".bin"):
-            st = f.stat()
-            h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns};".encode())
-    return h.hexdigest()[:16]
 
 
 def _flat_sharded(models: list[torch.nn.Module]) -> tuple[dict[str, Any], list[dict[str, str]]]:

@@ -249,7 +249,7 @@ def _untouched_source(meta: dict[str, Any]) -> str | None:
     path = source.get("path")
     if meta.get("kind") == "training" or not path or not Path(path).is_dir():
         return None
-    from trinity.convert.dist_ckpt import source_fingerprint
+    from trinity.convert.fingerprint import source_fingerprint
 
     return path if source_fingerprint(path) == source.get("fingerprint") else None
 

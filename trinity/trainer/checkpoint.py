@@ -26,7 +26,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import re
 import shutil
 import time
 from pathlib import Path
@@ -37,10 +36,8 @@ import torch
 import yaml
 
 from trinity.errors import UserError
-from trinity.trainer.resume import CONFIG_FILE
-
-COMPLETE = "complete"
-_STEP_DIR = re.compile(r"^step_(\d+)$")
+from trinity.trainer.resume import COMPLETE, CONFIG_FILE, complete_checkpoints  # noqa: F401  (re-exported)
+from trinity.trainer.resume import STEP_DIR as _STEP_DIR
 # Fault injection for tests, `<step>:<seconds>`: sleep after checkpoint <step>'s data is written,
 # before it is marked complete (a test kills the job in that window).
 PAUSE_ENV = "TRINITY_TEST_CKPT_PAUSE_S"
@@ -114,17 +111,6 @@ def load_rng(path: Path) -> bool:
         return False
     set_rng_state(state)
     return True
-
-
-def complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
-    """(step, folder) of the complete checkpoints under root, oldest first."""
-    found = []
-    if root.is_dir():
-        for child in root.iterdir():
-            m = _STEP_DIR.match(child.name)
-            if m and child.is_dir() and (child / COMPLETE).is_file():
-                found.append((int(m.group(1)), child))
-    return sorted(found)
 
 
 class CheckpointManager:
