@@ -373,3 +373,38 @@ def test_worker_watchdog_stops_the_worker_when_the_cli_is_gone():
                 p.kill()
                 p.wait()
     assert not psutil.pid_exists(worker.pid) or psutil.Process(worker.pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_a_forked_child_of_a_worker_stops_when_the_cli_is_gone():
+    """megatron-core's checkpoint writer forks the rank: the fork has no watchdog thread unless one is
+    started in it, and it outlived a killed job under PID 1."""
+    cli = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    code = ("import os, sys, time; from trinity.launch.child import start_watchdog; "
+            f"start_watchdog({{'TRINITY_CLI_PID': '{cli.pid}'}})\n"
+            "pid = os.fork()\n"
+            "if pid == 0:\n    n = os.open(os.devnull, os.O_WRONLY); os.dup2(n, 1); os.dup2(n, 2); time.sleep(120); os._exit(0)\n"
+            "print(pid, flush=True); os._exit(0)")  # the parent goes at once, as a rank stopped mid-save
+    worker = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60,
+                            env={**os.environ, "RANK": "2"})
+    child = int(worker.stdout.strip())
+    try:
+        time.sleep(1)
+        assert _alive(child)  # the CLI is alive: the child goes on
+        cli.kill()
+        cli.wait(timeout=30)
+        deadline = time.monotonic() + 10
+        while _alive(child) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _alive(child)
+    finally:
+        if cli.poll() is None:
+            cli.kill()
+            cli.wait()
+        if _alive(child):
+            os.kill(child, 9)
+
+
+def _alive(pid: int) -> bool:
+    import psutil
+
+    return psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE

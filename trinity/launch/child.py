@@ -64,9 +64,17 @@ def start_watchdog(environ: dict[str, str] | None = None) -> threading.Thread | 
             if _identity(pid) != ident:
                 _stop(pid)
 
-    thread = threading.Thread(target=watch, name="trinity-run-watchdog", daemon=True)
-    thread.start()
-    return thread
+    def start() -> threading.Thread:
+        thread = threading.Thread(target=watch, name="trinity-run-watchdog", daemon=True)
+        thread.start()
+        return thread
+
+    # A fork keeps no thread but the caller's: megatron-core's checkpoint writer forks a process per
+    # save (filesystem_async.write_preloaded_data_multiproc), which, when its rank was stopped mid-save,
+    # waited on its queue under PID 1 for good (found after the kill -9 test, 2026-11-26). Each forked
+    # child watches `trinity run` too.
+    os.register_at_fork(after_in_child=start)
+    return start()
 
 
 def _stop(pid: int) -> None:
