@@ -127,5 +127,8 @@ def test_grpo_tp2_with_offload_runs_every_phase(assets, tmp_path):
         for phase in ("rollout", "ref", "old_logp", "update_actor"):
             assert r[f"time/{phase}_s"] > 0 and r[f"mem/{phase}_peak_gib"] > 0, (phase, r)
         print({k: round(v, 3) for k, v in r.items() if k.startswith(("time/", "mem/", "reward/"))})
-    assert rows[0]["actor/ref_kl"] == 0.0
+    # Step 1's actor is the ref, but in bf16 at TP=2 their forwards pack the rows under different token
+    # budgets (the ref's is 4x on CUDA), so the GEMMs round differently: 2.8e-6 on 2 H200s (2026-11-26),
+    # against 0.036 at step 2, after one update. (On CPU in fp32 it is exactly 0: tests/integration.)
+    assert 0.0 <= rows[0]["actor/ref_kl"] < 1e-4 < rows[1]["actor/ref_kl"]
     assert (tmp_path / "grpo" / "checkpoints" / "step_3" / "actor").is_dir()

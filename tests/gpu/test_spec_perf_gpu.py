@@ -148,6 +148,10 @@ def test_compiled_vocab_parallel_stats_match_the_eager_chunks(cuda_tp1, monkeypa
     fp32 chunks, vocabulary padding included; and no [tokens, vocab] fp32 temporary."""
     from trinity.algorithms import logprob
 
+    # Earlier tests of this process compiled the same kernels for other vocabularies and dtypes: past
+    # dynamo's recompile limit (8 variants of one function) it falls back to eager, which this test
+    # would then measure. A job compiles one vocabulary and dtype, so only a shared test process sees it.
+    torch._dynamo.reset()
     vocab, real = 32768, 32000
     torch.manual_seed(rows)
     logits = (torch.randn(rows, vocab, device="cuda") * 3).to(torch.bfloat16).requires_grad_(True)
