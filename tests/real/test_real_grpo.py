@@ -1,7 +1,8 @@
 """GRPO on the real model (configs/smollm2_grpo_cpu.yaml, shortened): one-digit additions, "answer
 with the number only", exact-match reward. The base model is right about a quarter of the time at
-temperature 0.7 (it often explains instead of answering); one update lifts the mean reward far above
-the first step's, by much more than the step-to-step noise of a 32-sample mean (~0.08)."""
+temperature 0.7 (it often explains instead of answering); one update lifts its greedy pass@1 on 64
+held-out sums far above the base model's (0.42 -> 0.83 measured; the training reward of step 2, after that
+update, read 0.84 against step 1's 0.16)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,9 @@ from tests.conftest import trinity_run
 pytestmark = [pytest.mark.real, pytest.mark.slow, pytest.mark.timeout(900)]
 
 REPO = Path(__file__).resolve().parents[2]
-STEPS = 2  # measured: 0.156 then 0.875 (the config's run goes on 0.875, 0.938, 0.969, ...)
+# One step: the validation after it shows the update's effect, as a second step's rollout would, without
+# a second update (~30 s of the 135M model on 2 cores)
+STEPS = 1
 
 
 def test_grpo_reward_rises(real_assets, tmp_path):
@@ -32,10 +35,9 @@ def test_grpo_reward_rises(real_assets, tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     rewards = [r["reward/mean"] for r in rows if "reward/mean" in r]
     assert len(rewards) == STEPS
-    # greedy pass@1 on the 64 held-out sums, before step 1 and after the last step (0.422 -> 0.953 measured)
+    # step 1 is the base model's rollout (0.156 measured)
+    assert rewards[0] < 0.5, rewards
+    # greedy pass@1 on the 64 held-out sums, before step 1 and after it (0.422 -> 0.828 measured)
     val = {r["step"]: r["val/reward_mean"] for r in rows if "val/reward_mean" in r}
     assert sorted(val) == [0, STEPS], val
     assert val[STEPS] - val[0] > 0.3, val
-    # step 1 is the base model's rollout; steps 2.. come after 1.. updates
-    assert rewards[0] < 0.5, rewards
-    assert min(rewards[1:]) - rewards[0] > 0.3, rewards
