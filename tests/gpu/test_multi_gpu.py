@@ -132,3 +132,53 @@ def test_grpo_tp2_with_offload_runs_every_phase(assets, tmp_path):
     # against 0.036 at step 2, after one update. (On CPU in fp32 it is exactly 0: tests/integration.)
     assert 0.0 <= rows[0]["actor/ref_kl"] < 1e-4 < rows[1]["actor/ref_kl"]
     assert (tmp_path / "grpo" / "checkpoints" / "step_3" / "actor").is_dir()
+
+
+def _tp2_rollout_worker(rank: int, port: int, model_dir: str, out: str) -> None:
+    import os
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    from trinity.config.megatron import MegatronConfig
+    from trinity.convert.builtin import load_hf_weights
+    from trinity.distributed.parallel import destroy, init_parallel
+    from trinity.models.build import build_model
+    from trinity.models.facts import ModelFacts
+    from trinity.rollout.continuous import KVBudget, RolloutStats, generate_continuous
+    from trinity.rollout.generate import SamplingParams
+
+    facts = ModelFacts.from_hf_dir(model_dir)
+    try:
+        m = MegatronConfig(tensor_model_parallel_size=2)
+        init_parallel(device="cuda", layout=m.layout(), seed=3)
+        (gpt,) = build_model(facts, m, device="cuda", dtype=torch.bfloat16)
+        load_hf_weights([gpt], model_dir, facts)
+        g = torch.Generator().manual_seed(0)
+        prompts = [torch.randint(1, facts.vocab_size, (int(n),), generator=g).tolist()
+                   for n in torch.randint(4, 40, (24,), generator=g)]
+        kw = dict(vocab_size=facts.vocab_size, pad_id=0, budget=KVBudget(max_num_seqs=8))
+        params = SamplingParams(temperature=0.0, max_new_tokens=48, eos_token_ids=(11,))
+        stats = RolloutStats()
+        graphs = generate_continuous(gpt, prompts, params, stats=stats, **kw)
+        eager = generate_continuous(gpt, prompts, params, cuda_graphs=False, **kw)
+        both = [None, None]
+        torch.distributed.all_gather_object(both, graphs.tokens.tolist())
+        res = {"captures": stats.graph_captures, "ranks_agree": both[0] == both[1],
+               "tokens_equal": torch.equal(graphs.tokens, eager.tokens),
+               "logp_diff": (graphs.logprobs - eager.logprobs).abs().max().item()}
+        Path(out, f"rank{rank}.json").write_text(json.dumps(res))
+    finally:
+        destroy()
+
+
+def test_tp2_rollout_replays_cuda_graphs_with_the_all_reduces(assets, tmp_path):
+    """The continuous rollout at TP=2 on CUDA captures its decode steps (the lean layers and their NCCL
+    all-reduces) as CUDA graphs: the same greedy tokens and log-probs as the same steps run eagerly, on
+    both ranks."""
+    from tests.conftest import run_two_ranks
+
+    run_two_ranks(_tp2_rollout_worker, str(assets["dense"]), str(tmp_path))
+    for rank in range(2):
+        res = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        print(rank, res)
+        assert res["captures"] > 0 and res["ranks_agree"] and res["tokens_equal"], res
+        assert res["logp_diff"] < 1e-2, res

@@ -17,7 +17,9 @@ from trinity.config.megatron import MegatronConfig
 from trinity.models.facts import ModelFacts
 from trinity.rollout.continuous import (KVBudget, RolloutStats, bench_response_lengths, generate_continuous,
                                         kv_bytes_per_token)
+from trinity.rollout.decode import StaticDecoder
 from trinity.rollout.generate import SamplingParams, generate
+from trinity.rollout.slots import SlotDecoder
 
 # varying prompt lengths; each prompt 3 times (a group of n = 3 samples)
 PROMPTS = [[5, 9, 17, 3, 44, 2, 8, 11], [7, 1], [100, 12, 8, 60], [33, 34, 35]]
@@ -200,11 +202,17 @@ def _parallel_worker(rank: int, port: int, model_dir: str, out: str, tp: int, pp
                                   budget=KVBudget(max_num_seqs=4), generator=torch.Generator().manual_seed(rank), **kw)
         gathered = [None, None]
         torch.distributed.all_gather_object(gathered, (got.tokens.tolist(), hot.tokens.tolist(), hot.logprobs.tolist()))
+        # the static engine at this layout too; both decoders take the lean path (at TP=2: this rank's
+        # shards, an all-reduce after each row-parallel GEMM), not megatron's modules
+        static = generate(gpt, prompts, params, **kw)
+        lean = SlotDecoder(gpt, 2, 64).lean and StaticDecoder(gpt, 2, 64).lean
         ref = _build(facts, model_dir, 1, 1)
         want = generate(ref, prompts, params, **kw)
         res = {"ranks_agree": gathered[0] == gathered[1], "tokens_equal": torch.equal(got.tokens, want.tokens),
                "mask_equal": torch.equal(got.response_mask, want.response_mask),
                "logp_diff": (got.logprobs - want.logprobs).abs().max().item(),
+               "static_equal": torch.equal(static.tokens, want.tokens),
+               "static_logp_diff": (static.logprobs - want.logprobs).abs().max().item(), "lean": lean,
                "lengths": want.response_mask.sum(1).tolist()}
         Path(out, f"rank{rank}.json").write_text(json.dumps(res))
     finally:
@@ -222,7 +230,8 @@ def test_model_parallel_matches_tp1(tmp_path, tp, pp):
     for rank in range(2):
         res = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert res["ranks_agree"] and res["tokens_equal"] and res["mask_equal"], res
-        assert res["logp_diff"] <= 1e-5, res
+        assert res["logp_diff"] <= 1e-5 and res["static_equal"] and res["static_logp_diff"] <= 1e-5, res
+        assert res["lean"], res
 
 
 # ---- PP=2 x VPP=2 (2 processes, gloo): the chunks in ring order ------------------------------------------

@@ -134,7 +134,8 @@ def active_adapter(module: torch.nn.Module) -> LoraAdapter | None:
 def linear(x: torch.Tensor, module: torch.nn.Module, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x W^T + bias of a megatron linear read directly (the rollout decoders' lean path, TP=1), plus its
     active adapter's scaling * x A^T B^T: what the module's forward with its hook gives, without the hook.
-    No dropout (decoding is evaluation) and no TP collective (the lean path runs at TP=1 only). Inside a
+    No dropout (decoding is evaluation) and no TP collective (at TP>1 the decoder all-reduces a row-parallel
+    product itself, adapter included: `StageDecoder._row_parallel_add`). Inside a
     CUDA graph the adapter's A and B are read by address, as the base weight is, so a graph captured with
     adapters active decodes the adapted model whatever values they hold when it replays."""
     y = torch.nn.functional.linear(x, module.weight, bias)

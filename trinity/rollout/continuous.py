@@ -22,7 +22,8 @@ Sampling (temperature / top-k / top-p), EOS handling, the returned `Rollout` lay
 those of `trinity.rollout.generate` (the same `trinity.rollout.sampler.Sampler`, log p under the
 temperature-1 distribution). With the fused sampler a row's draws are named by (output row, token index)
 and do not depend on its slot or wave. On CUDA (one stage, TP=1, the fused sampler) a decode step's
-sampling and bookkeeping are captured in the step's CUDA graph with its layers: one replay per step.
+sampling and bookkeeping are captured in the step's CUDA graph with its layers: one replay per step
+(at TP>1 the graph holds the layers and their all-reduces, the sampling runs after it).
 Tensor parallelism: TP rank 0's samples are broadcast to its group. Pipeline parallelism: each stage
 keeps its own layers' KV cache, hidden states go stage to stage (`_Pipeline`), the last stage samples
 and broadcasts the tokens every step; every rank derives "which rows ended" from those tokens with the
@@ -173,8 +174,9 @@ def generate_continuous(
     eos = torch.tensor(sorted(set(params.eos_token_ids)) or [-1], device=device)
     sampler = Sampler(params, generator, device, vocab_size)
     # one CUDA graph per step for the layers, the sampling and the bookkeeping: one stage, one chunk, the
-    # fused sampler (the torch ops' multinomial draws from a generator the graph would not advance)
-    graph_tail = dec.use_graph and pipe.size == 1 and len(decs) == 1 and sampler.fused
+    # fused sampler (the torch ops' multinomial draws from a generator the graph would not advance), TP=1
+    # (at TP>1 the graph holds the layers; the sampler's broadcast from TP rank 0 runs after it)
+    graph_tail = dec.use_graph and pipe.size == 1 and len(decs) == 1 and sampler.fused and dec.tp_group is None
     stats.sampler, stats.graph_tail = sampler.label, graph_tail
 
     # outputs: one extra row (`rows`) takes the writes of slots that hold no live row

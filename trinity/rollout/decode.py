@@ -10,12 +10,15 @@ real token), so every step has the same shapes and the same tensors, and one CUD
 the first decode step replays all the others.
 
 Two ways through a layer, same weights:
-- the lean path (TP=1, dense MLPs, our spec's torch norms: the common rollout case) reads the
+- the lean path (dense MLPs, our spec's torch norms: the common rollout case, at any TP) reads the
   parameters of megatron's submodules and runs each layer as ~17 kernels: RoPE on the query and key
   heads of a group at once, residual adds folded into the output GEMMs (`addmm`), and grouped-query
   attention as plain attention over the query group's heads stacked along the query axis (a decode
-  step's query heads of one group share its keys: no repeated K/V, no GQA fallback kernel);
-- the module path (TP>1, MoE layers, TransformerEngine's fused-norm layers) calls the submodules
+  step's query heads of one group share its keys: no repeated K/V, no GQA fallback kernel). At TP>1 a
+  rank holds its column-parallel shards (its query groups, its half of the MLP) and the row-parallel
+  output GEMMs give partial sums, all-reduced over the TP group before the residual add, as megatron's
+  RowParallelLinear does (`_row_parallel_add`); the rollout runs with sequence parallel off;
+- the module path (MoE layers, TransformerEngine's fused-norm layers) calls the submodules
   themselves (`get_query_key_value_tensors` with its QK-norms, `linear_proj`, the MLP or MoE layer).
 Both compute megatron's attention block: RMSNorm, QKV, QK-norm, RoPE by cache slot (megatron's table
 and formula), softmax attention, output projection, SwiGLU MLP. Masking follows `generate`'s
@@ -27,8 +30,10 @@ embeds the tokens, the others take the previous stage's hidden states [s, b, h] 
 stage returns logits, the others their hidden states, which `generate` sends on. The step's inputs
 (token, slot, incoming hidden state) are static buffers, so a stage's compute is captured the same way.
 
-CUDA graphs are used on CUDA at TP=1 with dense MLPs; elsewhere (CPU, TP>1 whose all-reduces would be
-captured too, MoE routing that syncs with the host) the same static-shape step runs eagerly. A graph
+CUDA graphs are used on CUDA with dense MLPs, at TP>1 too: NCCL's collectives are captured with the
+layers (NCCL >= 2.9), and every TP rank captures and replays the same graphs, since all ranks make the same
+scheduling decisions. Elsewhere (CPU, MoE routing that syncs with the host) the same static-shape step
+runs eagerly. A graph
 is captured per `generate` call: offload between RL phases re-allocates parameter storages, and a
 graph replays the addresses it was captured with.
 """
@@ -48,11 +53,10 @@ _CACHE_MULTIPLE = 64  # cache length granularity: aligned rows for the attention
 
 def _lean_supported(gpt: Any) -> bool:
     """Whether every layer of this chunk is one the lean path computes exactly: torch RMSNorms (our
-    spec), a dense gated-SiLU MLP, TP=1, non-interleaved RoPE over the whole cache."""
-    from megatron.core import parallel_state as ps
-
+    spec), a dense gated-SiLU MLP, non-interleaved RoPE over the whole cache, no sequence parallel (the
+    RL rollout switches it off: `RolloutWithoutSequenceParallel`)."""
     config = gpt.config
-    if ps.get_tensor_model_parallel_world_size() != 1 or config.rotary_interleaved:
+    if config.rotary_interleaved or config.sequence_parallel:
         return False
     if not (config.gated_linear_unit and config.activation_func is F.silu and config.normalization == "RMSNorm"):
         return False
@@ -110,12 +114,22 @@ class StageDecoder:
         self.sin = torch.sin(self.freqs).to(self.dtype).view(cache_len, rot)
         self.scale = self.config.softmax_scale or self.head_dim**-0.5
         self.lean = _lean_supported(gpt)
-        # no graphs at TP>1 (its all-reduces would be captured) nor with MoE routing (it syncs with the host)
+        # the lean path's all-reduce after each row-parallel GEMM (None at TP=1)
+        self.tp_group = ps.get_tensor_model_parallel_group() if ps.get_tensor_model_parallel_world_size() > 1 else None
+        # no graphs with MoE routing (it syncs with the host); TP>1's all-reduces are captured with the layers
         dense = all(not hasattr(layer.mlp, "router") for layer in self.layers)
-        self.use_graph = (
-            cuda_graphs and self.device.type == "cuda" and ps.get_tensor_model_parallel_world_size() == 1 and dense
-        )
+        self.use_graph = cuda_graphs and self.device.type == "cuda" and dense
         self.first, self.last = gpt.pre_process, gpt.post_process
+
+    def _row_parallel_add(self, residual: torch.Tensor, x: torch.Tensor, module: Any) -> torch.Tensor:
+        """residual + x W^T (+ the active adapter) of a row-parallel linear (`linear_proj`, `linear_fc2`),
+        its bias left to the caller. At TP=1 the add is folded into the GEMM; at TP>1 this rank's product
+        (its input columns, its adapter A shard) is a partial sum, all-reduced over the TP group first."""
+        if self.tp_group is None:
+            return lora.addmm(residual, x, module)
+        y = lora.linear(x, module)
+        torch.distributed.all_reduce(y, group=self.tp_group)
+        return residual + y
 
 
 class StaticDecoder(StageDecoder):
@@ -157,12 +171,12 @@ class StaticDecoder(StageDecoder):
         q = q.permute(1, 2, 3, 0, 4).reshape(b, g, per * s, d)
         out = F.scaled_dot_product_attention(q, self.keys[i], self.values[i], attn_mask=bias, scale=self.scale)
         out = out.view(b, g, per, s, d).permute(3, 0, 1, 2, 4).reshape(s * b, g * per * d)
-        x = lora.addmm(x, out, attn.linear_proj)
+        x = self._row_parallel_add(x, out, attn.linear_proj)
         if attn.linear_proj.bias is not None:
             x = x + attn.linear_proj.bias
         up = lora.linear(_rms(x, layer.pre_mlp_layernorm), mlp.linear_fc1)
         gate, value = torch.chunk(up, 2, dim=-1)
-        return lora.addmm(x, F.silu(gate) * value, mlp.linear_fc2)
+        return self._row_parallel_add(x, F.silu(gate) * value, mlp.linear_fc2)
 
     def _lean_forward(self, x: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         s, b, h = x.shape

@@ -36,7 +36,7 @@ from trinity.rollout.decode import StageDecoder
 class SlotDecoder(StageDecoder):
     """Prefill and decode steps of one pipeline stage of a megatron GPTModel over a pool of KV slots
     [slots, groups, cache_len, head_dim] per layer, each slot at its own position (module doc). The
-    decode step reads its inputs from static buffers (`tok`, `pos`, `hidden`), so on CUDA (TP=1, dense)
+    decode step reads its inputs from static buffers (`tok`, `pos`, `hidden`), so on CUDA (dense MLPs)
     each (batch bucket, length bucket) is captured once as a CUDA graph and replayed.
 
     state_from: another chunk's decoder of the same rank (VPP) whose slot state (`tok`, `pos`, `done`)
@@ -135,7 +135,7 @@ class SlotDecoder(StageDecoder):
         from trinity.rollout.decode import _rms
 
         attn, mlp = layer.self_attention, layer.mlp
-        x = lora.addmm(x, out, attn.linear_proj)
+        x = self._row_parallel_add(x, out, attn.linear_proj)
         if attn.linear_proj.bias is not None:
             x = x + attn.linear_proj.bias
         up = lora.linear(_rms(x, layer.pre_mlp_layernorm), mlp.linear_fc1)
@@ -146,7 +146,7 @@ class SlotDecoder(StageDecoder):
         else:
             gate, value = torch.chunk(up, 2, dim=-1)
             act = F.silu(gate) * value
-        return lora.addmm(x, act, mlp.linear_fc2)
+        return self._row_parallel_add(x, act, mlp.linear_fc2)
 
     def _module_attention(self, i: int, layer: Any, hidden: torch.Tensor, freqs: torch.Tensor, ctx: dict) -> torch.Tensor:
         from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
