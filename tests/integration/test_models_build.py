@@ -259,3 +259,21 @@ def test_cpu_compat_enable_is_idempotent_and_disable_restores(tp1):
     finally:
         cpu_compat.enable()
     assert len(cpu_compat._patches) == len(patched)
+
+
+def test_cpu_compat_synchronizes_nothing_on_a_machine_with_a_gpu(tp1, monkeypatch):
+    """CPU mode on a machine with a GPU: megatron's pipeline shape exchange calls torch.cuda.synchronize()
+    with no device, which must not look up the patched current device ("cpu": "invalid argument to
+    exchangeDevice" on a 2-GPU machine). Checked by enabling CPU mode as there (CUDA reported available)."""
+    from trinity.distributed import cpu_compat
+
+    cpu_compat.disable()
+    try:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        cpu_compat.enable()
+        monkeypatch.undo()
+        assert torch.cuda.current_device() == "cpu"
+        assert torch.cuda.synchronize() is None  # the real one raises here: no CUDA in this torch, or "cpu"
+    finally:
+        cpu_compat.disable()
+        cpu_compat.enable()

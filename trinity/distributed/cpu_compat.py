@@ -275,6 +275,14 @@ def _uneven_reduce_scatter(original: Callable[..., Any]) -> Callable[..., Any]:
     return reduce_scatter
 
 
+def _cpu_synchronize(real: Any) -> Any:
+    def synchronize(device: Any = None) -> None:
+        # megatron-core's device-less calls: nothing of a CPU-mode process runs on a GPU
+        return None if device is None else real(device)
+
+    return synchronize
+
+
 def enable() -> None:
     """Apply every CPU accommodation once; later calls do nothing."""
     if _patches:
@@ -302,9 +310,11 @@ def enable() -> None:
     # torch.cuda.current_device(): RoPE (rotary_pos_embedding.py), tensor_parallel/mappings.py (sequence
     # parallel gathers), tensor_parallel/layers.py, moe/router.py, pipeline p2p_communication.py.
     _patch(torch.cuda, "current_device", lambda: "cpu")
-    # pipeline_parallel/p2p_communication.py calls torch.cuda.synchronize() around batched p2p.
-    if not torch.cuda.is_available():
-        _patch(torch.cuda, "synchronize", lambda device=None: None)
+    # pipeline_parallel/p2p_communication.py calls torch.cuda.synchronize() around batched p2p (the shape
+    # exchange of variable-length micro batches). Patched on machines with a GPU too: the real one looks
+    # up the current device, "cpu" above, and raises "invalid argument to exchangeDevice" (seen on a
+    # 2-GPU machine running the CPU tests). A call that names a device still reaches the real one.
+    _patch(torch.cuda, "synchronize", _cpu_synchronize(torch.cuda.synchronize))
     # transformer/utils.py get_default_causal_mask / get_sliding_window_causal_mask build masks with
     # device="cuda" when DotProductAttention gets attention_mask=None (fused_softmax imports them).
     for module in (transformer_utils, fused_softmax):
