@@ -12,9 +12,11 @@ go to which slot and when. Here:
   on CUDA the attention is a Triton split-KV kernel that reads each row's own keys
   (`trinity.rollout.decode_attention`), with RoPE + cache store and SwiGLU fused on lean layers
   (`trinity.rollout.decode_fused`); elsewhere torch's SDPA with an additive mask;
-- layers run as `trinity.rollout.decode.StaticDecoder` runs them (the lean path at TP=1 with dense
-  SwiGLU MLPs and torch RMSNorms, megatron's submodules otherwise; `StageDecoder` sets up both);
-- on CUDA (TP=1, dense MLPs) a decode step is one CUDA graph per (batch bucket, length bucket), captured
+- layers run as `trinity.rollout.decode.StaticDecoder` runs them (the lean path with dense SwiGLU MLPs
+  and torch RMSNorms, at TP>1 on this rank's shards with an all-reduce after each row-parallel GEMM;
+  megatron's submodules otherwise; `StageDecoder` sets up both);
+- on CUDA (dense MLPs, any TP: the all-reduces are captured too) a decode step is one CUDA graph per
+  (batch bucket, length bucket), captured
   at first use within a `generate_continuous` call (offload between RL phases moves parameter storages,
   and a graph replays the addresses it was captured with);
 - virtual pipeline stages: each model chunk of a rank has its own `SlotDecoder` (its layers' cache),
