@@ -102,7 +102,7 @@ class SlotDecoder(StageDecoder):
                     ctx: dict) -> torch.Tensor:
         from trinity.rollout.decode import _rms, _rope
 
-        attn, mlp = layer.self_attention, layer.mlp
+        attn = layer.self_attention
         g, per, d = self.groups, self.heads // self.groups, self.head_dim
         qkv = lora.linear(_rms(x, layer.input_layernorm), attn.linear_qkv, attn.linear_qkv.bias)
         qkv = qkv.view(s, b, g, per + 2, d)
