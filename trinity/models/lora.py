@@ -132,7 +132,7 @@ def active_adapter(module: torch.nn.Module) -> LoraAdapter | None:
 
 
 def linear(x: torch.Tensor, module: torch.nn.Module, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x W^T + bias of a megatron linear read directly (the rollout decoders' lean path, TP=1), plus its
+    """x W^T + bias of a megatron linear read directly (the rollout decoders' lean path), plus its
     active adapter's scaling * x A^T B^T: what the module's forward with its hook gives, without the hook.
     No dropout (decoding is evaluation) and no TP collective (at TP>1 the decoder all-reduces a row-parallel
     product itself, adapter included: `StageDecoder._row_parallel_add`). Inside a
