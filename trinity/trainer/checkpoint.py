@@ -36,8 +36,7 @@ import torch
 import yaml
 
 from trinity.errors import UserError
-from trinity.trainer.resume import COMPLETE, CONFIG_FILE, complete_checkpoints  # noqa: F401  (re-exported)
-from trinity.trainer.resume import STEP_DIR as _STEP_DIR
+from trinity.trainer.resume import COMPLETE, CONFIG_FILE, STEP_DIR, complete_checkpoints
 # Fault injection for tests, `<step>:<seconds>`: sleep after checkpoint <step>'s data is written,
 # before it is marked complete (a test kills the job in that window).
 PAUSE_ENV = "TRINITY_TEST_CKPT_PAUSE_S"
@@ -191,8 +190,8 @@ class CheckpointManager:
         try:
             check_readable(role_dir)
         except UserError as exc:
-            step = int(_STEP_DIR.match(path.name).group(1)) if _STEP_DIR.match(path.name) else None
-            older = [p for s, p in complete_checkpoints(path.parent) if step is not None and s < step]
+            m = STEP_DIR.match(path.name)
+            older = [p for s, p in complete_checkpoints(path.parent) if m and s < int(m.group(1))]
             hint = (f"use trainer.resume={older[-1]}" if older
                     else "no older complete checkpoint is left: use trainer.resume=disable to start over")
             raise UserError(f"trainer.resume: {exc}; {hint}") from None

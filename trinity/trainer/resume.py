@@ -39,6 +39,7 @@ def complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
                 found.append((int(m.group(1)), child))
     return sorted(found)
 
+
 # Keys that never matter for a resume: where it resumes from, where the output goes, and where the
 # initial weights come from (a resume loads the checkpoint's).
 IGNORED = ("trainer.resume", "trainer.output_dir", ".megatron.dist_checkpointing_path", ".megatron.use_dist_checkpointing",
