@@ -101,7 +101,8 @@ def run_case(cfg: dict, path: Path, timeout: int, log_tail: int = 0, lengths: st
 def summarize(rows: list[dict]) -> dict[str, float]:
     steady = [r for r in rows[1:] if not r.get("profiled")] or rows
     keys = {k for r in steady for k in r
-            if k.startswith(("time/", "tokens_per_s/", "mem/", "padding", "response_length/")) or k == "step_time_s"}
+            if k.startswith(("time/", "tokens_per_s/", "mem/", "padding", "response_length/", "rollout/"))
+            or k == "step_time_s"}
     med = {k: statistics.median(r[k] for r in steady if k in r) for k in keys}
     med.update({k: max(r[k] for r in rows if k in r) for k in keys if k.endswith("_peak_gib")})
     return med
@@ -184,7 +185,9 @@ def main() -> None:
                     results.append({"case": name, "algo": algo, "gpus": gpus, "offload": off, **med,
                                     "floor_tokens_per_s": floor_tok_s})
                     print(f"{name}: step {med['step_time_s']:.2f} s, response length mean "
-                          f"{med.get('response_length/mean', float('nan')):.0f} max {med.get('response_length/max', float('nan')):.0f}",
+                          f"{med.get('response_length/mean', float('nan')):.0f} max {med.get('response_length/max', float('nan')):.0f}; "
+                          f"rollout: {med.get('rollout/decode_steps', 0):.0f} decode steps, "
+                          f"{med.get('rollout/graph_captures', 0):.0f} graph captures in {med.get('rollout/graph_capture_s', 0):.3f} s",
                           flush=True)
                     phase_table(results[-1])  # per case, so a run cut short still reports what it measured
         if args.json:

@@ -167,12 +167,15 @@ def generate_continuous(
     cache_len = -(-(max(plens) + max_new) // _CACHE_MULTIPLE) * _CACHE_MULTIPLE
     slots = plan_slots(gpts, budget, rows, cache_len, device)
     pipe = _Pipeline(gpts, device, param.dtype)
-    # one decoder per model chunk; `dec` (chunk 0) holds the slot state all of them read
-    dec = SlotDecoder(gpts[0], slots, cache_len, cuda_graphs=cuda_graphs)
-    decs = [dec] + [SlotDecoder(g, slots, cache_len, cuda_graphs=cuda_graphs, state_from=dec) for g in gpts[1:]]
+    sampler = Sampler(params, generator, device, vocab_size)
+    # one decoder per model chunk; `dec` (chunk 0) holds the slot state all of them read; tail_key: what
+    # the sampling captured with a step compiles for (SlotDecoder warms a shape up once per process)
+    tail_key = (sampler.label, params.temperature, vocab_size, max_new, rows, len(set(params.eos_token_ids)))
+    dec = SlotDecoder(gpts[0], slots, cache_len, cuda_graphs=cuda_graphs, tail_key=tail_key)
+    decs = [dec] + [SlotDecoder(g, slots, cache_len, cuda_graphs=cuda_graphs, state_from=dec, tail_key=tail_key)
+                    for g in gpts[1:]]
     stats.rows, stats.slots, stats.cache_len, stats.kv_bytes_per_token = rows, slots, cache_len, kv_bytes_per_token(gpts)
     eos = torch.tensor(sorted(set(params.eos_token_ids)) or [-1], device=device)
-    sampler = Sampler(params, generator, device, vocab_size)
     # one CUDA graph per step for the layers, the sampling and the bookkeeping: one stage, one chunk, the
     # fused sampler (the torch ops' multinomial draws from a generator the graph would not advance), TP=1
     # (at TP>1 the graph holds the layers; the sampler's broadcast from TP rank 0 runs after it)

@@ -40,7 +40,7 @@ graph replays the addresses it was captured with.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -84,6 +84,39 @@ def _rope(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     x, rest = t[..., :rot], t[..., rot:]
     out = x * cos + rotate_half(x) * sin
     return out if rest.shape[-1] == 0 else torch.cat((out, rest), dim=-1)
+
+
+_capture_streams: dict[int, "torch.cuda.Stream"] = {}
+
+
+def capture_graph(fn: Callable[[], Any], *, pool: Any = None, warm: Callable[[], Any] | None = None,
+                  ) -> tuple["torch.cuda.CUDAGraph", Any]:
+    """fn() captured as a CUDA graph (returns the graph and fn's output, whose buffers the replays
+    rewrite), on one capture stream per device; `warm` runs first on that stream (lazy initialisations,
+    cuBLAS workspaces, Triton compiles: what must not happen during a capture).
+
+    Why not `torch.cuda.graph`: it synchronizes the device and empties the caching allocator before
+    every capture. A rollout at real lengths captures one graph per batch bucket it reaches (~10 for
+    lognormal lengths, mid-rollout): each capture waited for the queued steps, and each `empty_cache`
+    handed every cached block back to the driver, so the next allocations (the rest of the rollout, the
+    next training phase) paid cudaMalloc again. Ordering needs neither: the capture stream waits for the
+    current stream, and the current stream waits for the capture."""
+    device = torch.cuda.current_device()
+    stream = _capture_streams.get(device)
+    if stream is None:  # one stream for every capture: its cuBLAS workspace is created once, at a warm-up
+        stream = _capture_streams[device] = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        if warm is not None:
+            warm()
+        graph = torch.cuda.CUDAGraph()
+        graph.capture_begin(pool=pool)
+        try:
+            out = fn()
+        finally:
+            graph.capture_end()
+    torch.cuda.current_stream().wait_stream(stream)
+    return graph, out
 
 
 class StageDecoder:
@@ -267,14 +300,10 @@ class StaticDecoder(StageDecoder):
         return self._forward(self._token, self._slot, self._hidden)
 
     def _capture(self) -> None:
-        # Warm-up on a side stream (lazy inits, cuBLAS workspaces) before capture, as torch advises.
-        # It writes this step's key/value at this step's slot, as the replay below does again.
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
+        # Warm-up before capture (lazy inits, cuBLAS workspaces, a compiled step's first runs), as torch
+        # advises. It writes this step's key/value at this step's slot, as the replay below does again.
+        def warm() -> None:
             for _ in range(2):
                 self._run_step()
-        torch.cuda.current_stream().wait_stream(side)
-        self._graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self._graph):
-            self._logits = self._run_step()
+
+        self._graph, self._logits = capture_graph(self._run_step, warm=warm)

@@ -32,7 +32,10 @@ import torch
 import torch.nn.functional as F
 
 from trinity.models import lora  # the lean path's linears: base weight + active LoRA adapter
-from trinity.rollout.decode import StageDecoder
+from trinity.rollout.decode import StageDecoder, capture_graph
+
+# the decode-step shapes this process has run once (SlotDecoder._capture warms a shape up only the first time)
+_warmed: set[tuple] = set()
 
 
 class SlotDecoder(StageDecoder):
@@ -45,7 +48,7 @@ class SlotDecoder(StageDecoder):
     this one reads, so that the caller sets them once for all chunks."""
 
     def __init__(self, gpt: Any, slots: int, cache_len: int, *, cuda_graphs: bool = True,
-                 state_from: "SlotDecoder | None" = None) -> None:
+                 state_from: "SlotDecoder | None" = None, tail_key: tuple = ()) -> None:
         # geometry, the per-layer K/V slot pool, megatron's RoPE table, lean path and CUDA-graph eligibility
         super().__init__(gpt, slots, cache_len, cuda_graphs=cuda_graphs)
         rot = self.cos.shape[-1]
@@ -73,6 +76,12 @@ class SlotDecoder(StageDecoder):
             self.device, self.head_dim, self.heads // self.groups, rot, self.dtype)
         if self.fused:
             self.attention += " + fused RoPE/SwiGLU"
+        # what a captured step's kernels depend on besides (slots, cache_len, bucket): a shape warmed up
+        # once in this process is captured without a warm-up in later rollouts (`_capture`); tail_key:
+        # the caller's for the sampling it captures with the step (`step(tail=...)`)
+        self.warm_key = (str(self.device), self.dtype, type(gpt), len(self.layers), self.config.hidden_size,
+                         self.heads, self.groups, self.head_dim, self.first, self.last, self.lean, self.fused,
+                         self.split_kv, self.tp_group is not None, *tail_key)
 
     # ---- layers ------------------------------------------------------------------------------------
     def _rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -249,25 +258,25 @@ class SlotDecoder(StageDecoder):
         return out
 
     def _capture(self, key: tuple[int, int, bool], tail: Any) -> None:
-        # A warm-up run on a side stream (lazy inits, cuBLAS workspaces, Triton compiles for this shape)
-        # before capture, as torch advises. Its cache writes are those the replay below makes again (same
-        # tokens at the same positions); its tail runs without booking (book=False).
+        # A warm-up run before capture (lazy inits, cuBLAS workspaces, Triton compiles and first-use checks
+        # for this shape), as torch advises, once per process and shape: later rollouts (every RL step
+        # captures its own graphs) skip it. Its cache writes are those the replay makes again (same tokens
+        # at the same positions); its tail runs without booking (book=False).
         start = time.perf_counter()
         b, L = key[0], key[1]
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
+        shape = (*self.warm_key, self.slots, self.cache_len, *key)
+
+        def warm() -> None:
             out = self._step(b, L)
             if tail is not None:
                 tail(b, out, book=False)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+
+        def run() -> Any:
             out = self._step(b, L)
-            if tail is not None:
-                out = tail(b, out, book=True)
-        self._graphs[key] = (graph, out)
-        torch.cuda.synchronize()
+            return out if tail is None else tail(b, out, book=True)
+
+        self._graphs[key] = capture_graph(run, pool=self._pool, warm=None if shape in _warmed else warm)
+        _warmed.add(shape)
         self.captures += 1
         self.capture_s += time.perf_counter() - start
 
