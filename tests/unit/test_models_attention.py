@@ -171,11 +171,43 @@ def test_varlen_boundaries_are_bucketed_and_cpu_layers_fall_back_to_the_dense_ma
     assert document_packed_params(many, kernel="varlen").doc_cu_seqlens.numel() == 64
 
 
+def test_document_batches_match_the_dense_mask_and_its_gradients(tp1):
+    """The CPU's `documents` kernel: each document attends within itself, as under the dense mask, in
+    outputs and gradients; rows with a padding document, GQA, documents of one token."""
+    from trinity.models.attention import document_packed_params, packed_causal_mask
+
+    ours, ref = _pair(_config())
+    q, k, v = (t.requires_grad_() for t in _qkv(40, 40))
+    doc_ids = torch.tensor([[0] * 7 + [1] * 9 + [2] + [3] * 13 + [-1] * 10,
+                            [0] * 3 + [1] * 5 + [2] * 6 + [3] * 2 + [4] * 12 + [5] * 12])
+    params = document_packed_params(doc_ids)
+    assert params.documents is not None and params.documents.index.shape == (11, 13)
+    out = ours(q, k, v, None, packed_seq_params=params)
+    expected = ref(q, k, v, packed_causal_mask(doc_ids))
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=0)
+    grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+    ref_grads = torch.autograd.grad(expected.square().sum(), (q, k, v))
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r, atol=1e-5, rtol=0)
+
+
+def test_document_batches_fall_back_to_the_dense_mask_where_that_computes_less():
+    """One long document among short ones (documents x longest^2 >= b x s^2), or a document id that
+    comes back later in its row (the dense mask joins the pieces): the dense mask."""
+    from trinity.models.attention import document_batch, document_packed_params
+
+    assert document_batch(torch.tensor([[0] * 30 + [1, 2, 3, 4]])) is None
+    assert document_batch(torch.tensor([[0] * 4 + [1] * 4 + [0] * 4])) is None
+    assert document_batch(torch.tensor([[0] * 4 + [1] * 4 + [2] * 4])) is not None
+    params = document_packed_params(torch.tensor([[0] * 30 + [1, 2, 3, 4]]))
+    assert params.documents is None and params.dense_mask().shape == (1, 1, 34, 34)
+
+
 def test_document_packed_params_picks_the_dense_mask_on_cpu_and_refuses_unknown_kernels():
     from trinity.models.attention import document_packed_params
 
     params = document_packed_params(torch.zeros(1, 8, dtype=torch.long))
-    assert params.doc_cu_seqlens is None and params.block_mask is None
+    assert params.doc_cu_seqlens is None and params.block_mask is None and params.documents is None
     assert params.dense_mask().shape == (1, 1, 8, 8)
     with pytest.raises(ValueError, match="kernel='fast'.*varlen"):
         document_packed_params(torch.zeros(1, 8, dtype=torch.long), kernel="fast")

@@ -65,10 +65,12 @@ THD_NEEDS_TE = (
     "attention_mask (packed_causal_mask) instead"
 )
 
-PACKED_KERNELS = ("auto", "varlen", "flex", "dense")
-"""How packed rows attend on CUDA: `varlen` (torch's flash kernel over document boundaries, bf16/fp16),
-`flex` (FlexAttention with a block mask), `dense` (SDPA with the [b, 1, s, s] mask); `auto` picks
-varlen when torch has the flash ops, else flex. CPU layers, and varlen ones in fp32, use the dense mask.
+PACKED_KERNELS = ("auto", "varlen", "flex", "documents", "dense")
+"""How packed rows attend: `varlen` (torch's flash kernel over document boundaries, CUDA, bf16/fp16),
+`flex` (FlexAttention with a block mask, CUDA), `documents` (the documents gathered into a padded batch
+of their own, SDPA over [documents, longest document]), `dense` (SDPA with the [b, 1, s, s] mask).
+`auto` picks varlen when torch has the flash ops, else flex, on CUDA; on the CPU `documents` where its
+score matrices are smaller than the dense mask's, else dense. Varlen layers in fp32 use the dense mask.
 H200 (`python benchmarks/train_step.py --packed`): varlen packed 7B rows run 3% faster than unpacked ones
 (documents skip each other's blocks), flex at par; the dense mask takes 2.6x the causal kernel's time
 (`python benchmarks/attention.py`)."""
@@ -84,6 +86,7 @@ class DocumentPackedParams(PackedSeqParams):
     block_mask: Any = None  # flex: torch.nn.attention.flex_attention.BlockMask, [b, 1, s, s]
     doc_cu_seqlens: Optional[Tensor] = None  # varlen: int32 starts of each document in the flattened rows
     doc_max_seqlen: int = 0  # varlen: longest document
+    documents: Optional["DocumentBatch"] = None  # documents: the gather of each document into its own row
     _dense: Optional[Tensor] = None
 
     def dense_mask(self) -> Tensor:
@@ -91,6 +94,62 @@ class DocumentPackedParams(PackedSeqParams):
         if self._dense is None:
             self._dense = packed_causal_mask(self.doc_ids)
         return self._dense
+
+
+@dataclass
+class DocumentBatch:
+    """Packed rows' documents as a padded batch of their own (the `documents` kernel).
+
+    Why: on the CPU, SDPA with the dense block-diagonal mask computes every row's full [s, s] scores;
+    an RL micro batch packs ~100 short sequences into a row of a few thousand tokens, and those scores
+    were most of a tiny model's step. Here token j of document i is flat token `index[i, j]` of the
+    [b * s] rows; `valid` marks the document's own tokens, `mask` [n, 1, longest, longest] lets a token
+    attend to the earlier tokens of its document (True = attend). Documents tile the rows in order, so
+    the valid entries, read in order, are the flat tokens in order."""
+
+    index: Tensor  # [n, longest] long
+    valid: Tensor  # [n, longest] bool
+    mask: Tensor  # [n, 1, longest, longest] bool
+
+
+def document_batch(doc_ids: Tensor) -> Optional[DocumentBatch]:
+    """The `DocumentBatch` of `doc_ids` [b, s] (a row's padding, -1, is one more document), or None when
+    its score matrices (documents x longest^2) would not be smaller than the dense mask's (b x s^2) or a
+    document's tokens are not contiguous."""
+    b, s = doc_ids.shape
+    row = torch.arange(b, device=doc_ids.device).repeat_interleave(s)
+    seg = row * (s + 1) + doc_ids.reshape(-1)  # one value per (row, document)
+    start = torch.ones(b * s, dtype=torch.bool, device=doc_ids.device)
+    start[1:] = seg[1:] != seg[:-1]
+    starts = start.nonzero().squeeze(1)
+    if starts.numel() != torch.unique(seg).numel():  # a document in pieces: the dense mask's rule
+        return None
+    lengths = torch.diff(starts, append=starts.new_tensor([b * s]))
+    longest = int(lengths.max())
+    if starts.numel() * longest * longest >= b * s * s:
+        return None
+    pos = torch.arange(longest, device=doc_ids.device)
+    valid = pos.unsqueeze(0) < lengths.unsqueeze(1)
+    index = torch.where(valid, starts.unsqueeze(1) + pos.unsqueeze(0), starts.unsqueeze(1))
+    mask = (pos.view(1, -1) <= pos.view(-1, 1)).view(1, 1, longest, longest) & valid.view(-1, 1, 1, longest)
+    return DocumentBatch(index=index, valid=valid, mask=mask)
+
+
+def _document_attention(query: Tensor, key: Tensor, value: Tensor, docs: DocumentBatch, scale: float,
+                        dropout_p: float) -> Tensor:
+    """SDPA per document (`DocumentBatch`): q [s, b, heads, d], k/v [s, b, groups, d] in megatron's layout;
+    returns [s, b, heads * d]. A padded query attends to its document's first token (no empty softmax)
+    and its output is dropped."""
+    sq, b, heads, d = query.shape
+
+    def per_document(x: Tensor) -> Tensor:  # [s, b, h, d] -> [n, h, longest, d]
+        return x.transpose(0, 1).reshape(b * sq, x.size(2), d)[docs.index].transpose(1, 2)
+
+    out = F.scaled_dot_product_attention(per_document(query), per_document(key), per_document(value),
+                                         attn_mask=docs.mask, dropout_p=dropout_p, scale=scale,
+                                         enable_gqa=heads != key.size(2))
+    out = out.transpose(1, 2)[docs.valid]  # [b * s, heads, d], the flat tokens in order
+    return out.view(b, sq, heads * d).transpose(0, 1).contiguous()
 
 
 def _varlen_available() -> bool:
@@ -145,7 +204,7 @@ def document_packed_params(
     docs = doc_ids.to(device, non_blocking=True).contiguous()
     params = DocumentPackedParams(qkv_format="sbhd", max_seqlen_q=s, max_seqlen_kv=s, doc_ids=docs)
     if kernel == "auto" and device.type != "cuda":
-        kernel = "dense"
+        kernel = "documents"
     elif kernel == "auto":
         kernel = "varlen" if _varlen_available() else "flex"
     if kernel == "varlen":
@@ -153,6 +212,8 @@ def document_packed_params(
 
         cu, params.doc_max_seqlen = cu_seqlens(doc_ids.cpu() if device.type == "cuda" else doc_ids)
         params.doc_cu_seqlens = _bucketed(cu, b * s).to(device, non_blocking=True)
+    elif kernel == "documents":  # falls back to the dense mask where that is the smaller computation
+        params.documents = document_batch(docs)
     elif kernel == "flex":
         from torch.nn.attention.flex_attention import create_block_mask
 
@@ -264,13 +325,22 @@ class SDPACoreAttention(MegatronModule):
                 kernel = "varlen"
             elif query.is_cuda and packed.block_mask is not None:
                 kernel = "flex"
+            elif packed.documents is not None:
+                kernel = "documents"
             else:
                 attention_mask = packed.dense_mask()
-            if kernel and self.training and self.dropout_p > 0.0:
+            if kernel in ("varlen", "flex") and self.training and self.dropout_p > 0.0:
                 raise ValueError(f"document_packed_params ({kernel}) excludes attention dropout on CUDA")
         if kernel == "varlen":
             out = _varlen_attention(query, key, value, packed, self.softmax_scale)
             return out.reshape(query.size(0), query.size(1), self.hidden_size_per_partition)
+        if kernel == "documents":
+            dropout_p = self.dropout_p if self.training else 0.0
+            if dropout_p > 0.0 and not self.config.sequence_parallel:
+                # as below: heads differ per TP rank, so dropout draws from the TP stream
+                with tensor_parallel.get_cuda_rng_tracker().fork():
+                    return _document_attention(query, key, value, packed.documents, self.softmax_scale, dropout_p)
+            return _document_attention(query, key, value, packed.documents, self.softmax_scale, dropout_p)
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
         sq, b, heads, d = query.shape
         sk = key.size(0)
