@@ -109,6 +109,28 @@ def test_samples_share_one_prefill(model):
     _same(a, b)
 
 
+def test_a_later_stages_decode_step_leaves_its_received_hidden_state_unchanged(model):
+    """The lean layers add residuals in place. A non-first pipeline stage's input is the received hidden
+    state, on CUDA a graph's static input buffer: the warm-up before a capture runs the step once, and the
+    first replay reads that buffer again, so a step must not change it (PP=2 on 2 GPUs decoded wrong tokens
+    when it did)."""
+    gpt, _ = model
+    hidden = torch.randn(1, 3, gpt.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    gpt.pre_process = False  # this chunk as a later stage: its decoders read a received hidden state
+    try:
+        slot = SlotDecoder(gpt, 4, 64)
+        slot.pos[:3] = torch.tensor([2, 5, 7])
+        slot.done[:3] = False
+        first = slot.step(3, 64, hidden=hidden).clone()
+        assert torch.equal(slot.hidden[:, :3], hidden)
+        assert torch.equal(slot.step(3, 64, hidden=hidden), first)
+        static = StaticDecoder(gpt, 3, 16)
+        static.step(torch.tensor([4, 5, 6]), 2, hidden=hidden)
+        assert torch.equal(static._hidden, hidden)
+    finally:
+        gpt.pre_process = True
+
+
 def test_sampling_top_k_one_is_greedy_and_samples_differ(model):
     gpt, facts = model
     prompts = [p for p in PROMPTS for _ in range(4)]

@@ -154,9 +154,18 @@ class StageDecoder:
         self.use_graph = cuda_graphs and self.device.type == "cuda" and dense
         self.first, self.last = gpt.pre_process, gpt.post_process
 
+    def _residual_stream(self, x: torch.Tensor) -> torch.Tensor:
+        """x [s, b, h] as the [s*b, h] residual stream the lean layers overwrite (`_row_parallel_add` adds in
+        place). The first stage's is its embedding's fresh output; a later stage's input is the received
+        hidden state, on CUDA a graph's static input buffer, which a step must not change: a graph's
+        warm-up runs the step before the capture, and the first replay reads that buffer again."""
+        x = x.reshape(-1, x.shape[-1])
+        return x if self.first else x.clone()
+
     def _row_parallel_add(self, residual: torch.Tensor, x: torch.Tensor, module: Any) -> torch.Tensor:
         """residual + x W^T (+ the active adapter) of a row-parallel linear (`linear_proj`, `linear_fc2`),
-        its bias left to the caller. At TP=1 the add is folded into the GEMM; at TP>1 this rank's product
+        its bias left to the caller. At TP=1 the add is folded into the GEMM, in place (`residual`, from
+        `_residual_stream`, is overwritten); at TP>1 this rank's product
         (its input columns, its adapter A shard) is a partial sum, all-reduced over the TP group first."""
         if self.tp_group is None:
             return lora.addmm(residual, x, module)
@@ -219,7 +228,7 @@ class StaticDecoder(StageDecoder):
         # additive mask once per call for every layer: [b, 1, per*s, keys], rows in (head, query) order
         bias = torch.zeros(mask.shape, dtype=self.dtype, device=self.device).masked_fill_(~mask, float("-inf"))
         bias = bias.unsqueeze(2).expand(b, 1, per, s, mask.shape[-1]).reshape(b, 1, per * s, mask.shape[-1])
-        x = x.reshape(s * b, h)
+        x = self._residual_stream(x)
         for i, layer in enumerate(self.layers):
             x = self._lean_layer(i, layer, x, s, slots, cos, sin, bias)
         return x.view(s, b, h)

@@ -186,7 +186,7 @@ class SlotDecoder(StageDecoder):
         if self.lean:
             cos, sin = self._rope_tables(positions)
             cos, sin = cos.view(s, b, 1, 1, -1), sin.view(s, b, 1, 1, -1)
-            x = x.reshape(s * b, h)
+            x = self._residual_stream(x)
             for i, layer in enumerate(self.layers):
                 x = self._lean_layer(i, layer, x, s, b, cos, sin, ctx)
             return x.view(s, b, h)
