@@ -188,8 +188,8 @@ def rl_token_budget(cfg: JobConfig, role: Role) -> int | None:
     None: padded rows of trainer.micro_batch_size sequences. Unset: one padded micro batch's tokens, and on
     CUDA REF_BUDGET_FACTOR times that for the ref, whose pass is forward only (no activations kept for a
     backward: its memory per token is the logits'; measured on an H100, 0.5B, 4x: the ref phase 1.86 ->
-    1.45 s, docs/performance.md). Not on CPU: there packed rows attend through a dense block-diagonal
-    mask, whose cost grows with the square of the row length, so longer rows buy nothing."""
+    1.45 s, docs/performance.md). Not on CPU: there the ref's rows would pack differently from the
+    actor's, and step 1's ref KL, exactly 0 in fp32 with the same packing, would become rounding noise."""
     arr = cfg.actor_rollout_ref
     factor = 1
     if role is Role.actor:
