@@ -121,6 +121,14 @@ def test_packed_seq_params_is_refused_with_a_pointer_to_the_mask(tp1):
         ours(q, k, v, None, packed_seq_params=PackedSeqParams(qkv_format="thd"))
 
 
+def _same_outputs_and_gradients(out, expected, inputs) -> None:
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=0)
+    grads = torch.autograd.grad(out.square().sum(), inputs, retain_graph=True)
+    ref_grads = torch.autograd.grad(expected.square().sum(), inputs, retain_graph=True)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r, atol=1e-5, rtol=0)
+
+
 def test_flex_document_mask_matches_dense_packed_mask_and_gradients(tp1):
     from trinity.models.attention import document_packed_params, packed_causal_mask
 
@@ -129,11 +137,7 @@ def test_flex_document_mask_matches_dense_packed_mask_and_gradients(tp1):
     doc_ids = torch.tensor([[0] * 7 + [1] * 9 + [2] * 4, [0] * 20])
     out = ours(q, k, v, None, packed_seq_params=document_packed_params(doc_ids))
     expected = ref(q, k, v, packed_causal_mask(doc_ids))
-    torch.testing.assert_close(out, expected, atol=1e-5, rtol=0)
-    grads = torch.autograd.grad(out.square().sum(), (q, k, v))
-    ref_grads = torch.autograd.grad(expected.square().sum(), (q, k, v))
-    for g, r in zip(grads, ref_grads):
-        torch.testing.assert_close(g, r, atol=1e-5, rtol=0)
+    _same_outputs_and_gradients(out, expected, (q, k, v))
     # the second row is one document: plain causal attention
     torch.testing.assert_close(out[:, 1], ours(q, k, v, None)[:, 1], atol=1e-5, rtol=0)
 
@@ -184,11 +188,7 @@ def test_document_batches_match_the_dense_mask_and_its_gradients(tp1):
     assert params.documents is not None and params.documents.index.shape == (11, 13)
     out = ours(q, k, v, None, packed_seq_params=params)
     expected = ref(q, k, v, packed_causal_mask(doc_ids))
-    torch.testing.assert_close(out, expected, atol=1e-5, rtol=0)
-    grads = torch.autograd.grad(out.square().sum(), (q, k, v))
-    ref_grads = torch.autograd.grad(expected.square().sum(), (q, k, v))
-    for g, r in zip(grads, ref_grads):
-        torch.testing.assert_close(g, r, atol=1e-5, rtol=0)
+    _same_outputs_and_gradients(out, expected, (q, k, v))
 
 
 def test_document_batches_fall_back_to_the_dense_mask_where_that_computes_less():
