@@ -146,7 +146,7 @@ def addmm(residual: torch.Tensor, x: torch.Tensor, module: torch.nn.Module) -> t
     """residual + x W^T (the decoders fold the residual add into the output GEMM), plus the active
     adapter's scaling * x A^T B^T; x and residual 2-D [tokens, features]. In place: `residual` is
     overwritten with the result and returned. The decoders own the residual stream they pass (a fresh
-    embedding, a received hidden state or a static buffer refilled every step); an out-of-place addmm
+    embedding, or their copy of a received hidden state: `StageDecoder._residual_stream`); an out-of-place addmm
     first copies the residual into its output, one extra kernel per GEMM (48 a decode step at 0.5B)."""
     y = residual.addmm_(x, module.weight.t())
     return _add_delta(y, x, active_adapter(module))

@@ -104,7 +104,8 @@ class DataConfig(StrictModel):
     packing: bool = True
     """SFT: pack several samples per row with per-document attention masks instead of padding. On CUDA our
     layer spec runs flash attention over the document boundaries (no [b, 1, s, s] mask); CPU layers
-    gather each row's documents into a batch of their own; TransformerEngine uses the dense block mask. pt: default false (documents concatenated with EOS and cut
+    gather each row's documents into a batch of their own; TransformerEngine uses the dense block mask.
+    pt: default false (documents concatenated with EOS and cut
     into rows, attention across documents, no padding: Megatron-LM's default); true packs documents
     whole (split at seq_length) with per-document attention. dpo: false (one sequence per row)."""
     shuffle: bool = True
