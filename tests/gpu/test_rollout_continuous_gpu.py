@@ -79,6 +79,36 @@ def test_graphs_match_eager_and_static_fp32(built):
     assert torch.equal(sdpa.tokens, want.tokens) and (sdpa.logprobs - want.logprobs).abs().max().item() <= 1e-4
 
 
+def test_a_later_rollout_captures_warmed_shapes_without_a_warm_up(built, monkeypatch):
+    """Every RL step's rollout captures its own graphs. A decode shape this process has run once is
+    captured without the warm-up run (one `_step` per capture, not two), and decodes what the first
+    rollout decoded: sampled tokens and log-probs bit for bit (fp32, same seed)."""
+    from trinity.rollout import slots
+    from trinity.rollout.continuous import KVBudget, RolloutStats, generate_continuous
+    from trinity.rollout.generate import SamplingParams
+
+    models, facts = built
+    gpt = models[torch.float32]
+    prompts = [p for p in _prompts(facts, 6) for _ in range(3)]
+    params = SamplingParams(temperature=1.0, max_new_tokens=24, eos_token_ids=tuple(range(1, 60)))
+
+    def rollout(stats):
+        return generate_continuous(gpt, prompts, params, vocab_size=facts.vocab_size, pad_id=0, budget=KVBudget(max_num_seqs=7),
+                                   generator=torch.Generator(device="cuda").manual_seed(3), stats=stats)
+
+    first_stats, second_stats = RolloutStats(), RolloutStats()
+    first = rollout(first_stats)
+    assert first_stats.graph_tail and first_stats.graph_captures > 1, first_stats
+    calls = []
+    real_step = slots.SlotDecoder._step
+    monkeypatch.setattr(slots.SlotDecoder, "_step", lambda self, b, L: calls.append(b) or real_step(self, b, L))
+    second = rollout(second_stats)
+    assert len(calls) == second_stats.graph_captures == first_stats.graph_captures, (calls, second_stats)
+    assert torch.equal(second.tokens, first.tokens) and torch.equal(second.response_mask, first.response_mask)
+    assert torch.equal(second.logprobs, first.logprobs)
+    assert 0 < second.response_mask.sum(1).min() < 24  # rows ended at sampled EOS ids, in several buckets
+
+
 def test_bf16_prefix_matches_static(built):
     from trinity.rollout.continuous import KVBudget, generate_continuous
     from trinity.rollout.generate import SamplingParams, generate

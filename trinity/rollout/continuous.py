@@ -219,7 +219,10 @@ def generate_continuous(
         n = count[idx] + live.long()
         count[idx] = n
         out_len[r] = n
-        done[idx] = done[idx] | (live & (torch.isin(nxt, eos) | (n >= limit[r])))
+        # a broadcast compare, not torch.isin: with more than a few EOS ids isin sorts and waits on the
+        # host, which a CUDA graph capture refuses (`graph_tail`)
+        ended = (nxt.unsqueeze(1) == eos.unsqueeze(0)).any(1)
+        done[idx] = done[idx] | (live & (ended | (n >= limit[r])))
         dec.tok[idx] = torch.where(live, nxt, dec.tok[idx])
 
     def keys(idx: torch.Tensor) -> torch.Tensor:
