@@ -42,6 +42,13 @@ SHAPES = {
 }
 
 
+def geometry(shape: str) -> tuple[int, int, int, int, int, int, int]:
+    """(hidden, ffn, layers, heads, query groups, head dim, vocab) of a SHAPES entry (the probes' form)."""
+    c = SHAPES[shape]
+    return (c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"], c["num_attention_heads"],
+            c["num_key_value_heads"], c["hidden_size"] // c["num_attention_heads"], c["vocab_size"])
+
+
 def bandwidth(device: torch.device) -> float:
     """Bytes/s of a 1 GiB (256 MiB on CPU) copy, read + write counted."""
     n = (1 << 28) if device.type == "cuda" else (1 << 26)

@@ -21,13 +21,17 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-SHAPES = {"0.5b": (896, 4864, 14, 2, 64), "1.5b": (1536, 8960, 12, 2, 128)}  # hidden, ffn, heads, groups, d
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from generate import SHAPES, geometry  # noqa: E402  (the benchmarks' Qwen2 shapes)
+
 EPS = 1e-6
 
 
@@ -125,7 +129,7 @@ def main() -> None:
     if args.check_only or interpret:
         return
     print(f"bf16: max relative error {check(device, torch.bfloat16):.2e}")
-    h, ffn, heads, groups, d = SHAPES[args.shape]
+    h, ffn, _, heads, groups, d, _ = geometry(args.shape)
     qkv_n = (heads + 2 * groups) * d
     ws = {"qkv": torch.randn(qkv_n, h, device=device, dtype=torch.bfloat16) * 0.02,
           "bias": torch.randn(qkv_n, device=device, dtype=torch.bfloat16) * 0.02,

@@ -17,19 +17,19 @@ partitions. A case "hides" the forward when the wall time of both is close to th
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-SHAPES = {  # hidden, ffn, layers, heads, groups, head_dim, vocab
-    "0.5b": (896, 4864, 24, 14, 2, 64, 151936),
-    "1.5b": (1536, 8960, 28, 12, 2, 128, 151936),
-}
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from generate import SHAPES, geometry  # noqa: E402  (the benchmarks' Qwen2 shapes)
 
 
 def weights(shape: str, device: torch.device) -> list[dict]:
-    h, ffn, layers, heads, groups, d, _ = SHAPES[shape]
+    h, ffn, layers, heads, groups, d, _ = geometry(shape)
     qkv = (heads + 2 * groups) * d
 
     def w(*s: int) -> torch.Tensor:
@@ -59,7 +59,7 @@ def main() -> None:
     ap.add_argument("--sms", type=int, nargs="+", default=[32, 66], help="green contexts: the decode's SMs")
     args = ap.parse_args()
     dev = torch.device("cuda")
-    h, _, _, heads, _, d, vocab = SHAPES[args.shape]
+    h, _, _, heads, _, d, vocab = geometry(args.shape)
     ws = weights(args.shape, dev)
     head = torch.randn(vocab, h, device=dev, dtype=torch.bfloat16) * 0.02
     big = torch.randn(args.tokens, h, device=dev, dtype=torch.bfloat16)

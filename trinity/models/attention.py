@@ -334,13 +334,10 @@ class SDPACoreAttention(MegatronModule):
         if kernel == "varlen":
             out = _varlen_attention(query, key, value, packed, self.softmax_scale)
             return out.reshape(query.size(0), query.size(1), self.hidden_size_per_partition)
+        dropout_p = self.dropout_p if self.training else 0.0
         if kernel == "documents":
-            dropout_p = self.dropout_p if self.training else 0.0
-            if dropout_p > 0.0 and not self.config.sequence_parallel:
-                # as below: heads differ per TP rank, so dropout draws from the TP stream
-                with tensor_parallel.get_cuda_rng_tracker().fork():
-                    return _document_attention(query, key, value, packed.documents, self.softmax_scale, dropout_p)
-            return _document_attention(query, key, value, packed.documents, self.softmax_scale, dropout_p)
+            return self._with_dropout_rng(dropout_p, lambda: _document_attention(
+                query, key, value, packed.documents, self.softmax_scale, dropout_p))
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
         sq, b, heads, d = query.shape
         sk = key.size(0)
@@ -360,22 +357,21 @@ class SDPACoreAttention(MegatronModule):
         # 2.11, s=4096, 28/4 heads, d=128, bf16) masked fwd+bwd took 2.89 ms with enable_gqa and
         # 2.98 ms with K/V repeated; causal without a mask 1.04 ms.
         enable_gqa = heads != k.size(1)
-        dropout_p = self.dropout_p if self.training else 0.0
         if kernel == "flex":
             out = _flex_attention(q, k, v, packed.block_mask, self.softmax_scale, enable_gqa)
             return out.permute(2, 0, 1, 3).reshape(sq, b, self.hidden_size_per_partition)
 
-        def attend() -> Tensor:
-            return F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal,
-                scale=self.softmax_scale, enable_gqa=enable_gqa,
-            )
-
-        if dropout_p > 0.0 and not self.config.sequence_parallel:
-            # As DotProductAttention: heads differ per TP rank, so dropout draws from the TP stream.
-            with tensor_parallel.get_cuda_rng_tracker().fork():
-                out = attend()
-        else:
-            out = attend()
+        out = self._with_dropout_rng(dropout_p, lambda: F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal,
+            scale=self.softmax_scale, enable_gqa=enable_gqa,
+        ))
         # [b, heads, sq, d] -> [sq, b, heads*d]
         return out.permute(2, 0, 1, 3).reshape(sq, b, self.hidden_size_per_partition)
+
+    def _with_dropout_rng(self, dropout_p: float, attend: Any) -> Tensor:
+        """attend() with attention dropout drawn as DotProductAttention draws it: heads differ per TP rank,
+        so dropout draws from the TP stream (not with sequence parallel, whose ranks hold all heads)."""
+        if dropout_p > 0.0 and not self.config.sequence_parallel:
+            with tensor_parallel.get_cuda_rng_tracker().fork():
+                return attend()
+        return attend()

@@ -113,8 +113,15 @@ def capture_graph(fn: Callable[[], Any], *, pool: Any = None, warm: Callable[[],
         graph.capture_begin(pool=pool)
         try:
             out = fn()
-        finally:
-            graph.capture_end()
+        except BaseException:
+            # the error above invalidated the capture; ending it raises "a previous error during
+            # capture", which would hide the error that says what went wrong
+            try:
+                graph.capture_end()
+            except Exception:
+                pass
+            raise
+        graph.capture_end()
     torch.cuda.current_stream().wait_stream(stream)
     return graph, out
 
