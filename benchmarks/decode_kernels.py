@@ -3,6 +3,7 @@ settings, and the fused sampler against the torch ops it replaced.
 
     python benchmarks/decode_kernels.py                       # both, on CUDA
     python benchmarks/decode_kernels.py --what sampler --rows 1 16 64 256 512
+    python benchmarks/decode_kernels.py --what layers --shape 0.5b --rows 8 32 128 512 --ctx 700
 
 Attention: one layer's decode attention of `rows` rows whose live contexts are drawn around `--ctx`
 (uniform in [ctx/2, 3 ctx/2]); floor = the live keys and values read once / the copy rate measured in
@@ -10,7 +11,10 @@ this run (reads and writes counted). Each setting (keys per block, warps, pipeli
 when rows are few, the row x group count from which a row is one program) is a row of the table; "default"
 is what the engine runs. Sampler: tokens and log-probs of `rows` rows of [rows, vocab] bf16 logits at
 temperature 1 and 0, fused kernel vs the torch ops (fp32 copy, softmax, multinomial, log-softmax, gather);
-floor = the logits read once. Times are medians of triton.testing.do_bench (CUDA events).
+floor = the logits read once. Layers: a decode step's attention part (RoPE, the cache store, the
+attention and the merge of its splits) as the engine runs it, for each layer of the shape, in one CUDA
+graph, so that the gaps between kernels count: RoPE in its own kernel against RoPE in the attention kernel. Times are
+medians of triton.testing.do_bench (CUDA events).
 """
 
 from __future__ import annotations
@@ -125,6 +129,51 @@ def sampler(args, bw: float) -> None:
                   f"{floor * 1e6:.1f} |", flush=True)
 
 
+def layers(args, bw: float) -> None:
+    from trinity.rollout.decode_attention import decode_attention
+    from trinity.rollout.decode_fused import rope_store
+
+    shape = SHAPES[args.shape]
+    groups, heads, n_layers = shape["num_key_value_heads"], shape["num_attention_heads"], shape["num_hidden_layers"]
+    d, per = shape["hidden_size"] // heads, heads // groups
+    cache_len = args.cache_len
+    print(f"\nattention part of {n_layers} decode layers, shape {args.shape}, cache {cache_len}, one CUDA graph")
+    print("| rows | mean ctx | RoPE + cache store | splits | kernels per layer | us per step | us per layer |")
+    print("|---|---|---|---|---|---|---|")
+    for rows in args.rows:
+        g = torch.Generator(device="cpu").manual_seed(rows)
+        ctx = torch.randint(max(1, args.ctx // 2), min(cache_len - 1, args.ctx * 3 // 2) + 1, (rows,), generator=g)
+        qkv = torch.randn(rows, groups, per + 2, d, generator=g).to(DEVICE, torch.bfloat16)
+        angles = torch.rand(cache_len, d // 2, generator=g) * torch.arange(cache_len).view(cache_len, 1)
+        cos, sin = (f(torch.cat([angles, angles], -1)).to(DEVICE, torch.bfloat16) for f in (torch.cos, torch.sin))
+        caches = [[torch.randn(rows, groups, cache_len, d, generator=g).to(DEVICE, torch.bfloat16) for _ in range(2)]
+                  for _ in range(n_layers)]
+        pos = (ctx - 1).to(DEVICE)
+        lengths = ctx.to(DEVICE)
+        splits = 1 if rows * groups >= 512 else -(-cache_len // 256)
+
+        def step(fused: bool):
+            for k, v in caches:
+                if fused:
+                    decode_attention(qkv, k, v, lengths, cache_len, d**-0.5, rope=(cos, sin, pos))
+                else:
+                    decode_attention(rope_store(qkv, cos, sin, pos, k, v), k, v, lengths, cache_len, d**-0.5)
+
+        for fused in (False, True):
+            step(fused)  # compile outside the capture
+            if DEVICE == "cuda":
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    step(fused)
+                sec = _bench(graph.replay)
+            else:  # the CPU smoke run
+                sec = _bench(lambda: step(fused))
+            kernels = 1 + (not fused) + (splits > 1)
+            print(f"| {rows} | {float(ctx.float().mean()):.0f} | {'in the attention kernel' if fused else 'own kernel'} | "
+                  f"{splits} | {kernels} | {sec * 1e6:.1f} | {sec * 1e6 / n_layers:.2f} |", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--what", default="attention,sampler")
@@ -142,7 +191,7 @@ def main() -> None:
     bw = bandwidth(torch.device(DEVICE))
     print(f"copy bandwidth {bw / 1e9:.0f} GB/s (read + write)")
     for what in args.what.split(","):
-        {"attention": attention, "sampler": sampler}[what](args, bw)
+        {"attention": attention, "sampler": sampler, "layers": layers}[what](args, bw)
 
 
 if __name__ == "__main__":

@@ -183,7 +183,36 @@ def test_engine_uses_fused_kernels(built):
     stats = RolloutStats()
     generate_continuous(models[torch.bfloat16], _prompts(facts, 4), SamplingParams(temperature=0.0, max_new_tokens=4),
                         vocab_size=facts.vocab_size, pad_id=0, stats=stats)
-    assert "fused" in stats.attention, stats.attention
+    # the split-KV kernel (with RoPE and the cache store in it) and the fused SwiGLU: a failed first-use check
+    # falls back to SDPA with a warning only, which this catches
+    assert stats.attention == "triton split-KV + fused RoPE/SwiGLU", stats.attention
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("per", [7, 1])
+def test_rope_in_the_attention_kernel_equals_the_separate_kernels(dtype, per):
+    """decode_attention(rope=...) against rope_store then decode_attention: the same cache bit for bit and
+    the same output up to the attention's fused multiply-adds (on in the separate kernel only), with one
+    split per row, several, and the engine's choice, rows at every position of a split."""
+    from trinity.rollout.decode_attention import decode_attention
+    from trinity.rollout.decode_fused import rope_store
+
+    g = torch.Generator().manual_seed(per)
+    b, groups, d, cache = 40, 2, 128, 1280
+    qkv = torch.randn(b, groups, per + 2, d, generator=g).to("cuda", dtype)
+    angles = torch.rand(cache, d // 2, generator=g) * torch.arange(cache).view(cache, 1)
+    cos, sin = (f(torch.cat([angles, angles], -1)).to("cuda", dtype) for f in (torch.cos, torch.sin))
+    pos = torch.randint(0, cache, (b,), generator=g)
+    pos[:4] = torch.tensor([0, 255, 256, cache - 1])  # a split's first and last key, the cache's last
+    pos = pos.cuda()
+    for splits in (None, 1, 5):
+        caches = [torch.randn(b + 1, groups, cache, d, generator=g).to("cuda", dtype) for _ in range(2)]
+        mine = [c.clone() for c in caches]
+        want = decode_attention(rope_store(qkv, cos, sin, pos, *caches), *caches, pos + 1, cache, d**-0.5, splits=splits)
+        got = decode_attention(qkv, *mine, pos + 1, cache, d**-0.5, splits=splits, rope=(cos, sin, pos))
+        assert torch.equal(mine[0], caches[0]) and torch.equal(mine[1], caches[1]), splits
+        err = ((got.float() - want.float()).norm() / want.float().norm()).item()
+        assert err <= (1e-6 if dtype == torch.float32 else 1e-2), (splits, err)
 
 
 def test_fused_sampler_against_torch_at_a_real_vocabulary():

@@ -89,11 +89,30 @@ def _self_check(device: torch.device, head_dim: int, per: int, dtype: torch.dtyp
         v = torch.randn(b + 1, groups, cache, head_dim, generator=g).to(device, dtype)
         lengths = torch.tensor([1, 64, 300, 513, 700], device=device)
         outs = [decode_attention(q, k, v, lengths, cache, head_dim**-0.5, splits=n).float() for n in (None, 1)]
-        ref = torch.cat([F.scaled_dot_product_attention(q[i:i + 1].float(), k[i:i + 1, :, :n].float(), v[i:i + 1, :, :n].float(),
-                                                        scale=head_dim**-0.5) for i, n in enumerate(lengths.tolist())])
+
+        def sdpa(q: torch.Tensor) -> torch.Tensor:
+            return torch.cat([F.scaled_dot_product_attention(q[i:i + 1].float(), k[i:i + 1, :, :n].float(),
+                                                             v[i:i + 1, :, :n].float(), scale=head_dim**-0.5)
+                              for i, n in enumerate(lengths.tolist())])
+
+        ref = sdpa(q)
         err = max(((out - ref).norm() / ref.norm()).item() for out in outs)
+        # with RoPE and the cache store in the kernel, against the torch ops, then SDPA
+        from trinity.rollout.decode_fused import reference_rope_store
+
+        qkv = torch.randn(b, groups, per + 2, head_dim, generator=g).to(device, dtype)
+        angles = torch.rand(cache, head_dim // 2, generator=g) * torch.arange(cache).view(cache, 1)
+        cos, sin = (f(torch.cat([angles, angles], dim=-1)).to(device, dtype) for f in (torch.cos, torch.sin))
+        mine = (k.clone(), v.clone())
+        ref_q = reference_rope_store(qkv, cos, sin, lengths - 1, k, v)
+        for n in (None, 1):
+            out = decode_attention(qkv, *mine, lengths, cache, head_dim**-0.5, splits=n, rope=(cos, sin, lengths - 1))
+            err = max(err, ((out.float() - sdpa(ref_q)).norm() / sdpa(ref_q).norm()).item())
         tol = 1e-5 if dtype == torch.float32 else 2e-2
-        return None if err <= tol else f"relative error {err:.2e} against SDPA"
+        if err > tol:
+            return f"relative error {err:.2e} against SDPA"
+        same = torch.equal(mine[0], k) and torch.equal(mine[1], v)
+        return None if same else "the cache written with RoPE in the kernel differs from the torch ops'"
 
     return verdict(check, "split-KV decode attention disabled ({reason}); the rollout uses SDPA")
 
@@ -121,12 +140,28 @@ if triton is not None:
         return m_new, l_i, acc
 
     @triton.jit
-    def _split_kernel(Q, K, V, Lens, Acc, Mx, Den, scale,
+    def _round(x, DT: tl.constexpr):
+        """x rounded to the tensors' dtype (as an eager op's result is), kept in fp32 for what follows."""
+        return x.to(DT).to(tl.float32)
+
+    @triton.jit
+    def _rope_at(ptr, offs, partner, sign, c, s, mask, DT: tl.constexpr):
+        """RoPE of the head elements at `offs`: x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2 | x1]
+        (`partner`: the offsets of each element's partner, `sign`: -1 on the first half), each product and
+        the sum rounded to the dtype as megatron's eager ops round them (as in
+        trinity.rollout.decode_fused's RoPE kernel; the kernel that calls this is compiled without fused
+        multiply-adds, which would skip a rounding)."""
+        x = tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        xr = tl.load(ptr + partner, mask=mask, other=0.0).to(tl.float32) * sign
+        return _round(_round(x * c, DT) + _round(xr * s, DT), DT).to(DT)
+
+    @triton.jit
+    def _split_kernel(Q, K, V, Lens, Acc, Mx, Den, COS, SIN, POS, scale,
                       sq_b, sq_g, sq_p, sk_b, sk_g, sk_n, sv_b, sv_g, sv_n,
-                      sa_b, sa_g, sa_s, sa_p, sm_b, sm_g, sm_s,
+                      sa_b, sa_g, sa_s, sa_p, sm_b, sm_g, sm_s, s_c,
                       PER: tl.constexpr, P_PAD: tl.constexpr, D: tl.constexpr,
                       SPLIT_LEN: tl.constexpr, BLOCK: tl.constexpr, PRECISION: tl.constexpr,
-                      SINGLE: tl.constexpr, DYNAMIC: tl.constexpr):
+                      SINGLE: tl.constexpr, DYNAMIC: tl.constexpr, ROPE: tl.constexpr):
         b = tl.program_id(0)
         g = tl.program_id(1)
         s = tl.program_id(2)
@@ -135,7 +170,27 @@ if triton is not None:
         end = tl.minimum(start + SPLIT_LEN, n_keys)
         rows = tl.arange(0, P_PAD)
         dims = tl.arange(0, D)
-        q = tl.load(Q + b * sq_b + g * sq_g + rows[:, None] * sq_p + dims[None, :], mask=rows[:, None] < PER, other=0.0)
+        if ROPE:
+            # Q is the QKV projection [b, groups, PER + 2, D]: every program of the row rotates the query
+            # heads itself; the one whose split holds the row's position p first writes the rotated key and
+            # the value there, then reads them back with the rest of its split (the block-wide barrier
+            # orders its threads' global writes before their reads; no other program reads position p)
+            DT = Q.dtype.element_ty
+            p = tl.load(POS + b)
+            partner = (dims + D // 2) % D
+            sign = tl.where(dims < D // 2, -1.0, 1.0)
+            c = tl.load(COS + p * s_c + dims).to(tl.float32)
+            sn = tl.load(SIN + p * s_c + dims).to(tl.float32)
+            base = Q + b * sq_b + g * sq_g
+            q = _rope_at(base, rows[:, None] * sq_p + dims[None, :], rows[:, None] * sq_p + partner[None, :],
+                         sign[None, :], c[None, :], sn[None, :], rows[:, None] < PER, DT)
+            if s == p // SPLIT_LEN:
+                k = _rope_at(base, PER * sq_p + dims, PER * sq_p + partner, sign, c, sn, dims < D, DT)
+                tl.store(K + b * sk_b + g * sk_g + p * sk_n + dims, k)
+                tl.store(V + b * sv_b + g * sv_g + p * sv_n + dims, tl.load(base + (PER + 1) * sq_p + dims))
+            tl.debug_barrier()
+        else:
+            q = tl.load(Q + b * sq_b + g * sq_g + rows[:, None] * sq_p + dims[None, :], mask=rows[:, None] < PER, other=0.0)
         m_i = tl.full([P_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([P_PAD], tl.float32)
         acc = tl.zeros([P_PAD, D], tl.float32)
@@ -186,19 +241,32 @@ if triton is not None:
 
 
 def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor,
-                     L: int, scale: float, splits: int | None = None, tune: dict | None = None) -> torch.Tensor:
+                     L: int, scale: float, splits: int | None = None, tune: dict | None = None, *,
+                     rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """q [b, groups, per, d]; keys/values [slots >= b, groups, cache_len, d]; lengths [b] (keys per
     row, >= 1); L >= max(lengths). Returns [b, groups, per, d] in q's dtype.
 
     With b x groups >= _FULL_GRID programs (or splits=1) each program takes a whole row and writes the
     normalised output; fewer rows (a rollout's tail) split each row into L / SPLIT parts that `_combine_kernel`
     merges, so that the GPU still has enough programs. `tune` (benchmarks/decode_kernels.py) overrides
-    block_n, split, full_grid, num_warps and num_stages."""
+    block_n, split, full_grid, num_warps and num_stages.
+
+    rope=(cos, sin, pos): q is the QKV projection [b, groups, per + 2, d] (contiguous heads: a group's
+    query heads, its key, its value), and the kernel first does what `trinity.rollout.decode_fused.rope_store`
+    does, with the same roundings: RoPE on the query heads and the key at position pos[b] < L (cos/sin
+    [cache_len, d]), key and value written into row b's cache at pos[b]. One kernel fewer per layer
+    (benchmarks/decode_kernels.py --what layers)."""
     import os
 
     tune = tune or {}
     block_n, full_grid = tune.get("block_n", BLOCK_N), tune.get("full_grid", _FULL_GRID)
     b, g, per, d = q.shape
+    if rope is not None:
+        per -= 2
+        cos, sin, pos = rope
+        assert q.stride(3) == 1 and q.stride(2) == d and cos.stride(1) == 1 and sin.stride() == cos.stride()
+    else:
+        cos = sin = pos = q  # not read
     if splits is None:
         splits = 1 if b * g >= full_grid else -(-L // tune.get("split", SPLIT))
     split_len = -(-(-(-L // splits)) // block_n) * block_n
@@ -207,21 +275,24 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     common = dict(PER=per, P_PAD=p_pad, D=d, SPLIT_LEN=split_len, BLOCK=block_n, **launch,
                   # fp32 caches (tests, CPU-precision checks) multiply in full fp32, not TF32
                   PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-                  SINGLE=splits == 1, DYNAMIC=os.environ.get("TRITON_INTERPRET") != "1")
+                  SINGLE=splits == 1, DYNAMIC=os.environ.get("TRITON_INTERPRET") != "1", ROPE=rope is not None,
+                  # no fused multiply-add where RoPE rounds each product as the eager ops do (a bf16 run
+                  # with them failed the first-use check's exact cache comparison on an H100)
+                  enable_fp_fusion=rope is None)
     strides = (q.stride(0), q.stride(1), q.stride(2), keys.stride(0), keys.stride(1), keys.stride(2),
                values.stride(0), values.stride(1), values.stride(2))
     if splits == 1:
         out = torch.empty(b, g, per, d, dtype=q.dtype, device=q.device)
-        _split_kernel[(b, g, 1)](q, keys, values, lengths, out, out, out, scale, *strides,
-                                 out.stride(0), out.stride(1), 0, out.stride(2), 0, 0, 0, **common)
+        _split_kernel[(b, g, 1)](q, keys, values, lengths, out, out, out, cos, sin, pos, scale, *strides,
+                                 out.stride(0), out.stride(1), 0, out.stride(2), 0, 0, 0, cos.stride(0), **common)
         return out
     acc = torch.empty(b, g, splits, p_pad, d, dtype=torch.float32, device=q.device)
     mx = torch.empty(b, g, splits, p_pad, dtype=torch.float32, device=q.device)
     den = torch.empty_like(mx)
     _split_kernel[(b, g, splits)](
-        q, keys, values, lengths, acc, mx, den, scale, *strides,
+        q, keys, values, lengths, acc, mx, den, cos, sin, pos, scale, *strides,
         acc.stride(0), acc.stride(1), acc.stride(2), acc.stride(3), mx.stride(0), mx.stride(1), mx.stride(2),
-        **common,
+        cos.stride(0), **common,
     )
     # one merge kernel instead of ~9 torch ops (max, exp, products, sums, division): the rollout's
     # tail runs these steps ~700 times x layers

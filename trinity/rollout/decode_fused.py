@@ -97,10 +97,8 @@ def _self_check(device: torch.device, head_dim: int, per: int, dtype: torch.dtyp
 
 if triton is not None:
 
-    @triton.jit
-    def _round(x, DT: tl.constexpr):
-        """x rounded to the tensors' dtype (as an eager op's result is), kept in fp32 for what follows."""
-        return x.to(DT).to(tl.float32)
+    # the same rounding helper as the split-KV kernel's RoPE (one definition)
+    from trinity.rollout.decode_attention import _round
 
     @triton.jit
     def _rope_store_kernel(QKV, COS, SIN, POS, KC, VC, QO,

@@ -98,12 +98,14 @@ class SlotDecoder(StageDecoder):
         self.values[i][dst, :, :s] = v.index_select(0, src)
 
     def _attend_decode(self, i: int, q: torch.Tensor, ctx: dict) -> torch.Tensor:
-        """One query per row, a group's heads stacked: q [b, g, per, d] against the row's keys 0..pos."""
+        """One query per row, a group's heads stacked: q [b, g, per, d] against the row's keys 0..pos.
+        With ctx["rope"] (split-KV only), q is the QKV projection [b, g, per + 2, d]: the kernel applies
+        RoPE and stores this step's key and value itself (`decode_attention(rope=...)`)."""
         b, L = q.shape[0], ctx["L"]
         if self.split_kv:
             from trinity.rollout.decode_attention import decode_attention
 
-            return decode_attention(q, self.keys[i], self.values[i], ctx["nkeys"], L, self.scale)
+            return decode_attention(q, self.keys[i], self.values[i], ctx["nkeys"], L, self.scale, rope=ctx.get("rope"))
         return F.scaled_dot_product_attention(q, self.keys[i][:b, :, :L], self.values[i][:b, :, :L],
                                               attn_mask=ctx["bias"], scale=self.scale)
 
@@ -116,11 +118,14 @@ class SlotDecoder(StageDecoder):
         qkv = lora.linear(_rms(x, layer.input_layernorm), attn.linear_qkv, attn.linear_qkv.bias)
         qkv = qkv.view(s, b, g, per + 2, d)
         if ctx["decode"] and self.fused:
-            from trinity.rollout.decode_fused import rope_store
+            if self.split_kv:  # RoPE, the cache store and the attention in one kernel
+                out = self._attend_decode(i, qkv[0], {**ctx, "rope": (self.cos, self.sin, self.pos[:b])})
+            else:
+                from trinity.rollout.decode_fused import rope_store
 
-            q = rope_store(qkv[0], self.cos, self.sin, self.pos[:b], self.keys[i], self.values[i])
-            out = self._attend_decode(i, q, ctx).reshape(b, g * per * d)
-            return self._lean_rest(layer, x, out)
+                q = rope_store(qkv[0], self.cos, self.sin, self.pos[:b], self.keys[i], self.values[i])
+                out = self._attend_decode(i, q, ctx)
+            return self._lean_rest(layer, x, out.reshape(b, g * per * d))
         if self.config.qk_layernorm:
             q = _rope(_rms(qkv[:, :, :, :per], attn.q_layernorm), cos, sin)
             k = _rope(_rms(qkv[:, :, :, per:per + 1], attn.k_layernorm), cos, sin)

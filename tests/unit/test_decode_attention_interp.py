@@ -1,0 +1,74 @@
+"""The split-KV decode attention kernel (trinity.rollout.decode_attention) under Triton's interpreter on
+the CPU: with RoPE and the cache store in the kernel (`rope=`) it gives what the separate RoPE kernel and
+the attention give, bit for bit, and writes the same cache.
+
+Triton reads TRITON_INTERPRET when a kernel is defined, so the checks run in a child process that sets it
+first; skipped where Triton is not installed (tests/gpu/test_rollout_continuous_gpu.py runs the kernels on
+a GPU)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+CHILD = textwrap.dedent("""
+    import json
+    import torch
+    import torch.nn.functional as F
+    from trinity.rollout.decode_attention import available, decode_attention
+    from trinity.rollout.decode_fused import reference_rope_store, rope_store
+
+    torch.manual_seed(0)
+    cases = []
+    # (rows, groups, query heads per group, head dim, cache length, splits): the default split count of a
+    # short row set, one split, and three
+    for dtype in (torch.float32, torch.bfloat16):
+        for b, g, per, d, cache, splits in ((3, 2, 2, 32, 192, None), (2, 1, 4, 16, 128, 1), (5, 2, 3, 32, 320, 3)):
+            qkv = torch.randn(b, g, per + 2, d).to(dtype)
+            angles = torch.rand(cache, d // 2) * torch.arange(cache).view(cache, 1)
+            angles = torch.cat([angles, angles], -1)
+            cos, sin = torch.cos(angles).to(dtype), torch.sin(angles).to(dtype)
+            pos = torch.randint(0, cache - 1, (b,))
+            pos[0] = 0
+            nkeys = pos + 1
+            caches = [torch.randn(b + 1, g, cache, d).to(dtype) for _ in range(2)]
+            mine = [c.clone() for c in caches]
+            q = rope_store(qkv, cos, sin, pos, *caches)  # the separate kernels
+            sep = decode_attention(q, caches[0], caches[1], nkeys, cache, d ** -0.5, splits=splits)
+            fused = decode_attention(qkv, mine[0], mine[1], nkeys, cache, d ** -0.5, splits=splits, rope=(cos, sin, pos))
+            # SDPA over the torch ops' RoPE and cache
+            rq = reference_rope_store(qkv, cos, sin, pos, *[c.clone() for c in caches])
+            ref = torch.cat([F.scaled_dot_product_attention(rq[i:i + 1].float(), caches[0][i:i + 1, :, :n].float(),
+                                                            caches[1][i:i + 1, :, :n].float(), scale=d ** -0.5)
+                             for i, n in enumerate(nkeys.tolist())])
+            cases.append({
+                "case": f"{dtype} b={b} g={g} per={per} d={d} cache={cache} splits={splits}",
+                "fused_equal": torch.equal(fused, sep),
+                "keys_equal": torch.equal(mine[0], caches[0]), "values_equal": torch.equal(mine[1], caches[1]),
+                "sdpa_err": ((fused.float() - ref).norm() / ref.norm()).item(),
+            })
+    out = {"cases": cases, "available": available(torch.device("cpu"), 32, 2, torch.float32)}
+    print("RESULT " + json.dumps(out))
+""")
+
+
+@pytest.mark.slow
+def test_fused_rope_equals_the_separate_kernels():
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=240)
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    assert line is not None, proc.stdout[-2000:] + proc.stderr[-3000:]
+    res = json.loads(line[len("RESULT "):])
+    for c in res["cases"]:
+        assert c["fused_equal"], c
+        assert c["keys_equal"] and c["values_equal"], c
+        if "float32" in c["case"]:  # the interpreter's bf16 dots are not the GPU's (tests/gpu compares bf16)
+            assert c["sdpa_err"] < 1e-5, c
+    # the first-use check (against SDPA, the fused RoPE's output and cache against the torch ops) passes
+    assert res["available"], res
