@@ -1,6 +1,9 @@
 """The split-KV decode attention kernel (trinity.rollout.decode_attention) under Triton's interpreter on
 the CPU: with RoPE and the cache store in the kernel (`rope=`) it gives what the separate RoPE kernel and
-the attention give, bit for bit, and writes the same cache.
+the attention give, bit for bit, and writes the same cache; and the continuous engine on a tiny Qwen2
+(fp32) with these kernels and the fused SwiGLU gives the static batch's greedy tokens (torch ops) and its
+log-probs within 1e-5. The engine part is the CPU test of the GPU decode path's wiring (which kernel gets
+which tensors); CUDA graphs are GPU-only.
 
 Triton reads TRITON_INTERPRET when a kernel is defined, so the checks run in a child process that sets it
 first; skipped where Triton is not installed (tests/gpu/test_rollout_continuous_gpu.py runs the kernels on
@@ -53,15 +56,47 @@ CHILD = textwrap.dedent("""
                 "sdpa_err": ((fused.float() - ref).norm() / ref.norm()).item(),
             })
     out = {"cases": cases, "available": available(torch.device("cpu"), 32, 2, torch.float32)}
+
+    # the engine on a tiny Qwen2 with these kernels, against the static batch (torch ops)
+    import sys, warnings
+    from pathlib import Path
+    from trinity.config.megatron import MegatronConfig
+    from trinity.convert.builtin import load_hf_weights
+    from trinity.distributed.layout import ParallelLayout
+    from trinity.distributed.parallel import init_parallel
+    from trinity.models.build import build_model
+    from trinity.models.facts import ModelFacts
+    from trinity.rollout.continuous import RolloutStats, generate_continuous
+    from trinity.rollout.generate import SamplingParams, generate
+    from trinity.testing.tiny_models import make_tiny_hf_model
+
+    path = make_tiny_hf_model("qwen2", Path(sys.argv[1]))
+    facts = ModelFacts.from_hf_dir(path)
+    init_parallel(device="cpu", layout=ParallelLayout(), seed=3)
+    chunks = build_model(facts, MegatronConfig(), device="cpu", dtype=torch.float32)
+    load_hf_weights(chunks, path, facts)
+    prompts = [p for p in ([5, 9, 17, 3, 44, 2, 8, 11], [7, 1], [100, 12, 8, 60]) for _ in range(2)]
+    params = SamplingParams(temperature=0.0, max_new_tokens=10)
+    want = generate(chunks[0], prompts, params, vocab_size=facts.vocab_size, pad_id=0)  # torch ops
+    stats = RolloutStats()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        got = generate_continuous(chunks[0], prompts, params, vocab_size=facts.vocab_size, pad_id=0, stats=stats)
+    out["engine"] = {
+        "attention": stats.attention, "warnings": [str(w.message) for w in seen if "disabled" in str(w.message)],
+        "tokens_equal": torch.equal(got.tokens, want.tokens),
+        "logp_diff": (got.logprobs - want.logprobs).abs().max().item(),
+    }
     print("RESULT " + json.dumps(out))
 """)
 
 
 @pytest.mark.slow
-def test_fused_rope_equals_the_separate_kernels():
+def test_fused_rope_equals_the_separate_kernels_and_the_engine_the_static_batch(tmp_path):
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=240)
+    proc = subprocess.run([sys.executable, "-c", CHILD, str(tmp_path)], env=env, capture_output=True, text=True,
+                          timeout=280)
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
     assert line is not None, proc.stdout[-2000:] + proc.stderr[-3000:]
     res = json.loads(line[len("RESULT "):])
@@ -72,3 +107,7 @@ def test_fused_rope_equals_the_separate_kernels():
             assert c["sdpa_err"] < 1e-5, c
     # the first-use check (against SDPA, the fused RoPE's output and cache against the torch ops) passes
     assert res["available"], res
+    # the engine took these kernels, and gives the static batch's greedy tokens and log-probs (fp32)
+    eng = res["engine"]
+    assert eng["attention"] == "triton split-KV + fused RoPE/SwiGLU" and not eng["warnings"], eng
+    assert eng["tokens_equal"] and eng["logp_diff"] < 1e-5, eng

@@ -109,8 +109,8 @@ class SlotDecoder(StageDecoder):
         return F.scaled_dot_product_attention(q, self.keys[i][:b, :, :L], self.values[i][:b, :, :L],
                                               attn_mask=ctx["bias"], scale=self.scale)
 
-    def _lean_layer(self, i: int, layer: Any, x: torch.Tensor, s: int, b: int, cos: torch.Tensor, sin: torch.Tensor,
-                    ctx: dict) -> torch.Tensor:
+    def _lean_layer(self, i: int, layer: Any, x: torch.Tensor, s: int, b: int, cos: torch.Tensor | None,
+                    sin: torch.Tensor | None, ctx: dict) -> torch.Tensor:
         from trinity.rollout.decode import _rms, _rope
 
         attn = layer.self_attention
@@ -189,8 +189,11 @@ class SlotDecoder(StageDecoder):
         """x [s, b, h]; positions [s, b] (RoPE)."""
         s, b, h = x.shape
         if self.lean:
-            cos, sin = self._rope_tables(positions)
-            cos, sin = cos.view(s, b, 1, 1, -1), sin.view(s, b, 1, 1, -1)
+            if ctx["decode"] and self.fused:  # the fused kernels read the table at each row's position
+                cos = sin = None
+            else:
+                cos, sin = self._rope_tables(positions)
+                cos, sin = cos.view(s, b, 1, 1, -1), sin.view(s, b, 1, 1, -1)
             x = self._residual_stream(x)
             for i, layer in enumerate(self.layers):
                 x = self._lean_layer(i, layer, x, s, b, cos, sin, ctx)
