@@ -10,8 +10,9 @@ go to which slot and when. Here:
 - a decode step runs the slots [0, b) from static buffers (`tok`, `pos`, `done`, and the previous
   stage's `hidden`), attending over the first `L` cache positions, keys after a row's position masked;
   on CUDA the attention is a Triton split-KV kernel that reads each row's own keys
-  (`trinity.rollout.decode_attention`), with RoPE + cache store and SwiGLU fused on lean layers
-  (`trinity.rollout.decode_fused`); elsewhere torch's SDPA with an additive mask;
+  (`trinity.rollout.decode_attention`), which on lean layers also applies RoPE and stores the step's
+  key and value, with SwiGLU fused too (`trinity.rollout.decode_fused`); elsewhere torch's SDPA with an
+  additive mask;
 - layers run as `trinity.rollout.decode.StaticDecoder` runs them (the lean path with dense SwiGLU MLPs
   and torch RMSNorms, at TP>1 on this rank's shards with an all-reduce after each row-parallel GEMM;
   megatron's submodules otherwise; `StageDecoder` sets up both);
@@ -71,7 +72,8 @@ class SlotDecoder(StageDecoder):
         self.attention = "triton split-KV" if self.split_kv else "sdpa"
         from trinity.rollout import decode_fused
 
-        # RoPE + cache store and SwiGLU as one kernel each (lean layers; Qwen3's q/k norms keep the torch ops)
+        # RoPE + cache store (in the split-KV kernel where it runs) and SwiGLU fused (lean layers; Qwen3's
+        # q/k norms keep the torch ops)
         self.fused = self.lean and not self.config.qk_layernorm and decode_fused.available(
             self.device, self.head_dim, self.heads // self.groups, rot, self.dtype)
         if self.fused:
