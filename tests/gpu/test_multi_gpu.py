@@ -1,8 +1,9 @@
 """Two GPUs through `trinity run` (torchrun, NCCL, bf16): TP=2, PP=2 and DP=2 with the distributed
 optimizer give the losses of the one-GPU job, EP=2 gives the losses of EP=1 on a tiny Qwen3-MoE, and a
-GRPO job with offload runs its phases at TP=2. Skipped with fewer than 2 GPUs.
+GRPO job with offload runs its phases at TP=2; on 4 GPUs, TP x PP, TP x DP and PP (virtual stages) x DP
+give the one-GPU losses too. Skipped with fewer than 2 GPUs (the 4-GPU cases with fewer than 4).
 
-Run on a 2-GPU machine: `python -m pytest tests/gpu/test_multi_gpu.py -q -s`.
+Run on a 2- or 4-GPU machine: `python -m pytest tests/gpu/test_multi_gpu.py -q -s`.
 """
 
 from __future__ import annotations
@@ -90,6 +91,26 @@ def test_two_gpu_layouts_match_one_gpu(assets, dense_baseline, tmp_path, layout)
     assert len(got) == STEPS
     assert got == pytest.approx(dense_baseline, rel=REL)
     assert got[-1] < 0.7 * got[0]  # and it learns
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 CUDA GPUs")
+@pytest.mark.parametrize(
+    "layout",
+    [{"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2},
+     {"tensor_model_parallel_size": 2, "sequence_parallel": True, "use_distributed_optimizer": True,
+      "overlap_grad_reduce": True},
+     {"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2, "use_distributed_optimizer": True}],
+    ids=["tp2_pp2", "tp2_sp_dp2_distopt", "pp2_vpp2_dp2_distopt"],
+)
+def test_four_gpu_layouts_match_one_gpu(assets, dense_baseline, tmp_path, layout):
+    """Two parallel dimensions at once, as the 8-GPU example configs use them: TP x PP, TP (with sequence
+    parallel) x DP and PP with virtual stages x DP, each with the one-GPU job's losses."""
+    rows = run_job(sft_job(assets["dense"], assets["sft"], tmp_path / "run", 4, layout), tmp_path / "job.yaml")
+    got = [r["loss"] for r in rows]
+    print("1 GPU:", [round(x, 4) for x in dense_baseline], "\n4 GPU:", [round(x, 4) for x in got])
+    assert len(got) == STEPS
+    assert got == pytest.approx(dense_baseline, rel=REL)
+    assert got[-1] < 0.7 * got[0]
 
 
 def test_expert_parallel_two_gpus_matches_one(assets, tmp_path):
