@@ -23,15 +23,17 @@ CHILD = textwrap.dedent("""
     import json
     import torch
     import torch.nn.functional as F
-    from trinity.rollout.decode_attention import available, decode_attention
+    from trinity.rollout.decode_attention import decode_attention
     from trinity.rollout.decode_fused import reference_rope_store, rope_store
 
     torch.manual_seed(0)
     cases = []
     # (rows, groups, query heads per group, head dim, cache length, splits): the default split count of a
     # short row set, one split, and three
-    for dtype in (torch.float32, torch.bfloat16):
-        for b, g, per, d, cache, splits in ((3, 2, 2, 32, 192, None), (2, 1, 4, 16, 128, 1), (5, 2, 3, 32, 320, 3)):
+    # (bf16: one case, for the roundings; the interpreter's bf16 attention is not compared with SDPA)
+    for dtype, shapes in ((torch.float32, ((3, 2, 2, 32, 192, None), (2, 1, 4, 16, 128, 1), (5, 2, 3, 32, 320, 3))),
+                          (torch.bfloat16, ((5, 2, 3, 32, 320, 3),))):
+        for b, g, per, d, cache, splits in shapes:
             qkv = torch.randn(b, g, per + 2, d).to(dtype)
             angles = torch.rand(cache, d // 2) * torch.arange(cache).view(cache, 1)
             angles = torch.cat([angles, angles], -1)
@@ -55,7 +57,7 @@ CHILD = textwrap.dedent("""
                 "keys_equal": torch.equal(mine[0], caches[0]), "values_equal": torch.equal(mine[1], caches[1]),
                 "sdpa_err": ((fused.float() - ref).norm() / ref.norm()).item(),
             })
-    out = {"cases": cases, "available": available(torch.device("cpu"), 32, 2, torch.float32)}
+    out = {"cases": cases}
 
     # the engine on a tiny Qwen2 with these kernels, against the static batch (torch ops)
     import sys, warnings
@@ -105,9 +107,8 @@ def test_fused_rope_equals_the_separate_kernels_and_the_engine_the_static_batch(
         assert c["keys_equal"] and c["values_equal"], c
         if "float32" in c["case"]:  # the interpreter's bf16 dots are not the GPU's (tests/gpu compares bf16)
             assert c["sdpa_err"] < 1e-5, c
-    # the first-use check (against SDPA, the fused RoPE's output and cache against the torch ops) passes
-    assert res["available"], res
-    # the engine took these kernels, and gives the static batch's greedy tokens and log-probs (fp32)
+    # the engine took these kernels (their first-use checks passed: no "disabled" warning), and gives the
+    # static batch's greedy tokens and log-probs (fp32)
     eng = res["engine"]
     assert eng["attention"] == "triton split-KV + fused RoPE/SwiGLU" and not eng["warnings"], eng
     assert eng["tokens_equal"] and eng["logp_diff"] < 1e-5, eng
