@@ -1,6 +1,6 @@
 """The split-KV decode attention kernel (trinity.rollout.decode_attention) under Triton's interpreter on
 the CPU: with RoPE and the cache store in the kernel (`rope=`) it gives what the separate RoPE kernel and
-the attention give, bit for bit, and writes the same cache; and the continuous engine on a tiny Qwen2
+the attention give, bit for bit, and (fp32) both write the cache the torch ops write; and the continuous engine on a tiny Qwen2
 (fp32) with these kernels and the fused SwiGLU gives the static batch's greedy tokens (torch ops) and its
 log-probs within 1e-5. The engine part is the CPU test of the GPU decode path's wiring (which kernel gets
 which tensors); CUDA graphs are GPU-only.
@@ -42,19 +42,21 @@ CHILD = textwrap.dedent("""
             pos[0] = 0
             nkeys = pos + 1
             caches = [torch.randn(b + 1, g, cache, d).to(dtype) for _ in range(2)]
-            mine = [c.clone() for c in caches]
+            mine, ref_caches = [c.clone() for c in caches], [c.clone() for c in caches]
             q = rope_store(qkv, cos, sin, pos, *caches)  # the separate kernels
             sep = decode_attention(q, caches[0], caches[1], nkeys, cache, d ** -0.5, splits=splits)
             fused = decode_attention(qkv, mine[0], mine[1], nkeys, cache, d ** -0.5, splits=splits, rope=(cos, sin, pos))
-            # SDPA over the torch ops' RoPE and cache
-            rq = reference_rope_store(qkv, cos, sin, pos, *[c.clone() for c in caches])
-            ref = torch.cat([F.scaled_dot_product_attention(rq[i:i + 1].float(), caches[0][i:i + 1, :, :n].float(),
-                                                            caches[1][i:i + 1, :, :n].float(), scale=d ** -0.5)
+            # the torch ops' RoPE and cache (both kernels share one RoPE definition: this is the independent
+            # check of its roundings), and SDPA over them
+            rq = reference_rope_store(qkv, cos, sin, pos, *ref_caches)
+            ref = torch.cat([F.scaled_dot_product_attention(rq[i:i + 1].float(), ref_caches[0][i:i + 1, :, :n].float(),
+                                                            ref_caches[1][i:i + 1, :, :n].float(), scale=d ** -0.5)
                              for i, n in enumerate(nkeys.tolist())])
             cases.append({
                 "case": f"{dtype} b={b} g={g} per={per} d={d} cache={cache} splits={splits}",
                 "fused_equal": torch.equal(fused, sep),
                 "keys_equal": torch.equal(mine[0], caches[0]), "values_equal": torch.equal(mine[1], caches[1]),
+                "torch_ops_equal": torch.equal(q, rq) and all(torch.equal(a, r) for a, r in zip(caches, ref_caches)),
                 "sdpa_err": ((fused.float() - ref).norm() / ref.norm()).item(),
             })
     out = {"cases": cases}
@@ -105,7 +107,9 @@ def test_fused_rope_equals_the_separate_kernels_and_the_engine_the_static_batch(
     for c in res["cases"]:
         assert c["fused_equal"], c
         assert c["keys_equal"] and c["values_equal"], c
-        if "float32" in c["case"]:  # the interpreter's bf16 dots are not the GPU's (tests/gpu compares bf16)
+        # the interpreter's bf16 (its roundings and dots) is not the GPU's: tests/gpu compares bf16
+        if "float32" in c["case"]:
+            assert c["torch_ops_equal"], c
             assert c["sdpa_err"] < 1e-5, c
     # the engine took these kernels (their first-use checks passed: no "disabled" warning), and gives the
     # static batch's greedy tokens and log-probs (fp32)

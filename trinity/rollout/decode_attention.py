@@ -145,12 +145,23 @@ if triton is not None:
         return x.to(DT).to(tl.float32)
 
     @triton.jit
+    def _rope_row(COS, SIN, POS, b, s_c, dims, D: tl.constexpr):
+        """Row b's position p and what RoPE needs there, per head element d: its partner in
+        rotate_half(x) = [-x2 | x1] (d + D/2 mod D), that partner's sign, and cos/sin of the table's row p."""
+        p = tl.load(POS + b)
+        partner = (dims + D // 2) % D
+        sign = tl.where(dims < D // 2, -1.0, 1.0)
+        c = tl.load(COS + p * s_c + dims).to(tl.float32)
+        sn = tl.load(SIN + p * s_c + dims).to(tl.float32)
+        return p, partner, sign, c, sn
+
+    @triton.jit
     def _rope_at(ptr, offs, partner, sign, c, s, mask, DT: tl.constexpr):
-        """RoPE of the head elements at `offs`: x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2 | x1]
-        (`partner`: the offsets of each element's partner, `sign`: -1 on the first half), each product and
-        the sum rounded to the dtype as megatron's eager ops round them (as in
-        trinity.rollout.decode_fused's RoPE kernel; the kernel that calls this is compiled without fused
-        multiply-adds, which would skip a rounding)."""
+        """RoPE of the head elements at ptr + offs (`partner` offsets and `sign` from `_rope_row`):
+        x * cos + rotate_half(x) * sin, each product and the sum rounded to the dtype as megatron's eager
+        ops round them. The one definition of the decode kernels' RoPE (this kernel and
+        trinity.rollout.decode_fused's); their callers compile without fused multiply-adds, which would
+        skip a rounding."""
         x = tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32)
         xr = tl.load(ptr + partner, mask=mask, other=0.0).to(tl.float32) * sign
         return _round(_round(x * c, DT) + _round(xr * s, DT), DT).to(DT)
@@ -176,11 +187,7 @@ if triton is not None:
             # the value there, then reads them back with the rest of its split (the block-wide barrier
             # orders its threads' global writes before their reads; no other program reads position p)
             DT = Q.dtype.element_ty
-            p = tl.load(POS + b)
-            partner = (dims + D // 2) % D
-            sign = tl.where(dims < D // 2, -1.0, 1.0)
-            c = tl.load(COS + p * s_c + dims).to(tl.float32)
-            sn = tl.load(SIN + p * s_c + dims).to(tl.float32)
+            p, partner, sign, c, sn = _rope_row(COS, SIN, POS, b, s_c, dims, D)
             base = Q + b * sq_b + g * sq_g
             q = _rope_at(base, rows[:, None] * sq_p + dims[None, :], rows[:, None] * sq_p + partner[None, :],
                          sign[None, :], c[None, :], sn[None, :], rows[:, None] < PER, DT)

@@ -97,41 +97,27 @@ def _self_check(device: torch.device, head_dim: int, per: int, dtype: torch.dtyp
 
 if triton is not None:
 
-    # the same rounding helper as the split-KV kernel's RoPE (one definition)
-    from trinity.rollout.decode_attention import _round
+    # the RoPE arithmetic and the rounding helper of the split-KV kernel (one definition)
+    from trinity.rollout.decode_attention import _round, _rope_at, _rope_row
 
     @triton.jit
     def _rope_store_kernel(QKV, COS, SIN, POS, KC, VC, QO,
                            s_x_b, s_x_g, s_c, s_k_b, s_k_g, s_k_n, s_v_b, s_v_g, s_v_n, s_q_b, s_q_g, s_q_h,
-                           PER: tl.constexpr, H_PAD: tl.constexpr, HALF: tl.constexpr):
+                           PER: tl.constexpr, H_PAD: tl.constexpr, D: tl.constexpr):
         b = tl.program_id(0)
         j = tl.program_id(1)
-        DT = QKV.dtype.element_ty
-        p = tl.load(POS + b)
         heads = tl.arange(0, H_PAD)
-        e = tl.arange(0, HALF)
-        live = heads < PER + 1  # the query heads and the key head are rotated; the value is copied
+        dims = tl.arange(0, D)
+        p, partner, sign, c, sn = _rope_row(COS, SIN, POS, b, s_c, dims, D)
         base = QKV + b * s_x_b + j * s_x_g
-        x1 = tl.load(base + heads[:, None] * (2 * HALF) + e[None, :], mask=live[:, None], other=0.0).to(tl.float32)
-        x2 = tl.load(base + heads[:, None] * (2 * HALF) + HALF + e[None, :], mask=live[:, None], other=0.0).to(tl.float32)
-        c1 = tl.load(COS + p * s_c + e).to(tl.float32)[None, :]
-        c2 = tl.load(COS + p * s_c + HALF + e).to(tl.float32)[None, :]
-        s1 = tl.load(SIN + p * s_c + e).to(tl.float32)[None, :]
-        s2 = tl.load(SIN + p * s_c + HALF + e).to(tl.float32)[None, :]
-        # x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1]: each product and the sum rounded
-        o1 = _round(_round(x1 * c1, DT) + _round(-x2 * s1, DT), DT).to(DT)
-        o2 = _round(_round(x2 * c2, DT) + _round(x1 * s2, DT), DT).to(DT)
-        is_q = heads < PER
-        q_off = QO + b * s_q_b + j * s_q_g + heads[:, None] * s_q_h
-        tl.store(q_off + e[None, :], o1, mask=is_q[:, None])
-        tl.store(q_off + HALF + e[None, :], o2, mask=is_q[:, None])
-        is_k = heads == PER
-        k_off = KC + b * s_k_b + j * s_k_g + p * s_k_n + heads[:, None] * 0
-        tl.store(k_off + e[None, :], o1, mask=is_k[:, None])
-        tl.store(k_off + HALF + e[None, :], o2, mask=is_k[:, None])
-        d = tl.arange(0, 2 * HALF)
-        v = tl.load(base + (PER + 1) * (2 * HALF) + d)
-        tl.store(VC + b * s_v_b + j * s_v_g + p * s_v_n + d, v)
+        # the query heads and the key head (row PER) are rotated; the value is copied
+        o = _rope_at(base, heads[:, None] * D + dims[None, :], heads[:, None] * D + partner[None, :], sign[None, :],
+                     c[None, :], sn[None, :], heads[:, None] < PER + 1, QKV.dtype.element_ty)
+        tl.store(QO + b * s_q_b + j * s_q_g + heads[:, None] * s_q_h + dims[None, :], o, mask=heads[:, None] < PER)
+        tl.store(KC + b * s_k_b + j * s_k_g + p * s_k_n + heads[:, None] * 0 + dims[None, :], o,
+                 mask=heads[:, None] == PER)
+        v = tl.load(base + (PER + 1) * D + dims)
+        tl.store(VC + b * s_v_b + j * s_v_g + p * s_v_n + dims, v)
 
     @triton.jit
     def _silu_mul_kernel(UP, OUT, f, s_u, s_o, BLOCK: tl.constexpr):
@@ -158,7 +144,7 @@ def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: tor
         qkv, cos, sin, pos, keys, values, q,
         qkv.stride(0), qkv.stride(1), cos.stride(0), keys.stride(0), keys.stride(1), keys.stride(2),
         values.stride(0), values.stride(1), values.stride(2), q.stride(0), q.stride(1), q.stride(2),
-        PER=per, H_PAD=triton.next_power_of_2(per + 1), HALF=d // 2,
+        PER=per, H_PAD=triton.next_power_of_2(per + 1), D=d,
         enable_fp_fusion=False,  # no fused multiply-add: the eager ops round each product before the sum
     )
     return q
