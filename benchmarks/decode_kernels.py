@@ -130,7 +130,7 @@ def sampler(args, bw: float) -> None:
 
 
 def layers(args, bw: float) -> None:
-    from trinity.rollout.decode_attention import decode_attention
+    from trinity.rollout.decode_attention import decode_attention, num_splits
     from trinity.rollout.decode_fused import rope_store
 
     shape = SHAPES[args.shape]
@@ -150,7 +150,7 @@ def layers(args, bw: float) -> None:
                   for _ in range(n_layers)]
         pos = (ctx - 1).to(DEVICE)
         lengths = ctx.to(DEVICE)
-        splits = 1 if rows * groups >= 512 else -(-cache_len // 256)
+        splits = num_splits(rows * groups, cache_len)
 
         def step(fused: bool):
             for k, v in caches:

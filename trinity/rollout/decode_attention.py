@@ -247,6 +247,13 @@ if triton is not None:
                  mask=rows[:, None] < PER)
 
 
+def num_splits(programs: int, L: int, tune: dict | None = None) -> int:
+    """Splits per row for `programs` (rows x groups) over L keys: one where the rows alone fill the GPU
+    (_FULL_GRID), else L / SPLIT."""
+    tune = tune or {}
+    return 1 if programs >= tune.get("full_grid", _FULL_GRID) else -(-L // tune.get("split", SPLIT))
+
+
 def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor,
                      L: int, scale: float, splits: int | None = None, tune: dict | None = None, *,
                      rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
@@ -266,7 +273,7 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     import os
 
     tune = tune or {}
-    block_n, full_grid = tune.get("block_n", BLOCK_N), tune.get("full_grid", _FULL_GRID)
+    block_n = tune.get("block_n", BLOCK_N)
     b, g, per, d = q.shape
     if rope is not None:
         per -= 2
@@ -275,7 +282,7 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     else:
         cos = sin = pos = q  # not read
     if splits is None:
-        splits = 1 if b * g >= full_grid else -(-L // tune.get("split", SPLIT))
+        splits = num_splits(b * g, L, tune)
     split_len = -(-(-(-L // splits)) // block_n) * block_n
     p_pad = 16
     launch = {k: tune[k] for k in ("num_warps", "num_stages") if k in tune}

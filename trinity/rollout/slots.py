@@ -99,17 +99,22 @@ class SlotDecoder(StageDecoder):
         self.keys[i][dst, :, :s] = k.index_select(0, src)
         self.values[i][dst, :, :s] = v.index_select(0, src)
 
-    def _attend_decode(self, i: int, q: torch.Tensor, ctx: dict) -> torch.Tensor:
+    def _attend_decode(self, i: int, q: torch.Tensor, ctx: dict, rope: bool = False) -> torch.Tensor:
         """One query per row, a group's heads stacked: q [b, g, per, d] against the row's keys 0..pos.
-        With ctx["rope"] (split-KV only), q is the QKV projection [b, g, per + 2, d]: the kernel applies
-        RoPE and stores this step's key and value itself (`decode_attention(rope=...)`)."""
+        rope (split-KV only): q is the QKV projection [b, g, per + 2, d], and the kernel applies RoPE and
+        stores this step's key and value itself (`decode_attention(rope=...)`)."""
         b, L = q.shape[0], ctx["L"]
         if self.split_kv:
             from trinity.rollout.decode_attention import decode_attention
 
-            return decode_attention(q, self.keys[i], self.values[i], ctx["nkeys"], L, self.scale, rope=ctx.get("rope"))
+            table = (self.cos, self.sin, self.pos[:b]) if rope else None
+            return decode_attention(q, self.keys[i], self.values[i], ctx["nkeys"], L, self.scale, rope=table)
         return F.scaled_dot_product_attention(q, self.keys[i][:b, :, :L], self.values[i][:b, :, :L],
                                               attn_mask=ctx["bias"], scale=self.scale)
+
+    def _fused_decode(self, ctx: dict) -> bool:
+        """A decode step of lean layers with the fused kernels (RoPE and the cache store in a kernel)."""
+        return ctx["decode"] and self.fused
 
     def _lean_layer(self, i: int, layer: Any, x: torch.Tensor, s: int, b: int, cos: torch.Tensor | None,
                     sin: torch.Tensor | None, ctx: dict) -> torch.Tensor:
@@ -119,9 +124,9 @@ class SlotDecoder(StageDecoder):
         g, per, d = self.groups, self.heads // self.groups, self.head_dim
         qkv = lora.linear(_rms(x, layer.input_layernorm), attn.linear_qkv, attn.linear_qkv.bias)
         qkv = qkv.view(s, b, g, per + 2, d)
-        if ctx["decode"] and self.fused:
+        if self._fused_decode(ctx):
             if self.split_kv:  # RoPE, the cache store and the attention in one kernel
-                out = self._attend_decode(i, qkv[0], {**ctx, "rope": (self.cos, self.sin, self.pos[:b])})
+                out = self._attend_decode(i, qkv[0], ctx, rope=True)
             else:
                 from trinity.rollout.decode_fused import rope_store
 
@@ -191,7 +196,7 @@ class SlotDecoder(StageDecoder):
         """x [s, b, h]; positions [s, b] (RoPE)."""
         s, b, h = x.shape
         if self.lean:
-            if ctx["decode"] and self.fused:  # the fused kernels read the table at each row's position
+            if self._fused_decode(ctx):  # the fused kernels read the table at each row's position
                 cos = sin = None
             else:
                 cos, sin = self._rope_tables(positions)
