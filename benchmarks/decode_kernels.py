@@ -131,7 +131,7 @@ def sampler(args, bw: float) -> None:
 
 def layers(args, bw: float) -> None:
     from trinity.rollout.decode_attention import decode_attention, num_splits
-    from trinity.rollout.decode_fused import rope_store
+    from trinity.rollout.decode_fused import random_rope_table, rope_store
 
     shape = SHAPES[args.shape]
     groups, heads, n_layers = shape["num_key_value_heads"], shape["num_attention_heads"], shape["num_hidden_layers"]
@@ -144,8 +144,7 @@ def layers(args, bw: float) -> None:
         g = torch.Generator(device="cpu").manual_seed(rows)
         ctx = torch.randint(max(1, args.ctx // 2), min(cache_len - 1, args.ctx * 3 // 2) + 1, (rows,), generator=g)
         qkv = torch.randn(rows, groups, per + 2, d, generator=g).to(DEVICE, torch.bfloat16)
-        angles = torch.rand(cache_len, d // 2, generator=g) * torch.arange(cache_len).view(cache_len, 1)
-        cos, sin = (f(torch.cat([angles, angles], -1)).to(DEVICE, torch.bfloat16) for f in (torch.cos, torch.sin))
+        cos, sin = (t.to(DEVICE, torch.bfloat16) for t in random_rope_table(cache_len, d, g))
         caches = [[torch.randn(rows, groups, cache_len, d, generator=g).to(DEVICE, torch.bfloat16) for _ in range(2)]
                   for _ in range(n_layers)]
         pos = (ctx - 1).to(DEVICE)

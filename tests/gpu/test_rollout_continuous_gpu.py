@@ -164,8 +164,7 @@ def test_fused_kernels_equal_the_torch_ops(dtype, per):
     # on an H100 in fp32 and bf16
     g = torch.Generator().manual_seed(1)
     qkv = torch.randn(9, 4, per + 2, 128, generator=g).to("cuda", dtype)
-    angles = torch.rand(64, 64, generator=g) * torch.arange(64).view(64, 1)
-    cos, sin = (f(torch.cat([angles, angles], -1)).to("cuda", dtype) for f in (torch.cos, torch.sin))
+    cos, sin = (t.to("cuda", dtype) for t in decode_fused.random_rope_table(64, 128, g))
     pos = torch.randint(0, 64, (9,), generator=g).cuda()
     caches = [torch.zeros(9, 4, 64, 128, dtype=dtype, device="cuda") for _ in range(4)]
     a = decode_fused.rope_store(qkv, cos, sin, pos, caches[0], caches[1])
@@ -195,13 +194,12 @@ def test_rope_in_the_attention_kernel_equals_the_separate_kernels(dtype, per):
     the same output up to the attention's fused multiply-adds (on in the separate kernel only), with one
     split per row, several, and the engine's choice, rows at every position of a split."""
     from trinity.rollout.decode_attention import decode_attention
-    from trinity.rollout.decode_fused import rope_store
+    from trinity.rollout.decode_fused import random_rope_table, rope_store
 
     g = torch.Generator().manual_seed(per)
     b, groups, d, cache = 40, 2, 128, 1280
     qkv = torch.randn(b, groups, per + 2, d, generator=g).to("cuda", dtype)
-    angles = torch.rand(cache, d // 2, generator=g) * torch.arange(cache).view(cache, 1)
-    cos, sin = (f(torch.cat([angles, angles], -1)).to("cuda", dtype) for f in (torch.cos, torch.sin))
+    cos, sin = (t.to("cuda", dtype) for t in random_rope_table(cache, d, g))
     pos = torch.randint(0, cache, (b,), generator=g)
     pos[:4] = torch.tensor([0, 255, 256, cache - 1])  # a split's first and last key, the cache's last
     pos = pos.cuda()

@@ -24,7 +24,7 @@ CHILD = textwrap.dedent("""
     import torch
     import torch.nn.functional as F
     from trinity.rollout.decode_attention import decode_attention
-    from trinity.rollout.decode_fused import reference_rope_store, rope_store
+    from trinity.rollout.decode_fused import random_rope_table, reference_rope_store, rope_store
 
     torch.manual_seed(0)
     cases = []
@@ -35,9 +35,7 @@ CHILD = textwrap.dedent("""
                           (torch.bfloat16, ((5, 2, 3, 32, 320, 3),))):
         for b, g, per, d, cache, splits in shapes:
             qkv = torch.randn(b, g, per + 2, d).to(dtype)
-            angles = torch.rand(cache, d // 2) * torch.arange(cache).view(cache, 1)
-            angles = torch.cat([angles, angles], -1)
-            cos, sin = torch.cos(angles).to(dtype), torch.sin(angles).to(dtype)
+            cos, sin = (t.to(dtype) for t in random_rope_table(cache, d))
             pos = torch.randint(0, cache - 1, (b,))
             pos[0] = 0
             nkeys = pos + 1

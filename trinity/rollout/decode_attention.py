@@ -98,11 +98,10 @@ def _self_check(device: torch.device, head_dim: int, per: int, dtype: torch.dtyp
         ref = sdpa(q)
         err = max(((out - ref).norm() / ref.norm()).item() for out in outs)
         # with RoPE and the cache store in the kernel, against the torch ops, then SDPA
-        from trinity.rollout.decode_fused import reference_rope_store
+        from trinity.rollout.decode_fused import random_rope_table, reference_rope_store
 
         qkv = torch.randn(b, groups, per + 2, head_dim, generator=g).to(device, dtype)
-        angles = torch.rand(cache, head_dim // 2, generator=g) * torch.arange(cache).view(cache, 1)
-        cos, sin = (f(torch.cat([angles, angles], dim=-1)).to(device, dtype) for f in (torch.cos, torch.sin))
+        cos, sin = (t.to(device, dtype) for t in random_rope_table(cache, head_dim, g))
         mine = (k.clone(), v.clone())
         ref_q = reference_rope_store(qkv, cos, sin, lengths - 1, k, v)
         for n in (None, 1):

@@ -65,6 +65,15 @@ def reference_rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     return qk[:, :, :per].contiguous()
 
 
+def random_rope_table(cache_len: int, head_dim: int, generator: torch.Generator | None = None,
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [cache_len, head_dim] (fp32, CPU) of random frequencies, in the layout of megatron's RoPE
+    table (both halves of a row the same angles): the input of the kernels' checks, tests and benchmarks."""
+    angles = torch.rand(cache_len, head_dim // 2, generator=generator) * torch.arange(cache_len).view(cache_len, 1)
+    angles = torch.cat([angles, angles], dim=-1)
+    return torch.cos(angles), torch.sin(angles)
+
+
 def _self_check(device: torch.device, head_dim: int, per: int, dtype: torch.dtype) -> bool:
     from trinity.rollout.decode_attention import verdict
 
@@ -74,9 +83,7 @@ def _self_check(device: torch.device, head_dim: int, per: int, dtype: torch.dtyp
         g = torch.Generator(device="cpu").manual_seed(0)
         b, groups, cache = 5, 2, 96
         qkv = torch.randn(b, groups, per + 2, head_dim, generator=g).to(device, dtype)
-        angles = torch.rand(cache, head_dim // 2, generator=g) * torch.arange(cache).view(cache, 1)
-        angles = torch.cat([angles, angles], dim=-1)
-        cos, sin = torch.cos(angles).to(device, dtype), torch.sin(angles).to(device, dtype)
+        cos, sin = (t.to(device, dtype) for t in random_rope_table(cache, head_dim, g))
         pos = torch.tensor([0, 5, 17, 95, 40], device=device)
         caches = [torch.randn(b + 1, groups, cache, head_dim, generator=g).to(device, dtype) for _ in range(2)]
         mine = [c.clone() for c in caches]
