@@ -172,7 +172,13 @@ def main() -> None:
                             + (f"_budget-{budget.replace('/', '-')}" if budget != "0" else ""))
                     cfg = job(model, prompts, root / name, algo=algo, gpus=gpus, layout=args.layout,
                               offload=off == "yes", args=args, lora=lora, budget=budget)
-                    med = summarize(run_case(cfg, root / f"{name}.yaml", args.timeout, args.log_tail, lengths))
+                    rows = run_case(cfg, root / f"{name}.yaml", args.timeout, args.log_tail, lengths)
+                    med = summarize(rows)
+                    # each step, so a median's spread shows (the update phase varies step to step)
+                    print(f"{name}, per step (s): " + "; ".join(
+                        f"{r.get('step_time_s', float('nan')):.2f} = rollout {r.get('time/rollout_s', float('nan')):.2f} "
+                        f"+ ref {r.get('time/ref_s', float('nan')):.2f} + update {r.get('time/update_actor_s', float('nan')):.2f}"
+                        for r in rows), flush=True)
                     if args.profile_step:
                         from trinity.trainer.profiling import summary_path
 

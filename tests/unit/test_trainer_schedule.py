@@ -178,3 +178,44 @@ def test_checkpoint_io_gathers_distributed_optimizer_state_on_cpu(cpu_world):
     tensors = [world[k] for k in ("param", "exp_avg", "exp_avg_sq")]
     assert all(t.device.type == "cpu" and torch.isfinite(t).all() for t in tensors)
     assert world["exp_avg_sq"].abs().sum() > 0  # the state after one step, not zeros
+
+
+def test_save_at_dp1_writes_megatrons_fully_reshardable_state_without_the_gather(cpu_world):
+    """ReshardableOptimizer at DP=1 (trinity.trainer.engine.optimizer_state._own_model_space_state): the
+    same ShardedTensors as megatron-core's gathering path (keys, shapes, offsets, replica ids, values),
+    whose data are the optimizer's own tensors, not copies."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    from trinity.convert.dist_ckpt import _flat_sharded
+    from trinity.distributed import cpu_compat
+    from trinity.trainer.engine.optimizer_state import ReshardableOptimizer
+
+    state = _train_state(cpu_world, OptimConfig(lr=1e-3), MegatronConfig(use_distributed_optimizer=True))
+    _step(state, loss_scale=1.0)
+    _step(state, loss_scale=1.0)
+    flat, _ = _flat_sharded(state.model)
+    with cpu_compat.checkpoint_io():
+        ours = ReshardableOptimizer(state.optimizer).sharded_state_dict(flat)
+        theirs = state.optimizer.sharded_state_dict(flat, metadata=ReshardableOptimizer.METADATA)
+    (opt,) = _chain(state.optimizer)
+    assert "sharded_param_state_fully_reshardable" not in vars(opt)  # the class method is back
+
+    def states(sd):  # in megatron-core's order (a key names a stacked tensor of all layers: offsets differ)
+        return [t for t in nested_values(sd) if hasattr(t, "key") and t.key.startswith("optimizer.state.")]
+
+    a, b = states(ours), states(theirs)
+    n_params = sum(1 for chunk in state.model for p in chunk.parameters() if p.requires_grad)
+    assert len(a) == len(b) == 3 * n_params
+    moments = {v.untyped_storage().data_ptr() for s in opt.optimizer.state.values() for v in s.values()
+               if torch.is_tensor(v) and v.dim() > 0}
+    for t, u in zip(a, b):
+        key = t.key
+        assert type(t) is type(u) and (t.key, t.replica_id) == (u.key, u.replica_id), key
+        if isinstance(t, ShardedTensor):  # a factory (the SwiGLU fc1's halves) is built on save, from the same data
+            assert (t.global_shape, t.global_offset, t.axis_fragmentations, t.dtype) == \
+                   (u.global_shape, u.global_offset, u.axis_fragmentations, u.dtype), key
+        assert torch.equal(t.data, u.data), key
+        if ".exp_avg" in key:  # a view of the optimizer's moment, not a gathered copy
+            assert t.data.untyped_storage().data_ptr() in moments, key
+    assert any(t.data.abs().sum() > 0 for t in a if "exp_avg_sq" in t.key)

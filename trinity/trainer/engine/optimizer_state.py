@@ -49,7 +49,21 @@ class ReshardableOptimizer:
     def sharded_state_dict(self, model_sharded_state_dict: Any, is_loading: bool = False) -> Any:
         if is_loading:
             _init_empty_adam_states(self.optimizer)
-        return self.optimizer.sharded_state_dict(model_sharded_state_dict, is_loading=is_loading, metadata=self.METADATA)
+            return self.optimizer.sharded_state_dict(model_sharded_state_dict, is_loading=True, metadata=self.METADATA)
+        from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+        from trinity.distributed.patches import require
+
+        alone = [o for o in _chain(self.optimizer) if isinstance(o, DistributedOptimizer) and o.data_parallel_group.size() == 1]
+        for opt in alone:
+            require("optimizer_state (save at DP=1)", opt, "sharded_param_state_fully_reshardable", "gbuf_ranges",
+                    "buffers", "_get_main_param_and_optimizer_states")
+            opt.sharded_param_state_fully_reshardable = _own_model_space_state.__get__(opt)
+        try:
+            return self.optimizer.sharded_state_dict(model_sharded_state_dict, is_loading=False, metadata=self.METADATA)
+        finally:
+            for opt in alone:
+                del opt.sharded_param_state_fully_reshardable  # back to the class method
 
     def load_state_dict(self, state_dict: Any) -> None:
         """Without apex/TE, torch AdamW keeps a `step` in each param's state, which megatron-core
@@ -74,6 +88,41 @@ class ReshardableOptimizer:
         _unshare_steps(self.optimizer)
         if fused:  # torch's load_state_dict took the saved groups' flags
             fused_optimizer.use_fused_adamw(self.optimizer)
+
+
+def _own_model_space_state(opt: Any, model_sharded_state_dict: Any, is_loading: bool, metadata: Any) -> Any:
+    """`fully_reshardable` param state of a DistributedOptimizer whose DP group is this rank alone, for a
+    save: the same ShardedTensors (keys, shapes, replica ids) as megatron-core's
+    `sharded_param_state_fully_reshardable`, whose data are views of the rank's own main params and Adam
+    moments. megatron-core first gathers the DP ranks' flat shards on DP rank 0: zero-filled buffers and
+    copies four times the size of the optimizer state, 14 of the 19 s of saving a 135M model on 2 CPU
+    cores, which with one DP rank only copy what the rank already holds."""
+    from dataclasses import replace
+
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+    from megatron.core.dist_checkpointing.utils import extract_sharded_tensors_and_factories
+
+    assert not is_loading
+    sharded, _ = extract_sharded_tensors_and_factories(model_sharded_state_dict)
+    meta_of = {sh.data: sh for sh in nested_values(sharded)}
+    state: dict[int, dict[str, Any]] = {}
+    for gbuf_idx, gbuf_range_maps in enumerate(opt.gbuf_ranges):
+        for _dtype in gbuf_range_maps:  # one dtype per buffer (as megatron-core asserts)
+            for model_param in opt.buffers[gbuf_idx].param_index_map:
+                meta = meta_of[model_param]
+                tensors = opt._get_main_param_and_optimizer_states(model_param)
+                entry = {}
+                for key in ("param", "exp_avg", "exp_avg_sq"):
+                    data = tensors[key].detach().float().reshape(meta.data.shape)  # megatron-core gathers into fp32
+                    kwargs: dict[str, Any] = dict(key=f"optimizer.state.{key}.{meta.key}", data=data,
+                                                  dtype=data.dtype, replica_id=meta.replica_id)
+                    if isinstance(meta, ShardedTensorFactory):
+                        kwargs.pop("dtype")
+                    entry[key] = replace(meta, **kwargs)
+                    entry[key].validate_metadata_integrity()
+                state[len(state)] = entry
+    return state
 
 
 def _unshare_steps(optimizer: Any) -> None:
