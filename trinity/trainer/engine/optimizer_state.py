@@ -47,20 +47,19 @@ class ReshardableOptimizer:
         self.optimizer = optimizer
 
     def sharded_state_dict(self, model_sharded_state_dict: Any, is_loading: bool = False) -> Any:
-        if is_loading:
-            _init_empty_adam_states(self.optimizer)
-            return self.optimizer.sharded_state_dict(model_sharded_state_dict, is_loading=True, metadata=self.METADATA)
         from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
         from trinity.distributed.patches import require
 
+        if is_loading:
+            _init_empty_adam_states(self.optimizer)
         alone = [o for o in _chain(self.optimizer) if isinstance(o, DistributedOptimizer) and o.data_parallel_group.size() == 1]
         for opt in alone:
-            require("optimizer_state (save at DP=1)", opt, "sharded_param_state_fully_reshardable", "gbuf_ranges",
+            require("optimizer_state (checkpoint at DP=1)", opt, "sharded_param_state_fully_reshardable", "gbuf_ranges",
                     "buffers", "_get_main_param_and_optimizer_states")
             opt.sharded_param_state_fully_reshardable = _own_model_space_state.__get__(opt)
         try:
-            return self.optimizer.sharded_state_dict(model_sharded_state_dict, is_loading=False, metadata=self.METADATA)
+            return self.optimizer.sharded_state_dict(model_sharded_state_dict, is_loading=is_loading, metadata=self.METADATA)
         finally:
             for opt in alone:
                 del opt.sharded_param_state_fully_reshardable  # back to the class method
@@ -91,19 +90,22 @@ class ReshardableOptimizer:
 
 
 def _own_model_space_state(opt: Any, model_sharded_state_dict: Any, is_loading: bool, metadata: Any) -> Any:
-    """`fully_reshardable` param state of a DistributedOptimizer whose DP group is this rank alone, for a
-    save: the same ShardedTensors (keys, shapes, replica ids) as megatron-core's
-    `sharded_param_state_fully_reshardable`, whose data are views of the rank's own main params and Adam
-    moments. megatron-core first gathers the DP ranks' flat shards on DP rank 0: zero-filled buffers and
-    copies four times the size of the optimizer state, 14 of the 19 s of saving a 135M model on 2 CPU
-    cores, which with one DP rank only copy what the rank already holds."""
+    """`fully_reshardable` param state of a DistributedOptimizer whose DP group is this rank alone: the
+    same ShardedTensors (keys, shapes, replica ids) as megatron-core's `sharded_param_state_fully_reshardable`,
+    whose data are views of the rank's own main params and Adam moments.
+
+    Why: megatron-core gathers the DP ranks' flat shards into buffers of the whole state on the host,
+    zero-filled, for a save (the shards copied in, gathered, concatenated and copied again: 14 of the 19 s
+    of saving a 135M model on 2 CPU cores) and for a load (the buffers only give the shapes; the load
+    then copies out of fresh tensors): with one DP rank those are host copies of what the rank holds, 12
+    bytes per parameter each (84 GB for a 7B model). Loading into the views fills the states in place;
+    megatron-core's `load_parameter_state_from_fully_reshardable` then copies each onto itself."""
     from dataclasses import replace
 
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
     from megatron.core.dist_checkpointing.utils import extract_sharded_tensors_and_factories
 
-    assert not is_loading
     sharded, _ = extract_sharded_tensors_and_factories(model_sharded_state_dict)
     meta_of = {sh.data: sh for sh in nested_values(sharded)}
     state: dict[int, dict[str, Any]] = {}
@@ -114,7 +116,7 @@ def _own_model_space_state(opt: Any, model_sharded_state_dict: Any, is_loading: 
                 tensors = opt._get_main_param_and_optimizer_states(model_param)
                 entry = {}
                 for key in ("param", "exp_avg", "exp_avg_sq"):
-                    data = tensors[key].detach().float().reshape(meta.data.shape)  # megatron-core gathers into fp32
+                    data = tensors[key].detach().float().reshape(meta.data.shape)  # megatron-core's buffers are fp32
                     kwargs: dict[str, Any] = dict(key=f"optimizer.state.{key}.{meta.key}", data=data,
                                                   dtype=data.dtype, replica_id=meta.replica_id)
                     if isinstance(meta, ShardedTensorFactory):
