@@ -1,5 +1,5 @@
 """Issue 19 (4, 6, 14): a real tiny CPU `trinity run` is stopped the ways users stop jobs (Ctrl-C, the
-terminal closing, kill -9 of the CLI, kill -9 of the CLI and torchrun), and no process of the job may
+terminal closing, kill -9 of the CLI), and no process of the job may
 be left within seconds; an interrupt is reported as one, with the checkpoint to go on from; the known
 third-party warnings are hidden, and `--debug` shows them.
 
@@ -94,7 +94,8 @@ class Job:
             time.sleep(0.2)
 
     def processes(self) -> dict[str, int]:
-        """pid of torchrun and of the worker (the CLI's child and grandchild)."""
+        """pid of the launcher and of the worker (the CLI's child and grandchild). A job of one process
+        (these) starts under `trinity.launch.single`, not torchrun (`launch_command`)."""
         import psutil
 
         found = {}
@@ -103,10 +104,10 @@ class Job:
                 cmd = " ".join(p.cmdline())
             except (psutil.ZombieProcess, psutil.NoSuchProcess, psutil.AccessDenied):
                 continue  # a short-lived helper (e.g. a resource tracker) that has just ended
-            if "trinity.trainer.worker" in cmd and "torch.distributed.run" not in cmd:
+            if "-m trinity.launch.single " in cmd:
+                found["launcher"] = p.pid
+            elif "-m trinity.trainer.worker " in cmd and "torch.distributed.run" not in cmd:
                 found["worker"] = p.pid
-            elif "torch.distributed.run" in cmd:
-                found["torchrun"] = p.pid
         self.pids = list(found.values())
         return found
 
@@ -152,7 +153,7 @@ def test_ctrl_c_stops_every_process_and_names_the_checkpoint(workdir):
     job = Job(workdir, "ctrl_c")
     try:
         job.wait_for(r"saved checkpoint .*step_\d+")
-        assert set(job.processes()) == {"torchrun", "worker"}, job.processes()
+        assert set(job.processes()) == {"launcher", "worker"}, job.processes()
         job.cli.send_signal(sig)
         job.cli.wait(timeout=60)
         job.assert_nothing_left(within_s=30)  # ~1-2 s on an idle machine; CI runs two test workers on 2 cores
@@ -171,7 +172,7 @@ def test_ctrl_c_stops_every_process_and_names_the_checkpoint(workdir):
 
 
 def test_kill_9_of_the_cli_leaves_no_process(workdir):
-    """kill -9 of `trinity run`: the kernel's parent-death signal (SIGKILL) ends torchrun and the
+    """kill -9 of `trinity run`: the kernel's parent-death signal (SIGKILL) ends the launcher and the
     worker's own watchdog on the CLI's pid ends the worker.
     This job runs with --debug: the warnings the other job hides are all shown."""
     targets, debug = ("cli",), True
@@ -179,7 +180,7 @@ def test_kill_9_of_the_cli_leaves_no_process(workdir):
     try:
         job.wait_for(r"step 2/")
         procs = job.processes()
-        assert set(procs) == {"torchrun", "worker"}, procs
+        assert set(procs) == {"launcher", "worker"}, procs
         for name in targets:
             os.kill(job.cli.pid if name == "cli" else procs[name], signal.SIGKILL)
         job.cli.wait(timeout=30)

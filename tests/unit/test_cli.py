@@ -12,7 +12,7 @@ import pytest
 from tests.conftest import FIXTURES, HF_CONFIGS, REPO
 from trinity.cli import commands
 from trinity.config.schema import JobConfig
-from trinity.launch.torchrun import port_is_free, preflight, torchrun_command
+from trinity.launch.torchrun import launch_command, port_is_free, preflight, torchrun_command
 
 HEAVY = ("torch", "megatron", "mbridge", "transformers")
 
@@ -174,6 +174,16 @@ def test_torchrun_command_single_and_multi_node():
     assert "--standalone" not in multi
     rdzv = torchrun_command(_cfg(nnodes=2, rdzv_endpoint="h:29400"), "c", python="py")
     assert rdzv[rdzv.index("--rdzv-endpoint") + 1] == "h:29400"
+
+
+def test_a_job_of_one_process_starts_without_torchrun():
+    """launch_command: one node, one process, no restarts -> trinity.launch.single; anything else torchrun."""
+    one = launch_command(_cfg(device="cpu", nproc_per_node=1), "/o/r.yaml", python="py")
+    assert one == ["py", "-m", "trinity.launch.single", "--log-dir", "/o/logs", "-m", "trinity.trainer.worker", "/o/r.yaml"]
+    for cluster in ({"nproc_per_node": 2}, {"nproc_per_node": 1, "max_restarts": 1},
+                    {"nproc_per_node": 1, "nnodes": 2, "master_addr": "10.0.0.1"}):
+        cmd = launch_command(_cfg(device="cpu", **cluster), "/o/r.yaml", python="py")
+        assert cmd == torchrun_command(_cfg(device="cpu", **cluster), "/o/r.yaml", python="py"), cluster
 
 
 def test_preflight_refuses_cuda_without_gpu_and_taken_port():

@@ -198,3 +198,52 @@ def test_supervise_forwards_sigterm_and_leaves_no_process(tmp_path, child_ignore
     assert driver.returncode == 128 + signal.SIGTERM, (driver.returncode, out, err)
     for pid in job:
         _wait_for(lambda: not _running(pid), f"process {pid} to end", timeout_s=10)
+
+
+# --- trinity.launch.single: a job of one process without torchrun -------------------------------
+
+
+def _single(tmp_path: Path, body: str) -> subprocess.Popen:
+    """`python -m trinity.launch.single --log-dir <tmp>/logs -m fake_worker` with `body` as the worker."""
+    (tmp_path / "fake_worker.py").write_text(textwrap.dedent(body))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.Popen([sys.executable, "-m", "trinity.launch.single", "--log-dir", str(tmp_path / "logs"),
+                             "-m", "fake_worker", "arg1"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def test_single_relays_prefixed_lines_keeps_logs_and_the_exit_code(tmp_path):
+    proc = _single(tmp_path, """
+        import os, sys
+        print("hello", sys.argv[1:], os.environ["RANK"], os.environ["LOCAL_RANK"], "WORLD_SIZE" in os.environ)
+        print("oops", file=sys.stderr)
+        sys.exit(3)
+    """)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 3
+    assert out.decode().splitlines() == ["[default0]:hello ['arg1'] 0 0 False"]
+    assert err.decode().splitlines() == ["[default0]:oops"]
+    (attempt,) = (tmp_path / "logs").glob("*/attempt_0/0")  # torchrun's layout
+    assert (attempt / "stdout.log").read_text() == "hello ['arg1'] 0 0 False\n"
+    assert (attempt / "stderr.log").read_text() == "oops\n"
+
+
+def test_single_passes_sigterm_on_and_ends_with_its_worker(tmp_path):
+    import psutil
+
+    proc = _single(tmp_path, """
+        import os, signal, sys, time
+        def stop(signum, frame):
+            print("stopping", flush=True)
+            sys.exit(0)
+        signal.signal(signal.SIGTERM, stop)
+        print("pid", os.getpid(), flush=True)
+        time.sleep(120)
+    """)
+    line = proc.stdout.readline().decode()
+    assert line.startswith("[default0]:pid "), line
+    worker = int(line.split()[-1])
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM  # a stop, whatever the worker's own code
+    assert b"[default0]:stopping" in out
+    assert not psutil.pid_exists(worker) or psutil.Process(worker).status() == psutil.STATUS_ZOMBIE

@@ -43,7 +43,7 @@ def schema() -> str:
 def run(config: Path, overrides: list[str], *, dry_run: bool = False, debug: bool = False) -> int:
     from trinity.launch import quiet
     from trinity.launch.lock import acquire, lock_name, prepare_output_dir
-    from trinity.launch.torchrun import preflight, supervise, torchrun_command, worker_env
+    from trinity.launch.torchrun import launch_command, preflight, supervise, worker_env
 
     quiet.install(debug)  # before anything imports megatron-core (weight conversion below)
     loaded = load_config(config, overrides)
@@ -51,7 +51,7 @@ def run(config: Path, overrides: list[str], *, dry_run: bool = False, debug: boo
     print(render_plan(build_plan(cfg, loaded.facts, loaded.warnings)))
     out = Path(cfg.trainer.output_dir)
     resolved = out / "resolved_config.yaml"
-    cmd = torchrun_command(cfg, resolved)
+    cmd = launch_command(cfg, resolved)
     if dry_run:
         print("command: " + shlex.join(cmd))
         return 0

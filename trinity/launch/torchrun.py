@@ -1,4 +1,5 @@
-"""The torchrun command line of a job (pure), pre-flight checks, and the supervised child process."""
+"""The launch command of a job (pure: torchrun, or trinity.launch.single for one process), pre-flight checks,
+and the supervised child process."""
 
 from __future__ import annotations
 
@@ -18,6 +19,18 @@ from trinity.errors import UserError
 
 WORKER_MODULE = "trinity.trainer.worker"
 _POLL_S = 0.2  # how often supervise() checks the grace period after forwarding a signal
+
+
+def launch_command(cfg: JobConfig, config_path: str | Path, *, python: str = sys.executable) -> list[str]:
+    """The command that starts this node's workers: `trinity.launch.single` for a job of one process
+    (one node, one process, no restarts: torchrun's own start-up, ~3.5 s, would buy it nothing), else
+    torchrun (`torchrun_command`). Both put every rank's stdout/stderr under <output_dir>/logs/ and show
+    rank 0 on the console, prefixed `[default0]:`."""
+    c = cfg.cluster
+    if c.nnodes == 1 and c.nproc_per_node == 1 and c.max_restarts == 0 and not c.rdzv_endpoint:
+        return [python, "-m", "trinity.launch.single", "--log-dir", str(Path(cfg.trainer.output_dir) / "logs"),
+                "-m", WORKER_MODULE, str(config_path)]
+    return torchrun_command(cfg, config_path, python=python)
 
 
 def torchrun_command(cfg: JobConfig, config_path: str | Path, *, python: str = sys.executable) -> list[str]:
@@ -194,8 +207,9 @@ def supervise(
     cmd: list[str], *, env: dict[str, str] | None = None, grace_s: float = 30.0, debug: bool = False,
     pass_fds: tuple[int, ...] = (), stopped: dict[str, Any] | None = None,
 ) -> int:
-    """Run torchrun as a child in its own process group; forward Ctrl-C, SIGTERM and SIGHUP (terminal
-    or ssh session closed) so no orphans remain, and have the child die with us on kill -9.
+    """Run the launcher (`launch_command`: torchrun, or trinity.launch.single) as a child in its own
+    process group; forward Ctrl-C, SIGTERM and SIGHUP (terminal or ssh session closed) so no orphans
+    remain, and have the child die with us on kill -9.
 
     Returns the job's exit code: the exit code of the rank that failed first (2 for a UserError, as a
     command outside torchrun), 128 + signal number when it was stopped by a signal (also put in
