@@ -27,6 +27,8 @@ import uuid
 from pathlib import Path
 from typing import IO, Any
 
+from trinity.launch.child import die_with_parent
+
 PREFIX = b"[default0]:"
 _FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _POLL_S = 0.2
@@ -54,8 +56,6 @@ def worker_env(environ: dict[str, str]) -> dict[str, str]:
 
 
 def run(log_dir: Path, argv: list[str]) -> int:
-    from trinity.launch.torchrun import _die_with_parent
-
     attempt = log_dir / f"{uuid.uuid4()}_single" / "attempt_0" / "0"
     attempt.mkdir(parents=True, exist_ok=True)
     stopping: dict[str, Any] = {"sig": None}
@@ -72,7 +72,7 @@ def run(log_dir: Path, argv: list[str]) -> int:
         try:
             proc = job["proc"] = subprocess.Popen(
                 [sys.executable, "-u", *argv], env=worker_env(dict(os.environ)), stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE, preexec_fn=_die_with_parent())
+                stderr=subprocess.PIPE, preexec_fn=die_with_parent())
             if stopping["sig"] is not None:  # stopped while the worker was being started
                 forward(stopping["sig"], None)
             for pipe, log, console in ((proc.stdout, out_log, sys.stdout.buffer), (proc.stderr, err_log, sys.stderr.buffer)):

@@ -16,6 +16,7 @@ from typing import IO, Any, Mapping
 
 from trinity.config.schema import JobConfig
 from trinity.errors import UserError
+from trinity.launch.child import die_with_parent
 
 WORKER_MODULE = "trinity.trainer.worker"
 _POLL_S = 0.2  # how often supervise() checks the grace period after forwarding a signal
@@ -172,37 +173,6 @@ def _write(out: IO[str], text: str) -> None:
 
 
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> Any:
-    """A preexec_fn that has the kernel send SIGKILL to the child when `trinity run` dies, even by
-    kill -9 (Linux prctl PR_SET_PDEATHSIG); None where that does not exist.
-
-    The signal fires when the *thread* that forked the child ends, not the process: supervise() runs
-    in the main thread (signal handlers need it), which only ends with the process. SIGKILL, not
-    SIGTERM: torchrun's SIGTERM path (stop the workers, wait for them, write to a stderr nobody reads
-    any more) was seen to outlive the CLI by over 30 s under load, while a SIGKILL cannot be caught or
-    hang. The workers then stop by themselves: trinity.launch.child's watchdog in every worker ends it
-    within a second of `trinity run`'s death."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        import ctypes
-
-        prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved here: nothing to load after fork
-    except (OSError, AttributeError):
-        return None
-    parent = os.getpid()
-
-    def preexec() -> None:
-        prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
-        if os.getppid() != parent:  # the parent died before the signal was armed
-            os._exit(128 + int(signal.SIGKILL))
-
-    return preexec
-
-
 def supervise(
     cmd: list[str], *, env: dict[str, str] | None = None, grace_s: float = 30.0, debug: bool = False,
     pass_fds: tuple[int, ...] = (), stopped: dict[str, Any] | None = None,
@@ -239,7 +209,7 @@ def supervise(
     try:
         proc = job["proc"] = subprocess.Popen(
             cmd, env=env, start_new_session=True, stderr=subprocess.PIPE, text=True, bufsize=1,
-            pass_fds=pass_fds, preexec_fn=_die_with_parent())
+            pass_fds=pass_fds, preexec_fn=die_with_parent())
         if stopping["sig"] is not None:  # stopped while torchrun was being started
             forward(stopping["sig"], None)
         relay = threading.Thread(target=_relay_stderr, args=(proc.stderr, sys.stderr, debug, cause, stopping), daemon=True)
