@@ -181,6 +181,7 @@ def test_failing_user_reward_is_a_clean_error_naming_the_sample(assets, tmp_path
     assert "Traceback" not in text and "ChildFailedError" not in text, text[-3000:]
     assert "job failed with exit code 2" in text
     assert not (tmp_path / "run" / "checkpoints" / "step_1").exists()
-    # --debug keeps torchrun's traceback; the exit code and the worker's line stay the same
+    # --debug shows the worker's traceback (this job of one process runs without torchrun); the exit code
+    # and the worker's line stay the same
     code, text = trinity_run("--debug")
     assert code == 2 and "Traceback" in text and found.group(0) in text, (code, text[-3000:])

@@ -57,6 +57,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run_worker(args[0])
     except UserError as exc:
+        if os.environ.get(child.DEBUG_ENV) == "1":  # `trinity run --debug`: where it was raised
+            import traceback
+
+            traceback.print_exc()
         # Every rank prints its own (its log keeps it); the console shows rank 0's.
         print(f"error (rank {_rank()}): {exc}", file=sys.stderr, flush=True)
         return exc.exit_code
