@@ -31,7 +31,6 @@ from trinity.launch.child import die_with_parent
 
 PREFIX = b"[default0]:"
 _FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-_POLL_S = 0.2
 
 
 def _relay(pipe: IO[bytes], log: IO[bytes], console: IO[bytes]) -> None:
@@ -47,7 +46,7 @@ def _relay(pipe: IO[bytes], log: IO[bytes], console: IO[bytes]) -> None:
             pass
 
 
-def worker_env(environ: dict[str, str]) -> dict[str, str]:
+def _rank0_env(environ: dict[str, str]) -> dict[str, str]:
     """Rank 0 of one, as torchrun would set it for its only local worker."""
     env = dict(environ)
     env.update(RANK="0", LOCAL_RANK="0", GROUP_RANK="0", LOCAL_WORLD_SIZE="1")
@@ -71,7 +70,7 @@ def run(log_dir: Path, argv: list[str]) -> int:
     with open(attempt / "stdout.log", "wb") as out_log, open(attempt / "stderr.log", "wb") as err_log:
         try:
             proc = job["proc"] = subprocess.Popen(
-                [sys.executable, "-u", *argv], env=worker_env(dict(os.environ)), stdout=subprocess.PIPE,
+                [sys.executable, "-u", *argv], env=_rank0_env(dict(os.environ)), stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE, preexec_fn=die_with_parent())
             if stopping["sig"] is not None:  # stopped while the worker was being started
                 forward(stopping["sig"], None)
@@ -79,12 +78,9 @@ def run(log_dir: Path, argv: list[str]) -> int:
                 t = threading.Thread(target=_relay, args=(pipe, log, console), daemon=True)
                 t.start()
                 threads.append(t)
-            while True:  # short slices: a signal handler's forward() runs between them
-                try:
-                    code = proc.wait(timeout=_POLL_S)
-                    break
-                except subprocess.TimeoutExpired:
-                    continue
+            # a signal interrupts the wait, forward() runs, the wait goes on (PEP 475); a worker that ignores
+            # SIGTERM is killed with the whole process group by supervise()'s grace period
+            code = proc.wait()
         finally:
             for s, h in old.items():
                 signal.signal(s, h)

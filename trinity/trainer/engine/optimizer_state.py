@@ -4,7 +4,8 @@ config's hyper-parameters kept over the checkpoint's on resume (`keep_config_hyp
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -47,22 +48,13 @@ class ReshardableOptimizer:
         self.optimizer = optimizer
 
     def sharded_state_dict(self, model_sharded_state_dict: Any, is_loading: bool = False) -> Any:
-        from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
-        from trinity.distributed.patches import require
-
         if is_loading:
             _init_empty_adam_states(self.optimizer)
-        alone = [o for o in _chain(self.optimizer) if isinstance(o, DistributedOptimizer) and o.data_parallel_group.size() == 1]
-        for opt in alone:
-            require("optimizer_state (checkpoint at DP=1)", opt, "sharded_param_state_fully_reshardable", "gbuf_ranges",
-                    "buffers", "_get_main_param_and_optimizer_states")
-            opt.sharded_param_state_fully_reshardable = _own_model_space_state.__get__(opt)
-        try:
+        alone = [o for o in _distributed(self.optimizer) if o.data_parallel_group.size() == 1]
+        with _instance_methods(alone, "optimizer_state (checkpoint at DP=1)", "sharded_param_state_fully_reshardable",
+                               lambda opt: _own_model_space_state.__get__(opt),
+                               needs=("gbuf_ranges", "buffers", "_get_main_param_and_optimizer_states")):
             return self.optimizer.sharded_state_dict(model_sharded_state_dict, is_loading=is_loading, metadata=self.METADATA)
-        finally:
-            for opt in alone:
-                del opt.sharded_param_state_fully_reshardable  # back to the class method
 
     def load_state_dict(self, state_dict: Any) -> None:
         """Without apex/TE, torch AdamW keeps a `step` in each param's state, which megatron-core
@@ -70,23 +62,38 @@ class ReshardableOptimizer:
         tensors (KeyError: 'step' in _set_main_param_and_optimizer_states). Supply the already
         restored step there, for the duration of this call only."""
         fused = any(g.get("fused") for inner in fused_optimizer.torch_adams(self.optimizer) for g in inner.param_groups)
-        from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
-        from trinity.distributed.patches import require
-
-        patched = [o for o in _chain(self.optimizer) if isinstance(o, DistributedOptimizer)]
-        for opt in patched:
-            require("optimizer_state (resume)", opt, "_set_main_param_and_optimizer_states", "model_param_group_index_map")
-        for opt in patched:
-            opt._set_main_param_and_optimizer_states = _keep_step(opt, opt._set_main_param_and_optimizer_states)
-        try:
+        with _instance_methods(_distributed(self.optimizer), "optimizer_state (resume)", "_set_main_param_and_optimizer_states",
+                               lambda opt: _keep_step(opt, opt._set_main_param_and_optimizer_states),
+                               needs=("model_param_group_index_map",)):
             self.optimizer.load_state_dict(state_dict)
-        finally:
-            for opt in patched:
-                del opt._set_main_param_and_optimizer_states  # back to the class method
         _unshare_steps(self.optimizer)
         if fused:  # torch's load_state_dict took the saved groups' flags
             fused_optimizer.use_fused_adamw(self.optimizer)
+
+
+def _distributed(optimizer: Any) -> list[Any]:
+    """The megatron-core DistributedOptimizers of `optimizer`'s chain."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    return [o for o in _chain(optimizer) if isinstance(o, DistributedOptimizer)]
+
+
+@contextlib.contextmanager
+def _instance_methods(opts: list[Any], patch: str, name: str, make: Callable[[Any], Any],
+                      needs: tuple[str, ...] = ()) -> Iterator[None]:
+    """For the `with` block, each of `opts` has `make(opt)` as its method `name` (an instance attribute over
+    the class's); first checks that megatron-core still has `name` and `needs` (patches.require)."""
+    from trinity.distributed.patches import require
+
+    for opt in opts:
+        require(patch, opt, name, *needs)
+    for opt in opts:
+        setattr(opt, name, make(opt))
+    try:
+        yield
+    finally:
+        for opt in opts:
+            delattr(opt, name)  # back to the class method
 
 
 def _own_model_space_state(opt: Any, model_sharded_state_dict: Any, is_loading: bool, metadata: Any) -> Any:
@@ -95,11 +102,11 @@ def _own_model_space_state(opt: Any, model_sharded_state_dict: Any, is_loading: 
     whose data are views of the rank's own main params and Adam moments.
 
     Why: megatron-core gathers the DP ranks' flat shards into buffers of the whole state on the host,
-    zero-filled, for a save (the shards copied in, gathered, concatenated and copied again: 14 of the 19 s
-    of saving a 135M model on 2 CPU cores) and for a load (the buffers only give the shapes; the load
+    zero-filled, for a save (the shards copied in, gathered, concatenated and copied again) and for a load (the buffers only give the shapes; the load
     then copies out of fresh tensors): with one DP rank those are host copies of what the rank holds, 12
-    bytes per parameter each (84 GB for a 7B model). Loading into the views fills the states in place;
-    megatron-core's `load_parameter_state_from_fully_reshardable` then copies each onto itself."""
+    bytes per parameter each (84 GB for 7e9 parameters). Loading into the views fills the states in place;
+    megatron-core's `load_parameter_state_from_fully_reshardable` then copies each onto itself. SmolLM2-135M
+    on 2 CPU cores: save 12.9 -> 6.2 s, resume 8.3 -> 3.3 s (docs/performance.md, "Checkpoint save at DP=1")."""
     from dataclasses import replace
 
     from megatron.core.dist_checkpointing.dict_utils import nested_values
