@@ -138,9 +138,9 @@ def layers(args, bw: float) -> None:
     d, per = shape["hidden_size"] // heads, heads // groups
     cache_len = args.cache_len
     print(f"\nattention part of {n_layers} decode layers, shape {args.shape}, cache {cache_len}, one CUDA graph")
-    print("| rows | mean ctx | RoPE + cache store | splits | kernels per layer | us per step | us per layer |")
-    print("|---|---|---|---|---|---|---|")
-    for rows in args.rows:
+    print("| rows | mean ctx | RoPE + cache store | keys per split | splits | kernels per layer | us per step | us per layer |")
+    print("|---|---|---|---|---|---|---|---|")
+    for rows, split in itertools.product(args.rows, [None] + (args.split or [])):
         g = torch.Generator(device="cpu").manual_seed(rows)
         ctx = torch.randint(max(1, args.ctx // 2), min(cache_len - 1, args.ctx * 3 // 2) + 1, (rows,), generator=g)
         qkv = torch.randn(rows, groups, per + 2, d, generator=g).to(DEVICE, torch.bfloat16)
@@ -149,16 +149,17 @@ def layers(args, bw: float) -> None:
                   for _ in range(n_layers)]
         pos = (ctx - 1).to(DEVICE)
         lengths = ctx.to(DEVICE)
-        splits = num_splits(rows * groups, cache_len)
+        tune = {} if split is None else {"split": split}
+        splits = num_splits(rows * groups, cache_len, tune)
 
         def step(fused: bool):
             for k, v in caches:
                 if fused:
-                    decode_attention(qkv, k, v, lengths, cache_len, d**-0.5, rope=(cos, sin, pos))
+                    decode_attention(qkv, k, v, lengths, cache_len, d**-0.5, tune=tune, rope=(cos, sin, pos))
                 else:
-                    decode_attention(rope_store(qkv, cos, sin, pos, k, v), k, v, lengths, cache_len, d**-0.5)
+                    decode_attention(rope_store(qkv, cos, sin, pos, k, v), k, v, lengths, cache_len, d**-0.5, tune=tune)
 
-        for fused in (False, True):
+        for fused in ((False, True) if split is None else (True,)):
             step(fused)  # compile outside the capture
             if DEVICE == "cuda":
                 torch.cuda.synchronize()
@@ -170,7 +171,7 @@ def layers(args, bw: float) -> None:
                 sec = _bench(lambda: step(fused))
             kernels = 1 + (not fused) + (splits > 1)
             print(f"| {rows} | {float(ctx.float().mean()):.0f} | {'in the attention kernel' if fused else 'own kernel'} | "
-                  f"{splits} | {kernels} | {sec * 1e6:.1f} | {sec * 1e6 / n_layers:.2f} |", flush=True)
+                  f"{'engine' if split is None else split} | {splits} | {kernels} | {sec * 1e6:.1f} | {sec * 1e6 / n_layers:.2f} |", flush=True)
 
 
 def main() -> None:
@@ -181,6 +182,7 @@ def main() -> None:
     ap.add_argument("--sweep-rows", type=int, nargs="*", default=None, help="rows to sweep settings at (default: all)")
     ap.add_argument("--ctx", type=int, default=600, help="mean live context of the attention rows")
     ap.add_argument("--cache-len", type=int, default=1280)
+    ap.add_argument("--split", type=int, nargs="*", default=None, help="layers: keys per split to time besides the engine's rule")
     ap.add_argument("--top", type=int, default=6, help="fastest settings shown per row count")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run under TRITON_INTERPRET=1")
     args = ap.parse_args()

@@ -11,6 +11,16 @@ and then both at once: decode on a high-priority stream, forward on a low-priori
 from one host thread; and, where torch has green contexts, decode and forward on disjoint SM
 partitions. A case "hides" the forward when the wall time of both is close to the decode's alone.
 
+The cases above queue the whole forward first. A stream's launch queue holds about a thousand kernels,
+and the forward's launches block the host thread once it is full, so the decode's replays are queued only
+as the forward drains: those cases measure the host's serialisation as much as the GPU's. The `thread`
+cases are the engine's shape: the decode loop replays a step and waits for the step before it (as
+`generate_continuous` does), and a second host thread runs the forward a layer at a time, waiting for
+the layer before last before it queues the next, so its queue stays short and the GIL comes back to the
+decode loop at each wait. `--carveout K` also runs them with cuBLASLt told to plan the forward's GEMMs
+for K SMs fewer (`torch._C._set_sm_carveout_experimental`: persistent GEMM kernels size their grid to
+the SMs they are given, and hold them until they end).
+
     python benchmarks/tail_overlap.py --shape 0.5b --rows 32 --tokens 8192 --steps 300
 """
 
@@ -18,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -57,6 +68,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--sms", type=int, nargs="+", default=[32, 66], help="green contexts: the decode's SMs")
+    ap.add_argument("--carveout", type=int, nargs="*", default=[16, 32], help="thread cases: SMs kept from the forward's GEMMs")
+    ap.add_argument("--legacy", action="store_true", help="also the one-thread cases (the forward queued first)")
     args = ap.parse_args()
     dev = torch.device("cuda")
     h, _, _, heads, _, d, vocab = geometry(args.shape)
@@ -118,6 +131,67 @@ def main() -> None:
             hidden = (decode_alone + fwd_alone - wall) / fwd_alone
             print(f"| {rows} | {case} | {wall:.3f} | {per_step:.3f} | - | {100 * hidden:.0f}% |")
 
+        def threaded(carveout: int | None, decode: bool = True, fwd: bool = True) -> tuple[float, float]:
+            """Decode loop here, the forward in a second host thread (module doc); either alone."""
+            dec_stream, fwd_stream = torch.cuda.Stream(priority=-10), torch.cuda.Stream(priority=0)
+            dec_stream.wait_stream(torch.cuda.current_stream())
+            fwd_stream.wait_stream(torch.cuda.current_stream())
+            torch.cuda.synchronize()
+            if carveout is not None:
+                torch.backends.cuda.preferred_blas_library("cublaslt")
+                torch._C._set_sm_carveout_experimental(carveout)
+
+            def forward_thread() -> None:
+                with torch.cuda.stream(fwd_stream):
+                    marks: list[torch.cuda.Event] = []
+                    for _ in range(reps):
+                        xs = big
+                        for w in ws:
+                            xs = layers(xs, [w], heads * d)
+                            ev = torch.cuda.Event()
+                            ev.record()
+                            marks.append(ev)
+                            if len(marks) > 2:
+                                marks.pop(0).synchronize()  # releases the GIL while it waits
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            t = time.perf_counter()
+            worker = threading.Thread(target=forward_thread if fwd else (lambda: None))
+            worker.start()
+            with torch.cuda.stream(dec_stream):
+                start.record()
+                previous = None
+                for _ in range(args.steps if decode else 0):
+                    graph.replay()
+                    ev = torch.cuda.Event()
+                    ev.record()
+                    if previous is not None:
+                        previous.synchronize()
+                    previous = ev
+                end.record()
+            dec_done = time.perf_counter()
+            worker.join()
+            torch.cuda.synchronize()
+            wall = time.perf_counter() - t
+            if carveout is not None:
+                torch._C._set_sm_carveout_experimental(None)
+                torch.backends.cuda.preferred_blas_library("cublas")
+            print(f"|   | (decode loop ended at {dec_done - t:.3f} s) | | | | |")
+            return wall, start.elapsed_time(end) / args.steps
+
+        switch = sys.getswitchinterval()
+        sys.setswitchinterval(5e-5)  # the decode loop gets the GIL back within 50 us of its wait ending
+        try:
+            decode_alone, _ = threaded(None, fwd=False)
+            fwd_alone, _ = threaded(None, decode=False)
+            print(f"| {rows} | decode loop alone (a wait per step) | {decode_alone:.3f} | | | |")
+            print(f"| {rows} | forward thread alone (a layer at a time) | {fwd_alone:.3f} | | | |")
+            row("thread: decode loop + forward thread, priorities", *threaded(None))
+            for k in args.carveout:
+                row(f"thread, forward GEMMs carve out {k} SMs (cuBLASLt)", *threaded(k))
+        finally:
+            sys.setswitchinterval(switch)
+        if not args.legacy:
+            continue
         row("both, same priority", *both(torch.cuda.Stream(), torch.cuda.Stream()))
         # a priority outside the device's range maps to its end: -10 the highest, 0 the lowest (default)
         row("both, decode high priority", *both(torch.cuda.Stream(priority=-10), torch.cuda.Stream(priority=0)))
@@ -129,7 +203,6 @@ def main() -> None:
                 row(f"green contexts: decode {k} SMs, forward {sms - k}", *both(gd.Stream(), gf.Stream()))
         except Exception as exc:  # a beta API: absent from some builds, or refused by the driver
             print(f"| {rows} | green contexts | not run: {type(exc).__name__}: {str(exc)[:120]} | | | |")
-
 
 if __name__ == "__main__":
     main()
