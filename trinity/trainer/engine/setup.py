@@ -78,8 +78,11 @@ def build_optimizer(model: list[Any], optim: OptimConfig, megatron: MegatronConf
     torch's fused kernels where TE / apex are absent (`trinity.trainer.engine.fused_optimizer`)."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    from trinity.trainer.engine import fused_optimizer
+    from trinity.distributed import cpu_compat
+    from trinity.trainer.engine import fused_optimizer, lazy_dynamo
 
+    if cpu_compat.is_enabled():  # CPU mode: torch.optim's first call is all that would import torch._dynamo
+        lazy_dynamo.skip_dynamo_import()
     config = OptimizerConfig(
         optimizer="adam",
         lr=optim.lr,
