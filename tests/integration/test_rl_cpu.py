@@ -110,6 +110,10 @@ def test_grpo_runs_checkpoints_and_resumes_exactly(assets, tmp_path):
         for key in (f"mem/{phase}_gib", f"mem/{phase}_end_gib"):
             assert all(isinstance(r[key], float) and r[key] > 0 for r in first), key
     assert first[0]["actor/ref_kl"] == 0.0  # actor == ref before the first update
+    limit = cfg["actor_rollout_ref"]["rollout"]["response_length"]
+    for r in first:  # one DP rank: some response reached response_length exactly when the longest did
+        assert 0.0 <= r["response_length/clip_ratio"] <= 1.0
+        assert (r["response_length/clip_ratio"] > 0) == (r["response_length/max"] == limit), r
     assert 0.0 <= first[0]["reward/mean"] <= 1.0
     step2 = out / "checkpoints" / "step_2"
     assert (step2 / "complete").is_file() and (step2 / "actor" / "trinity_meta.json").is_file()
