@@ -19,17 +19,6 @@ FIXTURES = REPO / "tests" / "fixtures"
 HF_CONFIGS = FIXTURES / "hf_configs"
 
 
-def pytest_collection_modifyitems(config, items):
-    """Files with the most `slow` tests first, each file's tests in their own order. pytest-xdist's
-    `--dist loadfile` hands out whole files in this order; a long file handed out last kept one of the
-    two workers busy after the other had run out of work."""
-    slow: dict[str, int] = {}
-    for item in items:
-        slow[item.nodeid.split("::")[0]] = slow.get(item.nodeid.split("::")[0], 0) + (item.get_closest_marker("slow") is not None)
-    order = {id(item): i for i, item in enumerate(items)}
-    items.sort(key=lambda item: (-slow[item.nodeid.split("::")[0]], order[id(item)]))
-
-
 @pytest.fixture(autouse=True, scope="session")
 def _one_thread():
     try:
