@@ -137,7 +137,8 @@ def main() -> None:
             dec_stream.wait_stream(torch.cuda.current_stream())
             fwd_stream.wait_stream(torch.cuda.current_stream())
             torch.cuda.synchronize()
-            if carveout is not None:
+            blas = torch.backends.cuda.preferred_blas_library()
+            if carveout is not None:  # the carve-out reaches cuBLASLt's calls only
                 torch.backends.cuda.preferred_blas_library("cublaslt")
                 torch._C._set_sm_carveout_experimental(carveout)
 
@@ -168,14 +169,12 @@ def main() -> None:
                         previous.synchronize()
                     previous = ev
                 end.record()
-            dec_done = time.perf_counter()
             worker.join()
             torch.cuda.synchronize()
             wall = time.perf_counter() - t
             if carveout is not None:
                 torch._C._set_sm_carveout_experimental(None)
-                torch.backends.cuda.preferred_blas_library("cublas")
-            print(f"|   | (decode loop ended at {dec_done - t:.3f} s) | | | | |")
+                torch.backends.cuda.preferred_blas_library(blas)
             return wall, start.elapsed_time(end) / args.steps
 
         switch = sys.getswitchinterval()
@@ -203,6 +202,7 @@ def main() -> None:
                 row(f"green contexts: decode {k} SMs, forward {sms - k}", *both(gd.Stream(), gf.Stream()))
         except Exception as exc:  # a beta API: absent from some builds, or refused by the driver
             print(f"| {rows} | green contexts | not run: {type(exc).__name__}: {str(exc)[:120]} | | | |")
+
 
 if __name__ == "__main__":
     main()

@@ -64,11 +64,14 @@ def sft_job(model: Path, data: Path, out: Path, nproc: int, megatron: dict) -> d
     }
 
 
+def metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
 def run_job(cfg: dict, path: Path) -> list[dict]:
     proc = trinity_run(cfg, path, timeout=300)
     assert proc.returncode == 0, proc.stdout[-4000:]
-    out = Path(cfg["trainer"]["output_dir"])
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return metrics(Path(cfg["trainer"]["output_dir"]))
 
 
 @pytest.fixture(scope="module")
@@ -155,7 +158,6 @@ def test_grpo_tp2_with_offload_runs_every_phase(assets, tmp_path):
     assert (tmp_path / "grpo" / "checkpoints" / "step_3" / "actor").is_dir()
 
 
-
 def test_tp2_checkpoint_resumes_exactly_on_two_gpus(assets, tmp_path):
     """A full-parameter bf16 SFT at TP=2 saves at step 4 (each TP rank is its own DP group of one, so
     both write the optimizer state straight from their own tensors: trinity.trainer.engine.optimizer_state)
@@ -175,7 +177,7 @@ def test_tp2_checkpoint_resumes_exactly_on_two_gpus(assets, tmp_path):
     proc = trinity_run(resumed_cfg, tmp_path / "resumed.yaml", timeout=300)
     assert proc.returncode == 0 and "at step 4" in proc.stdout, proc.stdout[-3000:]
     out = tmp_path / "resumed"
-    resumed = {json.loads(line)["step"]: json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()}
+    resumed = {r["step"]: r["loss"] for r in metrics(out)}
     print("uninterrupted:", full, "\nresumed:", resumed)
     assert sorted(resumed) == [5, 6, 7, 8]
     for step, loss in resumed.items():
@@ -195,6 +197,7 @@ def test_tp2_checkpoint_resumes_exactly_on_two_gpus(assets, tmp_path):
     moved = max((ckpts["whole"][k].float() - ckpts["step4"][k].float()).abs().max().item() for k in weights)
     print(f"resumed vs uninterrupted: {gap:.2e}; steps 5-8 moved the weights by {moved:.2e}")
     assert gap < 0.1 * moved, (gap, moved)
+
 
 def _tp2_rollout_worker(rank: int, port: int, model_dir: str, out: str) -> None:
     import os

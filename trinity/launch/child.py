@@ -117,6 +117,9 @@ def end_process(code: int) -> None:
     exit_without_teardown(code)
 
 
+# What both launchers pass on to their child as a stop (supervise() to the launcher, trinity.launch.single
+# to its worker): Ctrl-C, SIGTERM, and SIGHUP when the terminal or ssh session closes.
+FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _PR_SET_PDEATHSIG = 1
 
 

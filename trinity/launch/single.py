@@ -27,10 +27,9 @@ import uuid
 from pathlib import Path
 from typing import IO, Any
 
-from trinity.launch.child import die_with_parent
+from trinity.launch.child import FORWARDED, die_with_parent
 
 PREFIX = b"[default0]:"
-_FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 def _relay(pipe: IO[bytes], log: IO[bytes], console: IO[bytes]) -> None:
@@ -65,7 +64,7 @@ def run(log_dir: Path, argv: list[str]) -> int:
         if "proc" in job and job["proc"].poll() is None:
             job["proc"].send_signal(signal.SIGTERM)
 
-    old = {s: signal.signal(s, forward) for s in _FORWARDED}
+    old = {s: signal.signal(s, forward) for s in FORWARDED}
     threads: list[threading.Thread] = []
     with open(attempt / "stdout.log", "wb") as out_log, open(attempt / "stderr.log", "wb") as err_log:
         try:

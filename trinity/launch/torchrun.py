@@ -16,7 +16,7 @@ from typing import IO, Any, Mapping
 
 from trinity.config.schema import JobConfig
 from trinity.errors import UserError
-from trinity.launch.child import die_with_parent
+from trinity.launch.child import FORWARDED, die_with_parent
 
 WORKER_MODULE = "trinity.trainer.worker"
 _POLL_S = 0.2  # how often supervise() checks the grace period after forwarding a signal
@@ -172,7 +172,6 @@ def _write(out: IO[str], text: str) -> None:
         pass
 
 
-FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 def supervise(
     cmd: list[str], *, env: dict[str, str] | None = None, grace_s: float = 30.0, debug: bool = False,
     pass_fds: tuple[int, ...] = (), stopped: dict[str, Any] | None = None,
