@@ -35,6 +35,16 @@ def test_grpo_reward_rises(real_assets, tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     rewards = [r["reward/mean"] for r in rows if "reward/mean" in r]
     assert len(rewards) == STEPS
+    step1 = next(r for r in rows if "reward/mean" in r)
+    # answers of real lengths: some rows end at the model's EOS, some reach response_length (12), and
+    # the rollout ran only as many decode steps as its longest row needed (measured: mean 9.7, max 12,
+    # half of the rows clipped)
+    assert 0.0 < step1["response_length/clip_ratio"] < 1.0, step1
+    assert step1["response_length/mean"] < step1["response_length/max"], step1
+    # the update's rows are packed (no padding); in fp32 the rollout's log-probs and the training
+    # forward's agree (measured: mean 1.7e-5, max 6.3e-5)
+    assert step1["padding_fraction/update_actor"] == 0.0, step1
+    assert step1["rollout/logprob_diff_max"] < 1e-3, step1
     # step 1 is the base model's rollout (0.156 measured)
     assert rewards[0] < 0.5, rewards
     # greedy pass@1 on the 64 held-out sums, before step 1 and after it (0.422 -> 0.828 measured)
