@@ -88,6 +88,18 @@ def _prefetch_rows(W, row0, rows_valid, row_stride, col0, ROWS: tl.constexpr, PI
 
 
 @triton.jit
+def _residual(X, P, rows, kk, xm, s_x, M, K, NPART: tl.constexpr):
+    """x[rows, kk] + the NPART partial sums P[:, rows, kk], rounded to x's dtype once (as `addmm_` rounds)."""
+    x = tl.load(X + rows[:, None] * s_x + kk[None, :], mask=xm, other=0.0)
+    if NPART > 0:
+        xf = x.to(tl.float32)
+        for p in tl.static_range(NPART):
+            xf += tl.load(P + (p * M + rows[:, None]) * K + kk[None, :], mask=xm, other=0.0)
+        x = xf.to(X.dtype.element_ty)
+    return x
+
+
+@triton.jit
 def _norm_gemv_kernel(X, P, G, W, B, Y, XOUT, M, N, K, eps, s_x, s_y,
                       NPART: tl.constexpr, HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -114,12 +126,8 @@ def _norm_gemv_kernel(X, P, G, W, B, Y, XOUT, M, N, K, eps, s_x, s_y,
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + ks
         xm = (rows[:, None] < M) & (kk[None, :] < K)
-        x = tl.load(X + rows[:, None] * s_x + kk[None, :], mask=xm, other=0.0)
+        x = _residual(X, P, rows, kk, xm, s_x, M, K, NPART)
         if NPART > 0:
-            xf = x.to(tl.float32)
-            for p in tl.static_range(NPART):
-                xf += tl.load(P + (p * M + rows[:, None]) * K + kk[None, :], mask=xm, other=0.0)
-            x = xf.to(DT)
             if pid == 0:
                 tl.store(XOUT + rows[:, None] * K + kk[None, :], x, mask=xm)
         xf = x.to(tl.float32)
@@ -132,12 +140,7 @@ def _norm_gemv_kernel(X, P, G, W, B, Y, XOUT, M, N, K, eps, s_x, s_y,
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + ks
         xm = (rows[:, None] < M) & (kk[None, :] < K)
-        x = tl.load(X + rows[:, None] * s_x + kk[None, :], mask=xm, other=0.0)
-        if NPART > 0:
-            xf = x.to(tl.float32)
-            for p in tl.static_range(NPART):
-                xf += tl.load(P + (p * M + rows[:, None]) * K + kk[None, :], mask=xm, other=0.0)
-            x = xf.to(DT)
+        x = _residual(X, P, rows, kk, xm, s_x, M, K, NPART)
         g = tl.load(G + kk, mask=kk < K, other=0.0).to(tl.float32)
         xn = ((x.to(tl.float32) * r[:, None]) * g[None, :]).to(DT)
         w = tl.load(W + cols[None, :] * K + kk[:, None], mask=wm & (kk[:, None] < K), other=0.0)
