@@ -1,4 +1,8 @@
-"""Fixtures of the `real` tests: SmolLM2-135M-Instruct, built once per machine (trinity.testing.real_model)."""
+"""Fixtures of the `real` tests: SmolLM2-135M-Instruct, built once per machine (trinity.testing.real_model).
+
+Their jobs run with the suite's one intra-op thread (tests/conftest.py). They used to ask for two, and
+with the other xdist worker busy that put more threads than cores on a 2-core machine: `pytest
+tests/real` (two workers) took 289 s with two threads per job and 263 s with one (2026-11-26)."""
 
 from __future__ import annotations
 

@@ -24,8 +24,7 @@ def test_lora_sft_lowers_the_loss(real_assets, tmp_path):
     actor = cfg["actor_rollout_ref"]["actor"]
     actor["lora"] = {"rank": 16, "alpha": 32, "target_modules": ["all-linear"]}
     actor["optim"]["lr"] = 2.0e-3  # adapters start at zero: a higher lr than full fine-tuning's 1e-4
-    proc = trinity_run(cfg, tmp_path / "lora.yaml", timeout=800, env={"OMP_NUM_THREADS": "2"},
-                      reuse_conversion=True)
+    proc = trinity_run(cfg, tmp_path / "lora.yaml", timeout=800, reuse_conversion=True)
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert "trainable adapter parameters" in proc.stdout
 

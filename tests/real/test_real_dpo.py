@@ -42,8 +42,7 @@ def test_dpo_preference_accuracy_rises(real_assets, tmp_path):
                           micro_batch_size=4, save_interval=None, export_hf=False,
                           save_last=False)  # nothing reads a checkpoint here: saving ~1.6 GB costs 10-17 s
     cfg["actor_rollout_ref"]["actor"]["optim"].update(lr=2.0e-5, lr_warmup_steps=0)
-    proc = trinity_run(cfg, tmp_path / "dpo.yaml", timeout=800, env={"OMP_NUM_THREADS": "2"},
-                      reuse_conversion=True)
+    proc = trinity_run(cfg, tmp_path / "dpo.yaml", timeout=800, reuse_conversion=True)
     assert proc.returncode == 0, proc.stdout[-3000:]
 
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

@@ -29,8 +29,7 @@ def test_grpo_reward_rises(real_assets, tmp_path):
     cfg["data"]["val_files"] = [str(real_assets / "data" / "grpo_add_val.jsonl")]
     # no final checkpoint (save_last): nothing reads it, and saving ~1.6 GB costs 10-17 s of CI time
     cfg["trainer"].update(total_steps=STEPS, output_dir=str(tmp_path / "run"), save_interval=None, save_last=False)
-    proc = trinity_run(cfg, tmp_path / "grpo.yaml", timeout=800, env={"OMP_NUM_THREADS": "2"},
-                      reuse_conversion=True)
+    proc = trinity_run(cfg, tmp_path / "grpo.yaml", timeout=800, reuse_conversion=True)
     assert proc.returncode == 0, proc.stdout[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     rewards = [r["reward/mean"] for r in rows if "reward/mean" in r]

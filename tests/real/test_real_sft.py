@@ -45,8 +45,7 @@ def test_sft_teaches_a_fact(real_assets, tmp_path):
     cfg["data"]["train_files"] = [str(real_assets / "data" / "sft_chat.jsonl")]
     # 5 of the config's 8 steps: the loss is down ~300x by then (1.90 -> 0.006 measured), and CI time counts
     cfg["trainer"].update(output_dir=str(tmp_path / "run"), total_steps=5)
-    proc = trinity_run(cfg, tmp_path / "sft.yaml", timeout=800, env={"OMP_NUM_THREADS": "2"},
-                      reuse_conversion=True)
+    proc = trinity_run(cfg, tmp_path / "sft.yaml", timeout=800, reuse_conversion=True)
     assert proc.returncode == 0, proc.stdout[-3000:]
 
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
