@@ -44,7 +44,7 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from generate import geometry  # noqa: E402  (the benchmarks' Qwen2 shapes)
+from generate import geometry, graph_ms  # noqa: E402  (the benchmarks' Qwen2 shapes, graph timing)
 
 from trinity.rollout.decode_attention import decode_attention  # noqa: E402
 from trinity.rollout.decode_fused import random_rope_table, silu_mul  # noqa: E402
@@ -461,24 +461,7 @@ def gemv_step(x0, ls, top, rope, geo, use_attention, launch, bufs, cfg):
 
 def timed(fn, reps: int) -> float:
     """ms per step: the step captured as one CUDA graph, replayed `reps` times."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps
+    return graph_ms(fn, reps)
 
 
 def gemv_sweep(shape: str, rows_list: list[int], reps: int) -> None:

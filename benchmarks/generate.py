@@ -77,6 +77,30 @@ def matmul_rate(device: torch.device) -> float:
     return 2 * n**3 * 20 / (time.perf_counter() - t0)
 
 
+def graph_ms(fn, reps: int) -> float:
+    """Milliseconds per replay of fn() captured as one CUDA graph (the probes' timing: launch gaps count as
+    they do in a decode step's graph). fn runs twice on a side stream first, as torch advises before a
+    capture (lazy initialisations, Triton compiles)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from generate import SHAPES, geometry  # noqa: E402  (the benchmarks' Qwen2 shapes)
+from generate import SHAPES, geometry, graph_ms  # noqa: E402  (the benchmarks' Qwen2 shapes, graph timing)
 
 EPS = 1e-6
 
@@ -140,23 +140,7 @@ def main() -> None:
 
     def graph_time(fn, reps: int = 50) -> float:
         """us per call: `args.layers` calls captured in one graph, replayed `reps` times."""
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            fn()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(args.layers):
-                fn()
-        graph.replay()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) * 1e3 / reps / args.layers
+        return graph_ms(lambda: [fn() for _ in range(args.layers)], reps) * 1e3 / args.layers
 
     print(f"\nshape {args.shape}: us per layer's call, {args.layers} calls per CUDA graph (H100-class GPU)")
     print("| rows | what | torch ops (rms_norm + GEMM [+ SwiGLU]) | fused kernel, best config | config | weights MB |")
