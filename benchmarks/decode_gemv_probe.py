@@ -224,7 +224,7 @@ def gemv_t(x: torch.Tensor, w: torch.Tensor, splits: int, out: torch.Tensor, blo
     ksplit = k // splits
     assert k % splits == 0 and ksplit % block_k == 0, (k, splits, block_k)
     launch = {} if _interpreting() else {"num_warps": num_warps, "num_stages": num_stages}
-    _gemv_t_kernel[(triton.cdiv(n, block_n), splits)](x, w, out, m, n, k, x.stride(0), ksplit, BLOCK_M=16 if m <= 16 else 32,
+    _gemv_t_kernel[(triton.cdiv(n, block_n), splits)](x, w, out, m, n, k, x.stride(0), ksplit, BLOCK_M=_block_m(m),
                                                       BLOCK_N=block_n, BLOCK_K=block_k, **launch)
     return out
 
@@ -255,10 +255,9 @@ class Launch:
         hopper = device.type == "cuda" and not _interpreting() and torch.cuda.get_device_capability(device)[0] >= 9
         self.prefetch = hopper if prefetch is None else (prefetch and hopper)
         self.pdl = (hopper if pdl is None else (pdl and hopper)) and HAS_GDC
-        self.interpret = _interpreting()
 
     def kwargs(self, num_warps: int) -> dict:
-        if self.interpret:
+        if _interpreting():
             return {}
         return {"num_warps": num_warps, "launch_pdl": self.pdl}
 

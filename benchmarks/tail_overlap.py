@@ -21,7 +21,8 @@ decode loop at each wait. `--carveout K` also runs them with cuBLASLt told to pl
 for K SMs fewer (`torch._C._set_sm_carveout_experimental`: persistent GEMM kernels size their grid to
 the SMs they are given, and hold them until they end).
 
-    python benchmarks/tail_overlap.py --shape 0.5b --rows 32 --tokens 8192 --steps 300
+    python benchmarks/tail_overlap.py --shape 0.5b --rows 32 --tokens 8192 --steps 300 --carveout 16 32
+    python benchmarks/tail_overlap.py --shape 0.5b --rows 32 --tokens 8192 --steps 300 --legacy   # + one-thread cases
 """
 
 from __future__ import annotations
