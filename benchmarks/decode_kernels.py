@@ -4,6 +4,7 @@ settings, and the fused sampler against the torch ops it replaced.
     python benchmarks/decode_kernels.py                       # both, on CUDA
     python benchmarks/decode_kernels.py --what sampler --rows 1 16 64 256 512
     python benchmarks/decode_kernels.py --what layers --shape 0.5b --rows 8 32 128 512 --ctx 700
+    python benchmarks/decode_kernels.py --what prefix --shape 7b --rows 64 256 512 --ctx 150
 
 Attention: one layer's decode attention of `rows` rows whose live contexts are drawn around `--ctx`
 (uniform in [ctx/2, 3 ctx/2]); floor = the live keys and values read once / the copy rate measured in
@@ -13,7 +14,9 @@ is what the engine runs. Sampler: tokens and log-probs of `rows` rows of [rows, 
 temperature 1 and 0, fused kernel vs the torch ops (fp32 copy, softmax, multinomial, log-softmax, gather);
 floor = the logits read once. Layers: a decode step's attention part (RoPE, the cache store, the
 attention and the merge of its splits) as the engine runs it, for each layer of the shape, in one CUDA
-graph, so that the gaps between kernels count: RoPE in its own kernel against RoPE in the attention kernel. Times are
+graph, so that the gaps between kernels count: RoPE in its own kernel against RoPE in the attention kernel. Prefix:
+the same over rows that are `--n` samples of a `--prompt-len`-token prompt, each sample reading its own
+copy of the prompt's keys against all reading one (the engine's shared prompt keys). Times are
 medians of triton.testing.do_bench (CUDA events).
 """
 
@@ -174,6 +177,70 @@ def layers(args, bw: float) -> None:
                   f"{'engine' if split is None else split} | {splits} | {kernels} | {sec * 1e6:.1f} | {sec * 1e6 / n_layers:.2f} |", flush=True)
 
 
+def prefix(args, bw: float) -> None:
+    """The attention part of every layer (RoPE and the cache store in the kernel, as the engine runs it) over
+    rows that are `--n` samples of prompts of `--prompt-len` tokens, each sample `--ctx` tokens past its
+    prompt on average: each sample reading its own copy of the prompt's keys, against all samples of a
+    prompt reading one copy (`prefix=`). The floors: every row's live keys read once, and the prompt's
+    keys once per prompt."""
+    from trinity.rollout.decode_attention import decode_attention
+
+    shape = SHAPES[args.shape]
+    groups, heads, n_layers = shape["num_key_value_heads"], shape["num_attention_heads"], shape["num_hidden_layers"]
+    d, per = shape["hidden_size"] // heads, heads // groups
+    cache_len, plen_ = args.cache_len, args.prompt_len
+    print(f"\nattention part of {n_layers} decode layers, shape {args.shape}, {args.n} samples per prompt of "
+          f"{plen_} tokens, cache {cache_len}, one CUDA graph")
+    print("| rows | mean ctx | prompt keys | us per layer | floor us per layer | % of floor | saved |")
+    print("|---|---|---|---|---|---|---|")
+    for rows in args.rows:
+        g = torch.Generator(device="cpu").manual_seed(rows)
+        own = torch.randint(1, max(2, 2 * args.ctx), (rows,), generator=g)
+        ctx = (plen_ + own).clamp(max=cache_len - 1)
+        dg = torch.Generator(device=DEVICE).manual_seed(rows)
+        qkv = torch.randn(rows, groups, per + 2, d, generator=dg, device=DEVICE).to(torch.bfloat16)
+        from trinity.rollout.decode_fused import random_rope_table
+
+        cos, sin = (t.to(DEVICE, torch.bfloat16) for t in random_rope_table(cache_len, d, g))
+        lead = (torch.arange(rows) // args.n * args.n).to(DEVICE)
+        plen = torch.full((rows,), plen_, device=DEVICE)
+        caches = []
+        for _ in range(n_layers):
+            kv = [torch.randn(rows, groups, cache_len, d, generator=dg, device=DEVICE, dtype=torch.bfloat16) for _ in range(2)]
+            for c in kv:  # every sample holds its prompt's keys (as prefill copies them)
+                c[:, :, :plen_] = c.index_select(0, lead)[:, :, :plen_]
+            caches.append(kv)
+        pos, lengths = (ctx - 1).to(DEVICE), ctx.to(DEVICE)
+        outs = {}
+        times = {}
+        for shared in (False, True):
+            kw = dict(rope=(cos, sin, pos), prefix=(lead, plen) if shared else None)
+
+            def step():
+                return [decode_attention(qkv, k, v, lengths, cache_len, d**-0.5, **kw) for k, v in caches]
+
+            outs[shared] = step()  # compile outside the capture
+            if DEVICE == "cuda":
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    step()
+                times[shared] = _bench(graph.replay) / n_layers
+            else:
+                times[shared] = _bench(step) / n_layers
+        same = all(torch.equal(a, b) for a, b in zip(outs[False], outs[True]))
+        assert same, "shared prompt keys changed the attention's output"
+        kv_bytes = groups * d * 2 * 2  # keys and values, bf16, per token and layer
+        prompts = -(-rows // args.n)
+        floors = {False: float(ctx.sum()) * kv_bytes / bw,
+                  True: (float(ctx.sum()) - (rows - prompts) * plen_) * kv_bytes / bw}
+        for shared in (False, True):
+            print(f"| {rows} | {float(ctx.float().mean()):.0f} | {'one copy per prompt' if shared else 'own copy per row'} | "
+                  f"{times[shared] * 1e6:.2f} | {floors[shared] * 1e6:.2f} | {100 * floors[shared] / times[shared]:.1f}% | "
+                  f"{'' if not shared else f'{100 * (1 - times[True] / times[False]):.0f}%'} |", flush=True)
+        del caches
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--what", default="attention,sampler")
@@ -182,6 +249,8 @@ def main() -> None:
     ap.add_argument("--sweep-rows", type=int, nargs="*", default=None, help="rows to sweep settings at (default: all)")
     ap.add_argument("--ctx", type=int, default=600, help="mean live context of the attention rows")
     ap.add_argument("--cache-len", type=int, default=1280)
+    ap.add_argument("--n", type=int, default=8, help="prefix: samples per prompt")
+    ap.add_argument("--prompt-len", type=int, default=256, help="prefix: prompt tokens")
     ap.add_argument("--split", type=int, nargs="*", default=None, help="layers: keys per split to time besides the engine's rule")
     ap.add_argument("--top", type=int, default=6, help="fastest settings shown per row count")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run under TRITON_INTERPRET=1")
@@ -192,7 +261,7 @@ def main() -> None:
     bw = bandwidth(torch.device(DEVICE))
     print(f"copy bandwidth {bw / 1e9:.0f} GB/s (read + write)")
     for what in args.what.split(","):
-        {"attention": attention, "sampler": sampler, "layers": layers}[what](args, bw)
+        {"attention": attention, "sampler": sampler, "layers": layers, "prefix": prefix}[what](args, bw)
 
 
 if __name__ == "__main__":

@@ -155,7 +155,8 @@ def main() -> None:
                     help="megatron's random initialisation on the device instead of an HF checkpoint (implies --no-hf)")
     ap.add_argument("--attention", default="auto",
                     help="--lengths: comma list of decode paths to time the continuous engine with: auto (the split-KV "
-                         "kernel and the fused RoPE/SwiGLU kernels where they run), unfused (split-KV only), sdpa")
+                         "kernel and the fused RoPE/SwiGLU kernels where they run, a prompt's samples reading one copy "
+                         "of its keys), unshared (the same, each sample reading its own copy), unfused (split-KV only), sdpa")
     ap.add_argument("--eager", action="store_true", help="decode steps without CUDA graphs")
     ap.add_argument("--compile", action="store_true", help="torch.compile the decode step")
     ap.add_argument("--profile", action="store_true", help="profile one trinity call at the last batch size")
@@ -277,10 +278,11 @@ def rollout_table(args, gpt, facts, device, weight_bytes: int, kv_per_token: int
     rate = matmul_rate(device)
     n_params = sum(p.numel() for p in gpt.parameters())
     print(f"matmul {rate / 1e12:.0f} TFLOP/s; floor = (weights + live KV bytes) / bandwidth summed over decode steps; "
-          f"compute floor = 2 x params x tokens / matmul rate")
+          f"shared-prompt floor: the same with a prompt's keys read once per step for all its live samples "
+          f"(what the engine reads where they share them); compute floor = 2 x params x tokens / matmul rate")
     print(f"\n| engine | rows | lengths | useful tokens | call s | useful tok/s | decode steps | mean batch | "
-          f"graph captures (s) | floor s | % of floor | compute floor s |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          f"graph captures (s) | floor s | % of floor | shared-prompt floor s | % of it | compute floor s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for batch in args.batches:
         g = torch.Generator().manual_seed(batch)
         # batch rows = batch / n prompts, each n times (the continuous engine prefills a prompt once)
@@ -299,6 +301,7 @@ def rollout_table(args, gpt, facts, device, weight_bytes: int, kv_per_token: int
             # kernels (trinity.rollout.decode_fused); auto: what the engine picks
             os.environ["TRINITY_DECODE_ATTENTION"] = "sdpa" if attention == "sdpa" else ""
             os.environ["TRINITY_DECODE_FUSED"] = "0" if attention in ("sdpa", "unfused") else "1"
+            os.environ["TRINITY_SHARED_PROMPT_KEYS"] = "0" if attention == "unshared" else "1"
             # the first call of an attention loads (and for Triton compiles) its kernels: timed apart; each
             # call captures its own graphs
             first = (attention, smp) not in warmed
@@ -320,14 +323,16 @@ def rollout_table(args, gpt, facts, device, weight_bytes: int, kv_per_token: int
                 dt = time.perf_counter() - t0
             if engine == "continuous":
                 floor = (stats.decode_steps * weight_bytes + stats.live_kv_tokens * kv_per_token) / bw
+                shared = (stats.decode_steps * weight_bytes + stats.read_kv_tokens * kv_per_token) / bw
                 engine = (f"continuous ({stats.attention}, {stats.sampler} sampler"
                           f"{' in the graph' if stats.graph_tail else ''}, {stats.slots} slots)")
                 extra = (f"{stats.decode_steps} | {stats.slot_steps / max(1, stats.decode_steps):.0f} | "
-                         f"{stats.graph_captures} ({stats.capture_s:.2f}) | {floor:.2f} | {100 * floor / dt:.1f}%")
+                         f"{stats.graph_captures} ({stats.capture_s:.2f}) | {floor:.2f} | {100 * floor / dt:.1f}% | "
+                         f"{shared:.2f} | {100 * shared / dt:.1f}%")
             else:
                 steps = max(lengths)
                 floor = (steps * weight_bytes + batch * steps * (args.prompt_len + steps / 2) * kv_per_token) / bw
-                extra = f"{steps} | {batch} | - | {floor:.2f} | {100 * floor / dt:.1f}% (of its own reads)"
+                extra = f"{steps} | {batch} | - | {floor:.2f} | {100 * floor / dt:.1f}% (of its own reads) | - | -"
             print(f"| {engine} | {batch} | {args.lengths} (mean {useful / batch:.0f}) | {useful} | {dt:.2f} | "
                   f"{useful / dt:.0f} | {extra} | {2 * n_params * useful / rate:.2f} |", flush=True)
     if args.profile:  # one more continuous call at the last batch size, under the profiler

@@ -66,6 +66,9 @@ def test_graphs_match_eager_and_static_fp32(built):
     assert 0 < graphed_stats.graph_captures < graphed_stats.decode_steps / 2, graphed_stats
     assert eager_stats.graph_captures == 0
     assert graphed_stats.attention.startswith("triton split-KV"), graphed_stats  # per-row context reads
+    # a prompt's two samples read one copy of its keys, through waves, retirements and compaction
+    assert graphed_stats.attention.endswith(", shared prompt keys"), graphed_stats.attention
+    assert graphed_stats.read_kv_tokens < graphed_stats.live_kv_tokens, graphed_stats
     # the SDPA decode attention (masked reads up to the longest live row) gives the same tokens
     import os
 
@@ -180,11 +183,48 @@ def test_engine_uses_fused_kernels(built):
 
     models, facts = built
     stats = RolloutStats()
-    generate_continuous(models[torch.bfloat16], _prompts(facts, 4), SamplingParams(temperature=0.0, max_new_tokens=4),
+    prompts = [p for p in _prompts(facts, 4) for _ in range(2)]
+    generate_continuous(models[torch.bfloat16], prompts, SamplingParams(temperature=0.0, max_new_tokens=4),
                         vocab_size=facts.vocab_size, pad_id=0, stats=stats)
-    # the split-KV kernel (with RoPE and the cache store in it) and the fused SwiGLU: a failed first-use check
-    # falls back to SDPA with a warning only, which this catches
-    assert stats.attention == "triton split-KV + fused RoPE/SwiGLU", stats.attention
+    # the split-KV kernel (with RoPE and the cache store in it, the prompt's keys read from one of its
+    # samples' slots) and the fused SwiGLU: a failed first-use check falls back to SDPA with a warning
+    # only, which this catches
+    assert stats.attention == "triton split-KV + fused RoPE/SwiGLU, shared prompt keys", stats.attention
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_shared_prompt_keys_read_one_copy(dtype):
+    """decode_attention(prefix=(src, plen)): 40 rows, 5 prompts of 8 samples, prompts of 300 keys (past the
+    first split's 256), each sample's own copy of its prompt's keys garbage: the output equals the kernel's
+    over caches where every sample holds the prompt's keys, with RoPE and the cache store in the kernel,
+    for one split per row, several, and the engine's choice; without prefix= the garbage shows."""
+    from trinity.rollout.decode_attention import decode_attention
+    from trinity.rollout.decode_fused import random_rope_table
+
+    g = torch.Generator().manual_seed(2)
+    b, groups, per, d, cache, plen_ = 40, 2, 7, 128, 1280, 300
+    qkv = torch.randn(b, groups, per + 2, d, generator=g).to("cuda", dtype)
+    cos, sin = (t.to("cuda", dtype) for t in random_rope_table(cache, d, g))
+    pos = plen_ + torch.randint(0, cache - plen_, (b,), generator=g)
+    pos[:3] = torch.tensor([plen_, plen_ + 1, cache - 1])
+    pos = pos.cuda()
+    src = (torch.arange(b) // 8 * 8 + 3).cuda()  # a prompt's fourth sample holds the copy read
+    plen = torch.full((b,), plen_, device="cuda")
+    for splits in (None, 1, 5):
+        kv = [torch.randn(b, groups, cache, d, generator=g).to("cuda", dtype) for _ in range(2)]
+        fixed = [c.clone() for c in kv]
+        for f in fixed:
+            f[:, :, :plen_] = f.index_select(0, src)[:, :, :plen_]
+        garbage = [c.clone() for c in kv]
+        got = decode_attention(qkv, *kv, pos + 1, cache, d**-0.5, splits=splits, rope=(cos, sin, pos), prefix=(src, plen))
+        want = decode_attention(qkv, *fixed, pos + 1, cache, d**-0.5, splits=splits, rope=(cos, sin, pos))
+        unshared = decode_attention(qkv, *garbage, pos + 1, cache, d**-0.5, splits=splits, rope=(cos, sin, pos))
+        rows = torch.arange(b, device="cuda")
+        for c, f in zip(kv, fixed):  # this step's key and value, stored at pos in the row's own slot
+            assert torch.equal(c[rows, :, pos], f[rows, :, pos]), splits
+        err = ((got.float() - want.float()).norm() / want.float().norm()).item()
+        assert err <= (1e-6 if dtype == torch.float32 else 1e-2), (splits, err, torch.equal(got, want))
+        assert ((unshared.float() - want.float()).norm() / want.float().norm()).item() > 0.05, splits
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -1,6 +1,7 @@
 """The split-KV decode attention kernel (trinity.rollout.decode_attention) under Triton's interpreter on
 the CPU: with RoPE and the cache store in the kernel (`rope=`) it gives what the separate RoPE kernel and
-the attention give, bit for bit, and (fp32) both write the cache the torch ops write; and the continuous engine on a tiny Qwen2
+the attention give, bit for bit, and (fp32) both write the cache the torch ops write; with shared prompt keys
+(`prefix=`) it reads them from the slot named; and the continuous engine on a tiny Qwen2
 (fp32) with these kernels and the fused SwiGLU gives the static batch's greedy tokens (torch ops) and its
 log-probs within 1e-5. The engine part is the CPU test of the GPU decode path's wiring (which kernel gets
 which tensors); CUDA graphs are GPU-only.
@@ -59,6 +60,34 @@ CHILD = textwrap.dedent("""
             })
     out = {"cases": cases}
 
+    # shared prompt keys: rows read their first plen keys from slot src (their own copies are garbage
+    # here), against the kernel over caches where every row holds src's copy; with RoPE and the cache
+    # store in the kernel too (decode positions are past the prompt)
+    b, g, per, d, cache = 6, 2, 3, 32, 192
+    src, plen = torch.tensor([0, 0, 0, 4, 4, 4]), torch.tensor([40, 40, 40, 17, 17, 17])
+    q, qkv = torch.randn(b, g, per, d), torch.randn(b, g, per + 2, d)
+    cos, sin = random_rope_table(cache, d)
+    shared = []
+    for nkeys in (torch.tensor([1, 40, 150, 17, 90, 191]), torch.tensor([41, 41, 150, 18, 90, 191])):
+        for splits in (None, 1, 3):
+            kv = [torch.randn(b + 1, g, cache, d) for _ in range(2)]
+            fixed = [c.clone() for c in kv]
+            for i in range(b):
+                for c, f in zip(kv, fixed):
+                    f[i, :, :plen[i]] = c[src[i], :, :plen[i]]
+            rope = nkeys.min() > 17  # the second set: RoPE and the store at position nkeys - 1
+            kw = dict(rope=(cos, sin, nkeys - 1)) if rope else {}
+            x = qkv if rope else q
+            got = decode_attention(x, *kv, nkeys, cache, d ** -0.5, splits=splits, prefix=(src, plen), **kw)
+            want = decode_attention(x, *fixed, nkeys, cache, d ** -0.5, splits=splits, **kw)
+            written = not rope or all(torch.equal(c[i, :, nkeys[i] - 1], f[i, :, nkeys[i] - 1])
+                                      for c, f in zip(kv, fixed) for i in range(b))
+            shared.append({"rope": bool(rope), "splits": splits, "equal": torch.equal(got, want),
+                           "cache_written": bool(written),
+                           "garbage_differs": not torch.equal(decode_attention(x.clone(), *[c.clone() for c in kv], nkeys, cache,
+                                                                              d ** -0.5, splits=splits, **kw), want)})
+    out["shared"] = shared
+
     # the engine on a tiny Qwen2 with these kernels, against the static batch (torch ops)
     import sys, warnings
     from pathlib import Path
@@ -89,6 +118,27 @@ CHILD = textwrap.dedent("""
         "tokens_equal": torch.equal(got.tokens, want.tokens),
         "logp_diff": (got.logprobs - want.logprobs).abs().max().item(),
     }
+    # shared prompt keys through waves: 3 prompts x 4 samples in 3 slots (a prompt's samples split over
+    # admissions), rows ending at scheduled lengths (a prompt's first slot ends while the others decode,
+    # slots reused, compaction), against SDPA over each row's own copy
+    import os
+    from trinity.rollout.continuous import KVBudget
+    prompts = [p for p in ([5, 9, 17, 3, 44, 2, 8, 11, 23, 4], [7, 1, 6], [100, 12, 8, 60, 3]) for _ in range(4)]
+    lengths = [2, 9, 5, 10, 1, 7, 4, 8, 6, 3, 10, 2]
+    runs = {}
+    for name, env in (("shared", ""), ("sdpa", "sdpa")):
+        os.environ["TRINITY_DECODE_ATTENTION"] = env
+        runs[name] = (RolloutStats(),)
+        runs[name] += (generate_continuous(chunks[0], prompts, params, vocab_size=facts.vocab_size, pad_id=0,
+                                           budget=KVBudget(max_num_seqs=3), response_lengths=lengths, stats=runs[name][0]),)
+    (s_stats, s_out), (d_stats, d_out) = runs["shared"], runs["sdpa"]
+    out["waves"] = {
+        "attention": s_stats.attention, "sdpa_attention": d_stats.attention, "waves": s_stats.waves,
+        "tokens_equal": torch.equal(s_out.tokens, d_out.tokens), "mask_equal": torch.equal(s_out.response_mask, d_out.response_mask),
+        "lengths": s_out.response_mask.sum(1).tolist(), "logp_diff": (s_out.logprobs - d_out.logprobs).abs().max().item(),
+        "read_kv": s_stats.read_kv_tokens, "live_kv": s_stats.live_kv_tokens, "sdpa_read_kv": d_stats.read_kv_tokens,
+        "sdpa_live_kv": d_stats.live_kv_tokens,
+    }
     print("RESULT " + json.dumps(out))
 """)
 
@@ -109,8 +159,20 @@ def test_fused_rope_equals_the_separate_kernels_and_the_engine_the_static_batch(
         if "float32" in c["case"]:
             assert c["torch_ops_equal"], c
             assert c["sdpa_err"] < 1e-5, c
+    # shared prompt keys: the kernel reads them from slot src (the same output as over copies of them, bit for
+    # bit; over the garbage copies without sharing the output differs), and stores the step's key and value
+    assert len(res["shared"]) == 6
+    for c in res["shared"]:
+        assert c["equal"] and c["cache_written"] and c["garbage_differs"], c
     # the engine took these kernels (their first-use checks passed: no "disabled" warning), and gives the
-    # static batch's greedy tokens and log-probs (fp32)
+    # static batch's greedy tokens and log-probs (fp32); its prompts have two samples each, which share keys
     eng = res["engine"]
-    assert eng["attention"] == "triton split-KV + fused RoPE/SwiGLU" and not eng["warnings"], eng
+    assert eng["attention"] == "triton split-KV + fused RoPE/SwiGLU, shared prompt keys" and not eng["warnings"], eng
     assert eng["tokens_equal"] and eng["logp_diff"] < 1e-5, eng
+    # through waves, retirements and compaction: SDPA's tokens and log-probs (each row reads its own copy),
+    # with the scheduled lengths; the prompts' keys counted once per step where shared
+    w = res["waves"]
+    assert w["attention"].endswith(", shared prompt keys") and w["sdpa_attention"].startswith("sdpa"), w
+    assert w["waves"] >= 4 and w["lengths"] == [2, 9, 5, 10, 1, 7, 4, 8, 6, 3, 10, 2], w
+    assert w["tokens_equal"] and w["mask_equal"] and w["logp_diff"] < 1e-5, w
+    assert w["read_kv"] < w["live_kv"] and w["sdpa_read_kv"] == w["sdpa_live_kv"] == w["live_kv"], w

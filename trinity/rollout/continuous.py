@@ -9,7 +9,9 @@ until its longest row ends, over a cache of the final length, with no memory bou
 - a row that ends (EOS or `max_new_tokens`) frees its slot; waiting rows are prefilled into free slots
   (a rollout larger than the pool runs in waves, each row's tokens unchanged);
 - identical prompts (a prompt's n samples) are prefilled ONCE per admission and their keys/values copied
-  to each sample's slot;
+  to each sample's slot; on CUDA a decode step's split-KV kernel reads the prompt's keys from one of
+  those slots for all of its samples (`set_leads`), so that they come from DRAM about once per step
+  instead of n times;
 - every slot has its own position, so a row's RoPE and causal mask are those of the row alone. A decode
   step runs the slots [0, b) with b the batch bucket above the highest live slot, attending over the
   first `L` cache positions, L the longest live context rounded up to `_LEN_BUCKET` (a step reads the
@@ -40,6 +42,7 @@ wait for each step); a row that ended keeps a slot one extra step, computing not
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -80,6 +83,7 @@ class RolloutStats:
     prefilled_prompts: int = 0
     decode_steps: int = 0
     live_kv_tokens: int = 0  # sum over decode steps of the live rows' context lengths (KV read floor)
+    read_kv_tokens: int = 0  # the same with a prompt's keys counted once per step where its samples share them
     slot_steps: int = 0  # sum over decode steps of the batch bucket (rows computed, live or not)
     tokens: int = 0
     attention: str = ""  # the decode attention: "triton split-KV" (CUDA) or "sdpa"
@@ -171,9 +175,15 @@ def generate_continuous(
     # one decoder per model chunk; `dec` (chunk 0) holds the slot state all of them read; tail_key: what
     # the sampling captured with a step compiles for (SlotDecoder warms a shape up once per process)
     tail_key = (sampler.label, params.temperature, vocab_size, max_new, rows, len(set(params.eos_token_ids)))
-    dec = SlotDecoder(gpts[0], slots, cache_len, cuda_graphs=cuda_graphs, tail_key=tail_key)
-    decs = [dec] + [SlotDecoder(g, slots, cache_len, cuda_graphs=cuda_graphs, state_from=dec, tail_key=tail_key)
-                    for g in gpts[1:]]
+    # the waiting rows, grouped by prompt (a prompt's samples are prefilled once when admitted together)
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for r, p in enumerate(prompts):
+        groups.setdefault(tuple(p), []).append(r)
+    # a prompt's samples read one copy of its keys (TRINITY_SHARED_PROMPT_KEYS=0: each its own, a diagnostic)
+    share = any(len(g) > 1 for g in groups.values()) and os.environ.get("TRINITY_SHARED_PROMPT_KEYS", "1") != "0"
+    dec = SlotDecoder(gpts[0], slots, cache_len, cuda_graphs=cuda_graphs, tail_key=tail_key, share_prefix=share)
+    decs = [dec] + [SlotDecoder(g, slots, cache_len, cuda_graphs=cuda_graphs, state_from=dec, tail_key=tail_key,
+                                share_prefix=share) for g in gpts[1:]]
     stats.rows, stats.slots, stats.cache_len, stats.kv_bytes_per_token = rows, slots, cache_len, kv_bytes_per_token(gpts)
     eos = torch.tensor(sorted(set(params.eos_token_ids)) or [-1], device=device)
     # one CUDA graph per step for the layers, the sampling and the bookkeeping: one stage, one chunk, the
@@ -194,16 +204,14 @@ def generate_continuous(
     count = torch.zeros(slots, dtype=torch.long, device=device)
     done = dec.done
 
-    # the waiting rows, grouped by prompt (a prompt's samples are prefilled once when admitted together)
-    groups: dict[tuple[int, ...], list[int]] = {}
-    for r, p in enumerate(prompts):
-        groups.setdefault(tuple(p), []).append(r)
     waiting: list[list[int]] = list(groups.values())
     n_waiting = rows
     free = list(range(slots))  # kept sorted: new rows take the lowest slots
     slot_row = [-1] * slots  # host view: the row a slot holds (-1 = free)
     slot_admit = [0] * slots  # iteration of admission (flags snapshotted before it do not apply)
     slot_pos = [0] * slots  # upper bound of the slot's next position (host's estimate for L)
+    slot_grp, slot_plen = [-1] * slots, [0] * slots  # the slot's prompt (id per prompt and prefill), its length
+    next_grp = 0
     active_set: set[int] = set()  # slots holding a row that has not been retired
     flags = _DoneFlags(device, slots)
     was_training = [g.training for g in gpts]
@@ -276,7 +284,7 @@ def generate_continuous(
             prefill(chunk, it)
 
     def prefill(chunk: list[tuple[tuple[int, ...], list[tuple[int, int]]]], it: int) -> None:
-        nonlocal n_waiting
+        nonlocal n_waiting, next_grp
         u, width = len(chunk), max(len(c[0]) for c in chunk)
         tok = torch.full((u, width), pad_id, dtype=torch.long)
         for j, (p, _) in enumerate(chunk):
@@ -296,11 +304,29 @@ def generate_continuous(
         count[dst] = 0
         done[dst] = False
         dec.pos[dst] = lengths.index_select(0, src)  # the first sampled token goes at position len(prompt)
+        dec.plen[dst] = lengths.index_select(0, src)
         nxt, logp = sample_broadcast(out.index_select(0, src) if pipe.last else None, dst)
         record(dst, nxt, logp, torch.ones_like(dst, dtype=torch.bool))
         for (r, s), j in zip(pairs, src_l):
             slot_row[s], slot_admit[s], slot_pos[s] = r, it, len(chunk[j][0])
+            slot_grp[s], slot_plen[s] = next_grp + j, len(chunk[j][0])
             n_waiting -= 1
+        next_grp += u
+
+    leads = list(range(slots))  # the host's copy of dec.lead
+
+    def set_leads() -> None:
+        """Shared prompt keys: each active slot reads its prompt's keys from the lowest active slot of its
+        prompt (an active slot's cache is not reused before `retire` frees it, and the new leads reach the
+        device before the next step). Queued only when they changed: rows end one at a time in the tail."""
+        first: dict[int, int] = {}
+        new = list(range(slots))
+        for s in sorted(active_set):
+            new[s] = first.setdefault(slot_grp[s], s)
+        if new != leads:
+            leads[:] = new
+            dec.lead.copy_(torch.tensor(new, dtype=torch.long).pin_memory() if device.type == "cuda"
+                           else torch.tensor(new, dtype=torch.long), non_blocking=True)
 
     def retire(snap: tuple[int, torch.Tensor] | None) -> None:
         if snap is None:
@@ -330,6 +356,7 @@ def generate_continuous(
         row_of[sl] = rows
         for s, d in zip(src, dst):
             slot_row[d], slot_admit[d], slot_pos[d] = slot_row[s], it, slot_pos[s]
+            slot_grp[d], slot_plen[d] = slot_grp[s], slot_plen[s]
             slot_row[s] = -1
             active_set.discard(s)
             active_set.add(d)
@@ -357,13 +384,18 @@ def generate_continuous(
                     nxt, logp = sample_broadcast(out if pipe.last else None, idx)
                     record(idx, nxt, logp, live)
                     dec.pos[:b] += live.long()
-                live_ctx = 0
+                live_ctx = shared_ctx = 0
+                seen: set[int] = set()
                 for s in active:
                     slot_pos[s] = min(slot_pos[s] + 1, cache_len - 1)
                     live_ctx += slot_pos[s]
+                    # with shared prompts a prompt's keys count once per step
+                    shared_ctx += slot_pos[s] - (slot_plen[s] if dec.share_prefix and slot_grp[s] in seen else 0)
+                    seen.add(slot_grp[s])
                 stats.decode_steps += 1
                 stats.slot_steps += b
                 stats.live_kv_tokens += live_ctx
+                stats.read_kv_tokens += shared_ctx
                 snap = flags.record(it, done)
             else:
                 snap = flags.flush()
@@ -376,6 +408,8 @@ def generate_continuous(
                 compact(it)
             if not n_waiting and len(free) == slots and flags.pending is None:
                 break
+            if dec.share_prefix:
+                set_leads()
             it += 1
     finally:
         for g, training in zip(gpts, was_training):

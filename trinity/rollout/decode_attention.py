@@ -97,6 +97,18 @@ def _self_check(device: torch.device, head_dim: int, per: int, dtype: torch.dtyp
 
         ref = sdpa(q)
         err = max(((out - ref).norm() / ref.norm()).item() for out in outs)
+        # shared prompts: rows 1.. read their first 48 keys from slot 0 (their own copies are garbage here),
+        # against SDPA over caches where those keys are slot 0's
+        plen = torch.full((b,), 48, device=device)
+        src = torch.zeros(b, dtype=torch.long, device=device)
+        for n in (None, 1):
+            out = decode_attention(q, k, v, lengths, cache, head_dim**-0.5, splits=n, prefix=(src, plen)).float()
+            shared_k, shared_v = k.clone(), v.clone()
+            shared_k[:, :, :48], shared_v[:, :, :48] = k[:1, :, :48], v[:1, :, :48]
+            want = torch.cat([F.scaled_dot_product_attention(q[i:i + 1].float(), shared_k[i:i + 1, :, :m].float(),
+                                                              shared_v[i:i + 1, :, :m].float(), scale=head_dim**-0.5)
+                              for i, m in enumerate(lengths.tolist())])
+            err = max(err, ((out - want).norm() / want.norm()).item())
         # with RoPE and the cache store in the kernel, against the torch ops, then SDPA
         from trinity.rollout.decode_fused import random_rope_table, reference_rope_store
 
@@ -122,12 +134,14 @@ _FULL_GRID = 512  # rows x groups at which one program per (row, group) already 
 if triton is not None:
 
     @triton.jit
-    def _block(q, K, V, b, g, sk_b, sk_g, sk_n, sv_b, sv_g, sv_n, cols, end, dims, m_i, l_i, acc, scale,
+    def _block(q, K, V, b, src, plen, g, sk_b, sk_g, sk_n, sv_b, sv_g, sv_n, cols, end, dims, m_i, l_i, acc, scale,
                PRECISION: tl.constexpr):
-        """One block of keys `cols` (those >= end masked) folded into the online softmax (m_i, l_i, acc)."""
+        """One block of keys `cols` (those >= end masked) folded into the online softmax (m_i, l_i, acc).
+        Keys before `plen` come from slot `src` (the shared prompt), the others from the row's own slot b."""
         live = cols < end
-        k = tl.load(K + b * sk_b + g * sk_g + cols[:, None] * sk_n + dims[None, :], mask=live[:, None], other=0.0)
-        v = tl.load(V + b * sv_b + g * sv_g + cols[:, None] * sv_n + dims[None, :], mask=live[:, None], other=0.0)
+        slot = tl.where(cols < plen, src, b).to(tl.int64)
+        k = tl.load(K + slot[:, None] * sk_b + g * sk_g + cols[:, None] * sk_n + dims[None, :], mask=live[:, None], other=0.0)
+        v = tl.load(V + slot[:, None] * sv_b + g * sv_g + cols[:, None] * sv_n + dims[None, :], mask=live[:, None], other=0.0)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale
         scores = tl.where(live[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
@@ -166,16 +180,22 @@ if triton is not None:
         return _round(_round(x * c, DT) + _round(xr * s, DT), DT).to(DT)
 
     @triton.jit
-    def _split_kernel(Q, K, V, Lens, Acc, Mx, Den, COS, SIN, POS, scale,
+    def _split_kernel(Q, K, V, Lens, Src, Plen, Acc, Mx, Den, COS, SIN, POS, scale,
                       sq_b, sq_g, sq_p, sk_b, sk_g, sk_n, sv_b, sv_g, sv_n,
                       sa_b, sa_g, sa_s, sa_p, sm_b, sm_g, sm_s, s_c,
                       PER: tl.constexpr, P_PAD: tl.constexpr, D: tl.constexpr,
                       SPLIT_LEN: tl.constexpr, BLOCK: tl.constexpr, PRECISION: tl.constexpr,
-                      SINGLE: tl.constexpr, DYNAMIC: tl.constexpr, ROPE: tl.constexpr):
+                      SINGLE: tl.constexpr, DYNAMIC: tl.constexpr, ROPE: tl.constexpr, SHARE: tl.constexpr):
         b = tl.program_id(0)
         g = tl.program_id(1)
         s = tl.program_id(2)
         n_keys = tl.load(Lens + b)
+        if SHARE:  # the row's first plen keys (its prompt) are read from slot src, as the other rows of its prompt read them
+            src = tl.load(Src + b)
+            plen = tl.load(Plen + b)
+        else:
+            src = b
+            plen = 0
         start = s * SPLIT_LEN
         end = tl.minimum(start + SPLIT_LEN, n_keys)
         rows = tl.arange(0, P_PAD)
@@ -202,11 +222,11 @@ if triton is not None:
         acc = tl.zeros([P_PAD, D], tl.float32)
         if DYNAMIC:  # compiled: stop at the row's end
             for n0 in range(start, end, BLOCK):
-                m_i, l_i, acc = _block(q, K, V, b, g, sk_b, sk_g, sk_n, sv_b, sv_g, sv_n, n0 + tl.arange(0, BLOCK), end,
+                m_i, l_i, acc = _block(q, K, V, b, src, plen, g, sk_b, sk_g, sk_n, sv_b, sv_g, sv_n, n0 + tl.arange(0, BLOCK), end,
                                        dims, m_i, l_i, acc, scale, PRECISION)
         else:  # Triton's interpreter (CPU tests) takes no tensor loop bounds: a fixed trip count, masked
             for i in range(SPLIT_LEN // BLOCK):
-                m_i, l_i, acc = _block(q, K, V, b, g, sk_b, sk_g, sk_n, sv_b, sv_g, sv_n,
+                m_i, l_i, acc = _block(q, K, V, b, src, plen, g, sk_b, sk_g, sk_n, sv_b, sv_g, sv_n,
                                        start + i * BLOCK + tl.arange(0, BLOCK), end, dims, m_i, l_i, acc, scale, PRECISION)
         if SINGLE:  # one split holds the whole row: the normalised output, in the output's dtype
             out = acc / l_i[:, None]
@@ -255,7 +275,8 @@ def num_splits(programs: int, L: int, tune: dict | None = None) -> int:
 
 def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor,
                      L: int, scale: float, splits: int | None = None, tune: dict | None = None, *,
-                     rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                     rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                     prefix: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """q [b, groups, per, d]; keys/values [slots >= b, groups, cache_len, d]; lengths [b] (keys per
     row, >= 1); L >= max(lengths). Returns [b, groups, per, d] in q's dtype.
 
@@ -268,7 +289,13 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     query heads, its key, its value), and the kernel first does what `trinity.rollout.decode_fused.rope_store`
     does, with the same roundings: RoPE on the query heads and the key at position pos[b] < L (cos/sin
     [cache_len, d]), key and value written into row b's cache at pos[b]. One kernel fewer per layer
-    (benchmarks/decode_kernels.py --what layers)."""
+    (benchmarks/decode_kernels.py --what layers).
+
+    prefix=(src, plen), [b] each: row b reads its keys and values 0..plen[b]-1 from slot src[b] (which
+    must hold the same ones: the n samples of a prompt each keep a copy of its prompt's, and all read one
+    of them), the rest from slot b. Rows of a prompt sit in neighbouring programs, so the prompt's keys
+    come from DRAM about once per step and from L2 for the other samples (benchmarks/decode_kernels.py
+    --what prefix)."""
     import os
 
     tune = tune or {}
@@ -280,6 +307,7 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
         assert q.stride(3) == 1 and q.stride(2) == d and cos.stride(1) == 1 and sin.stride() == cos.stride()
     else:
         cos = sin = pos = q  # not read
+    src, plen = prefix if prefix is not None else (lengths, lengths)  # not read without prefix
     if splits is None:
         splits = num_splits(b * g, L, tune)
     split_len = -(-(-(-L // splits)) // block_n) * block_n
@@ -289,6 +317,7 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
                   # fp32 caches (tests, CPU-precision checks) multiply in full fp32, not TF32
                   PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
                   SINGLE=splits == 1, DYNAMIC=os.environ.get("TRITON_INTERPRET") != "1", ROPE=rope is not None,
+                  SHARE=prefix is not None,
                   # no fused multiply-add where RoPE rounds each product as the eager ops do (a bf16 run
                   # with them failed the first-use check's exact cache comparison on an H100)
                   enable_fp_fusion=rope is None)
@@ -296,14 +325,14 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
                values.stride(0), values.stride(1), values.stride(2))
     if splits == 1:
         out = torch.empty(b, g, per, d, dtype=q.dtype, device=q.device)
-        _split_kernel[(b, g, 1)](q, keys, values, lengths, out, out, out, cos, sin, pos, scale, *strides,
+        _split_kernel[(b, g, 1)](q, keys, values, lengths, src, plen, out, out, out, cos, sin, pos, scale, *strides,
                                  out.stride(0), out.stride(1), 0, out.stride(2), 0, 0, 0, cos.stride(0), **common)
         return out
     acc = torch.empty(b, g, splits, p_pad, d, dtype=torch.float32, device=q.device)
     mx = torch.empty(b, g, splits, p_pad, dtype=torch.float32, device=q.device)
     den = torch.empty_like(mx)
     _split_kernel[(b, g, splits)](
-        q, keys, values, lengths, acc, mx, den, cos, sin, pos, scale, *strides,
+        q, keys, values, lengths, src, plen, acc, mx, den, cos, sin, pos, scale, *strides,
         acc.stride(0), acc.stride(1), acc.stride(2), acc.stride(3), mx.stride(0), mx.stride(1), mx.stride(2),
         cos.stride(0), **common,
     )

@@ -49,7 +49,7 @@ class SlotDecoder(StageDecoder):
     this one reads, so that the caller sets them once for all chunks."""
 
     def __init__(self, gpt: Any, slots: int, cache_len: int, *, cuda_graphs: bool = True,
-                 state_from: "SlotDecoder | None" = None, tail_key: tuple = ()) -> None:
+                 state_from: "SlotDecoder | None" = None, tail_key: tuple = (), share_prefix: bool = False) -> None:
         # geometry, the per-layer K/V slot pool, megatron's RoPE table, lean path and CUDA-graph eligibility
         super().__init__(gpt, slots, cache_len, cuda_graphs=cuda_graphs)
         rot = self.cos.shape[-1]
@@ -62,6 +62,11 @@ class SlotDecoder(StageDecoder):
         # rows whose sequence ended (or that hold none): the split-KV kernel reads one key for them
         self.done = torch.ones(slots, dtype=torch.bool, device=self.device) if state_from is None else state_from.done
         self.rows = torch.arange(slots, device=self.device)
+        # with share_prefix: the slot whose copy of the row's prompt keys the row reads, and the prompt's
+        # length (the caller sets both: `generate_continuous` names a slot of the prompt that has not been
+        # retired, whose keys stay intact until then)
+        self.lead = self.rows.clone() if state_from is None else state_from.lead
+        self.plen = torch.zeros(slots, dtype=torch.long, device=self.device) if state_from is None else state_from.plen
         self.kpos = torch.arange(cache_len, device=self.device)
         self._graphs: dict[tuple[int, int, bool], tuple[torch.cuda.CUDAGraph, Any]] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.use_graph else None
@@ -70,6 +75,9 @@ class SlotDecoder(StageDecoder):
 
         self.split_kv = decode_attention.available(self.device, self.head_dim, self.heads // self.groups, self.dtype)
         self.attention = "triton split-KV" if self.split_kv else "sdpa"
+        # a prompt's n samples each hold a copy of its keys (prefill copies them to every sample's slot); the
+        # split-KV kernel reads one copy for all of them, so that neighbouring programs share it in L2
+        self.share_prefix = share_prefix and self.split_kv
         from trinity.rollout import decode_fused
 
         # RoPE + cache store (in the split-KV kernel where it runs) and SwiGLU fused (lean layers; Qwen3's
@@ -78,12 +86,14 @@ class SlotDecoder(StageDecoder):
             self.device, self.head_dim, self.heads // self.groups, rot, self.dtype)
         if self.fused:
             self.attention += " + fused RoPE/SwiGLU"
+        if self.share_prefix:
+            self.attention += ", shared prompt keys"
         # what a captured step's kernels depend on besides (slots, cache_len, bucket): a shape warmed up
         # once in this process is captured without a warm-up in later rollouts (`_capture`); tail_key:
         # the caller's for the sampling it captures with the step (`step(tail=...)`)
         self.warm_key = (str(self.device), self.dtype, type(gpt), len(self.layers), self.config.hidden_size,
                          self.heads, self.groups, self.head_dim, self.first, self.last, self.lean, self.fused,
-                         self.split_kv, self.tp_group is not None, *tail_key)
+                         self.split_kv, self.share_prefix, self.tp_group is not None, *tail_key)
 
     # ---- layers ------------------------------------------------------------------------------------
     def _rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -108,7 +118,8 @@ class SlotDecoder(StageDecoder):
             from trinity.rollout.decode_attention import decode_attention
 
             table = (self.cos, self.sin, self.pos[:b]) if rope else None
-            return decode_attention(q, self.keys[i], self.values[i], ctx["nkeys"], L, self.scale, rope=table)
+            return decode_attention(q, self.keys[i], self.values[i], ctx["nkeys"], L, self.scale, rope=table,
+                                    prefix=ctx["prefix"])
         return F.scaled_dot_product_attention(q, self.keys[i][:b, :, :L], self.values[i][:b, :, :L],
                                               attn_mask=ctx["bias"], scale=self.scale)
 
@@ -246,7 +257,8 @@ class SlotDecoder(StageDecoder):
         bias = None if self.split_kv else torch.zeros(b, 1, 1, L, dtype=self.dtype, device=self.device).masked_fill_(
             (self.kpos[:L].view(1, 1, 1, L) > pos.view(b, 1, 1, 1)), float("-inf"))
         nkeys = torch.where(self.done[:b], torch.ones_like(pos), pos + 1) if self.split_kv else None
-        ctx = {"decode": True, "L": L, "bias": bias, "nkeys": nkeys}
+        prefix = (self.lead[:b], self.plen[:b]) if self.share_prefix else None
+        ctx = {"decode": True, "L": L, "bias": bias, "nkeys": nkeys, "prefix": prefix}
         x = self.gpt.embedding(input_ids=self.tok[:b].view(b, 1), position_ids=pos.view(b, 1)) if self.first else self.hidden[:, :b]
         x = self._layers(x, pos.view(1, b), ctx)
         return self._logits(x) if self.last else x
@@ -308,5 +320,5 @@ class SlotDecoder(StageDecoder):
         d = torch.tensor(dst, device=self.device)
         for cache in (*self.keys, *self.values):
             cache.index_copy_(0, d, cache.index_select(0, s))
-        for buf in (self.tok, self.pos) if self.owns_state else ():
+        for buf in (self.tok, self.pos, self.plen) if self.owns_state else ():
             buf.index_copy_(0, d, buf.index_select(0, s))
