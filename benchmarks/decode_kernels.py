@@ -214,7 +214,7 @@ def prefix(args, bw: float) -> None:
         outs = {}
         times = {}
         settings = [(False, {}), (True, {}), ("cascade", {})]
-        from trinity.rollout.decode_attention import cascade_width, prompt_splits
+        from trinity.rollout.decode_attention import cascade_width
 
         width = cascade_width(per)
         members = torch.full((rows, width), -1, dtype=torch.long)
@@ -225,14 +225,15 @@ def prefix(args, bw: float) -> None:
             chunk_lead[r] = top
             members[top, r - top] = r
         members, chunk_lead = members.to(DEVICE), chunk_lead.to(DEVICE)
+        for ps, nw in itertools.product((32, 64, 128, 256), (4, 8)) if args.sweep_prefix else ():  # the cascade's prompt kernel
+            settings.append(("cascade", dict(prefix_split=ps, prefix_num_warps=nw)))
         if args.sweep_prefix:  # launch settings of the shared case: more programs per row, warps, stages
-            for fg, nw, ns in itertools.product((512, 1 << 30), (4, 8), (2, 3)):
-                for sp in ((256,) if fg == 512 else (256, 128)):
-                    settings.append((True, dict(full_grid=fg, split=sp, num_warps=nw, num_stages=ns)))
+            for fg, nw, ns in itertools.product((512,), (4, 8), (2, 3)):
+                settings.append((True, dict(full_grid=fg, split=256, num_warps=nw, num_stages=ns)))
         for shared, tune in settings:
             kw = dict(rope=(cos, sin, pos), prefix=(lead, plen) if shared else None, tune=tune)
             if shared == "cascade":
-                kw.update(prefix=(chunk_lead, plen), cascade=(members, prompt_splits(plen_)))
+                kw.update(prefix=(chunk_lead, plen), cascade=(members, plen_))
 
             def step():
                 return [decode_attention(qkv, k, v, lengths, cache_len, d**-0.5, **kw) for k, v in caches]
@@ -255,7 +256,7 @@ def prefix(args, bw: float) -> None:
             err = max(float((a.float() - b.float()).norm() / b.float().norm()) for a, b in zip(out, base))
             assert err == 0.0 or ((key[1] or key[0] == "cascade") and err < 2e-2), f"shared prompt keys changed the output: {key} {err}"
         for key in [k for k in times if k[1]]:
-            print(f"| {rows} | setting {dict(key[1])} | {times[key] * 1e6:.2f} us per layer |", flush=True)
+            print(f"| {rows} | {'cascade' if key[0] == 'cascade' else 'lead'} setting {dict(key[1])} | {times[key] * 1e6:.2f} us per layer |", flush=True)
         times = {False: times[(False, ())], True: times[(True, ())], "cascade": times[("cascade", ())]}
         kv_bytes = groups * d * 2 * 2  # keys and values, bf16, per token and layer
         prompts = -(-rows // args.n)

@@ -198,7 +198,7 @@ def test_shared_prompt_keys_read_one_copy(dtype):
     first split's 256), each sample's own copy of its prompt's keys garbage: the output equals the kernel's
     over caches where every sample holds the prompt's keys, with RoPE and the cache store in the kernel,
     for one split per row, several, and the engine's choice; without prefix= the garbage shows."""
-    from trinity.rollout.decode_attention import cascade_width, decode_attention, prompt_splits
+    from trinity.rollout.decode_attention import cascade_width, decode_attention
     from trinity.rollout.decode_fused import random_rope_table
 
     g = torch.Generator().manual_seed(2)
@@ -231,7 +231,7 @@ def test_shared_prompt_keys_read_one_copy(dtype):
             members[int(src[r]), r % 8] = r
         casc_kv = [f.clone() for f in fixed]
         casc = decode_attention(qkv, *casc_kv, pos + 1, cache, d**-0.5, splits=splits, rope=(cos, sin, pos),
-                                prefix=(src, plen), cascade=(members.cuda(), prompt_splits(plen_)))
+                                prefix=(src, plen), cascade=(members.cuda(), plen_))
         for c, f in zip(casc_kv, fixed):
             assert torch.equal(c, f), splits
         err = ((casc.float() - want.float()).norm() / want.float().norm()).item()

@@ -24,7 +24,7 @@ CHILD = textwrap.dedent("""
     import json
     import torch
     import torch.nn.functional as F
-    from trinity.rollout.decode_attention import cascade_width, decode_attention, prompt_splits
+    from trinity.rollout.decode_attention import cascade_width, decode_attention
     from trinity.rollout.decode_fused import random_rope_table, reference_rope_store, rope_store
 
     torch.manual_seed(0)
@@ -88,7 +88,7 @@ CHILD = textwrap.dedent("""
             members[0, :3], members[4, :3] = torch.tensor([0, 1, 2]), torch.tensor([3, 4, 5])
             casc_kv = [f.clone() for f in fixed]
             casc = decode_attention(x, *casc_kv, nkeys, cache, d ** -0.5, splits=splits, prefix=(src, plen),
-                                    cascade=(members, prompt_splits(40)), **kw)
+                                    cascade=(members, 40), **kw)
             shared.append({"rope": bool(rope), "splits": splits, "equal": torch.equal(got, want),
                            "cache_written": bool(written),
                            "garbage_differs": not torch.equal(decode_attention(x.clone(), *[c.clone() for c in kv], nkeys, cache,

@@ -317,12 +317,10 @@ def generate_continuous(
             n_waiting -= 1
         next_grp += u
 
-    from trinity.rollout.decode_attention import prompt_splits
-
     leads: list = [list(range(slots)), {}]  # the host's copies of dec.lead and of dec.members' lists
     width = dec.members.shape[1]
     for d in decs:
-        d.prompt_splits = prompt_splits(max(plens))
+        d.prompt_len = max(plens)
 
     def upload(dst: torch.Tensor, values: list) -> None:
         src = torch.tensor(values, dtype=torch.long)

@@ -24,6 +24,7 @@ except ImportError:  # pragma: no cover - CPU-only installs
     triton = None
 
 SPLIT = 256  # keys per program
+PREFIX_SPLIT = 64  # prompt keys per program of the cascade's prompt kernel
 BLOCK_N = 64  # keys per inner iteration
 
 
@@ -116,7 +117,7 @@ def _self_check(device: torch.device, head_dim: int, per: int, dtype: torch.dtyp
             out = decode_attention(q, k, v, lengths, cache, head_dim**-0.5, splits=n, prefix=(src, plen)).float()
             err = max(err, ((out - want).norm() / want.norm()).item())
             out = decode_attention(q, shared_k, shared_v, lengths, cache, head_dim**-0.5, splits=n,
-                                   prefix=(lead.to(device), plen), cascade=(members.to(device), prompt_splits(48))).float()
+                                   prefix=(lead.to(device), plen), cascade=(members.to(device), 48)).float()
             err = max(err, ((out - want).norm() / want.norm()).item())
         # with RoPE and the cache store in the kernel, against the torch ops, then SDPA
         from trinity.rollout.decode_fused import random_rope_table, reference_rope_store
@@ -354,11 +355,6 @@ def cascade_width(per: int) -> int:
     return max(1, 64 // per)
 
 
-def prompt_splits(prompt_len: int) -> int:
-    """Programs per list of `decode_attention(cascade=...)` for prompts of up to prompt_len keys."""
-    return max(1, -(-prompt_len // SPLIT))
-
-
 def num_splits(programs: int, L: int, tune: dict | None = None) -> int:
     """Splits per row for `programs` (rows x groups) over L keys: one where the rows alone fill the GPU
     (_FULL_GRID), else L / SPLIT."""
@@ -391,10 +387,11 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     come from DRAM about once per step and from L2 for the other samples (benchmarks/decode_kernels.py
     --what prefix).
 
-    cascade=(members, prompt_splits), with prefix: members [>= b, cascade_width(per)] lists, in the row of
+    cascade=(members, prompt_len), with prefix: members [>= b, cascade_width(per)] lists, in the row of
     a leading slot, the slots of its prompt's samples (-1 pads; every row sharing a prompt in exactly one
     list; a row's plen must be its leading slot's). `_prefix_kernel` attends all members' query heads to
-    the leading slot's prompt keys at once, in prompt_splits >= ceil(plen / SPLIT) programs per list, and
+    the leading slot's prompt keys at once, in ceil(prompt_len / PREFIX_SPLIT) programs per list
+    (prompt_len >= every plen), and
     each row then reads only its own keys after the prompt: the prompt's keys are read once per list, not
     once per row. A row with lengths <= plen (an ended row) reads its own keys from 0."""
     import os
@@ -416,7 +413,9 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     launch = {k: tune[k] for k in ("num_warps", "num_stages") if k in tune}
     assert cascade is None or prefix is not None, "cascade= needs prefix=(src, plen)"
     if cascade is not None:
-        members, prompt_splits = cascade
+        members, prompt_len = cascade
+        prefix_split = tune.get("prefix_split", PREFIX_SPLIT)
+        prompt_splits = max(1, -(-prompt_len // prefix_split))
         width = cascade_width(per)
         assert members.shape[1] == width, (members.shape, width)
         pacc = torch.empty(b, g, prompt_splits, per, d, dtype=torch.float32, device=q.device)
@@ -428,8 +427,9 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
             values.stride(0), values.stride(1), values.stride(2), members.stride(0),
             pacc.stride(0), pacc.stride(1), pacc.stride(2), pacc.stride(3), pmx.stride(0), pmx.stride(1), pmx.stride(2),
             cos.stride(0), PER=per, MAXM=width, R_PAD=max(16, triton.next_power_of_2(width * per)), D=d,
-            SPLIT_LEN=SPLIT, BLOCK=block_n, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-            DYNAMIC=os.environ.get("TRITON_INTERPRET") != "1", ROPE=rope is not None, enable_fp_fusion=rope is None)
+            SPLIT_LEN=prefix_split, BLOCK=min(block_n, prefix_split), PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            DYNAMIC=os.environ.get("TRITON_INTERPRET") != "1", ROPE=rope is not None, enable_fp_fusion=rope is None,
+            **{k[len("prefix_"):]: tune[k] for k in ("prefix_num_warps", "prefix_num_stages") if k in tune})
         part = (pacc, pmx, pden, pacc.stride(0), pacc.stride(1), pacc.stride(2), pacc.stride(3),
                 pmx.stride(0), pmx.stride(1), pmx.stride(2))
     else:

@@ -69,13 +69,13 @@ class SlotDecoder(StageDecoder):
         self.plen = torch.zeros(slots, dtype=torch.long, device=self.device) if state_from is None else state_from.plen
         # cascade (the caller sets `cascade` before a step, and the lists when they change): in the row of a
         # leading slot, the slots of its prompt's samples that read the prompt's keys through it (-1 pads);
-        # prompt_splits covers the longest prompt of the rollout
+        # prompt_len: the longest prompt of the rollout
         from trinity.rollout.decode_attention import cascade_width
 
         width = cascade_width(max(1, self.heads // self.groups))
         self.members = (torch.full((slots, width), -1, dtype=torch.long, device=self.device) if state_from is None
                         else state_from.members)
-        self.cascade, self.prompt_splits = False, 1
+        self.cascade, self.prompt_len = False, 1
         self.kpos = torch.arange(cache_len, device=self.device)
         self._graphs: dict[tuple[int, int, bool, bool], tuple[torch.cuda.CUDAGraph, Any]] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.use_graph else None
@@ -267,7 +267,7 @@ class SlotDecoder(StageDecoder):
             (self.kpos[:L].view(1, 1, 1, L) > pos.view(b, 1, 1, 1)), float("-inf"))
         nkeys = torch.where(self.done[:b], torch.ones_like(pos), pos + 1) if self.split_kv else None
         prefix = (self.lead[:b], self.plen[:b]) if self.share_prefix else None
-        cascade = (self.members, self.prompt_splits) if self.share_prefix and self.cascade else None
+        cascade = (self.members, self.prompt_len) if self.share_prefix and self.cascade else None
         ctx = {"decode": True, "L": L, "bias": bias, "nkeys": nkeys, "prefix": prefix, "cascade": cascade}
         x = self.gpt.embedding(input_ids=self.tok[:b].view(b, 1), position_ids=pos.view(b, 1)) if self.first else self.hidden[:, :b]
         x = self._layers(x, pos.view(1, b), ctx)
