@@ -213,62 +213,31 @@ def prefix(args, bw: float) -> None:
         pos, lengths = (ctx - 1).to(DEVICE), ctx.to(DEVICE)
         outs = {}
         times = {}
-        settings = [(False, {}), (True, {}), ("cascade", {})]
-        from trinity.rollout.decode_attention import cascade_width
-
-        width = cascade_width(per)
-        members = torch.full((rows, width), -1, dtype=torch.long)
-        chunk_lead = torch.empty(rows, dtype=torch.long)
-        for r in range(rows):  # a prompt's samples in lists of `width`, as the engine forms them
-            first = r // args.n * args.n
-            top = first + (r - first) // width * width
-            chunk_lead[r] = top
-            members[top, r - top] = r
-        members, chunk_lead = members.to(DEVICE), chunk_lead.to(DEVICE)
-        for ps, nw in itertools.product((32, 64, 128, 256), (4, 8)) if args.sweep_prefix else ():  # the cascade's prompt kernel
-            settings.append(("cascade", dict(prefix_split=ps, prefix_num_warps=nw)))
-        if args.sweep_prefix:  # launch settings of the shared case: more programs per row, warps, stages
-            for fg, nw, ns in itertools.product((512,), (4, 8), (2, 3)):
-                settings.append((True, dict(full_grid=fg, split=256, num_warps=nw, num_stages=ns)))
-        for shared, tune in settings:
-            kw = dict(rope=(cos, sin, pos), prefix=(lead, plen) if shared else None, tune=tune)
-            if shared == "cascade":
-                kw.update(prefix=(chunk_lead, plen), cascade=(members, plen_))
+        for shared in (False, True):
+            kw = dict(rope=(cos, sin, pos), prefix=(lead, plen) if shared else None)
 
             def step():
                 return [decode_attention(qkv, k, v, lengths, cache_len, d**-0.5, **kw) for k, v in caches]
 
-            key = (shared, tuple(sorted(tune.items())))
-            try:
-                outs[key] = step()  # compile outside the capture
-                if DEVICE == "cuda":
-                    torch.cuda.synchronize()
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph):
-                        step()
-                    times[key] = _bench(graph.replay) / n_layers
-                else:
-                    times[key] = _bench(step) / n_layers
-            except Exception as exc:  # a setting Triton cannot compile (shared memory)
-                print(f"| {rows} | setting {tune} failed: {type(exc).__name__} |")
-        base = outs[(False, ())]
-        for key, out in outs.items():  # bf16 outputs: the cascade sums in another order
-            err = max(float((a.float() - b.float()).norm() / b.float().norm()) for a, b in zip(out, base))
-            assert err == 0.0 or ((key[1] or key[0] == "cascade") and err < 2e-2), f"shared prompt keys changed the output: {key} {err}"
-        for key in [k for k in times if k[1]]:
-            print(f"| {rows} | {'cascade' if key[0] == 'cascade' else 'lead'} setting {dict(key[1])} | {times[key] * 1e6:.2f} us per layer |", flush=True)
-        times = {False: times[(False, ())], True: times[(True, ())], "cascade": times[("cascade", ())]}
+            outs[shared] = step()  # compile outside the capture
+            if DEVICE == "cuda":
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    step()
+                times[shared] = _bench(graph.replay) / n_layers
+            else:
+                times[shared] = _bench(step) / n_layers
+        same = all(torch.equal(a, b) for a, b in zip(outs[False], outs[True]))
+        assert same, "shared prompt keys changed the attention's output"
         kv_bytes = groups * d * 2 * 2  # keys and values, bf16, per token and layer
         prompts = -(-rows // args.n)
         floors = {False: float(ctx.sum()) * kv_bytes / bw,
                   True: (float(ctx.sum()) - (rows - prompts) * plen_) * kv_bytes / bw}
-        floors["cascade"] = floors[True]
-        names = {False: "own copy per row", True: "one copy per prompt, each row through its lead (L2)",
-                 "cascade": "one copy per prompt, cascade (read once per list)"}
-        for shared in (False, True, "cascade"):
-            print(f"| {rows} | {float(ctx.float().mean()):.0f} | {names[shared]} | "
+        for shared in (False, True):
+            print(f"| {rows} | {float(ctx.float().mean()):.0f} | {'one copy per prompt' if shared else 'own copy per row'} | "
                   f"{times[shared] * 1e6:.2f} | {floors[shared] * 1e6:.2f} | {100 * floors[shared] / times[shared]:.1f}% | "
-                  f"{'' if shared is False else f'{100 * (1 - times[shared] / times[False]):.0f}%'} |", flush=True)
+                  f"{'' if not shared else f'{100 * (1 - times[True] / times[False]):.0f}%'} |", flush=True)
         del caches
 
 
@@ -282,7 +251,6 @@ def main() -> None:
     ap.add_argument("--cache-len", type=int, default=1280)
     ap.add_argument("--n", type=int, default=8, help="prefix: samples per prompt")
     ap.add_argument("--prompt-len", type=int, default=256, help="prefix: prompt tokens")
-    ap.add_argument("--sweep-prefix", action="store_true", help="prefix: also time launch settings of the shared case")
     ap.add_argument("--split", type=int, nargs="*", default=None, help="layers: keys per split to time besides the engine's rule")
     ap.add_argument("--top", type=int, default=6, help="fastest settings shown per row count")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run under TRITON_INTERPRET=1")

@@ -198,7 +198,7 @@ def test_shared_prompt_keys_read_one_copy(dtype):
     first split's 256), each sample's own copy of its prompt's keys garbage: the output equals the kernel's
     over caches where every sample holds the prompt's keys, with RoPE and the cache store in the kernel,
     for one split per row, several, and the engine's choice; without prefix= the garbage shows."""
-    from trinity.rollout.decode_attention import cascade_width, decode_attention
+    from trinity.rollout.decode_attention import decode_attention
     from trinity.rollout.decode_fused import random_rope_table
 
     g = torch.Generator().manual_seed(2)
@@ -225,43 +225,6 @@ def test_shared_prompt_keys_read_one_copy(dtype):
         err = ((got.float() - want.float()).norm() / want.float().norm()).item()
         assert err <= (1e-6 if dtype == torch.float32 else 1e-2), (splits, err, torch.equal(got, want))
         assert ((unshared.float() - want.float()).norm() / want.float().norm()).item() > 0.05, splits
-        # the cascade over the copies: each prompt's 8 samples in one list led by its fourth sample's slot
-        members = torch.full((b, cascade_width(per)), -1, dtype=torch.long)
-        for r in range(b):
-            members[int(src[r]), r % 8] = r
-        casc_kv = [f.clone() for f in fixed]
-        casc = decode_attention(qkv, *casc_kv, pos + 1, cache, d**-0.5, splits=splits, rope=(cos, sin, pos),
-                                prefix=(src, plen), cascade=(members.cuda(), plen_))
-        for c, f in zip(casc_kv, fixed):
-            assert torch.equal(c, f), splits
-        err = ((casc.float() - want.float()).norm() / want.float().norm()).item()
-        assert err <= (1e-5 if dtype == torch.float32 else 1e-2), (splits, err)
-
-
-def test_cascade_rollout_with_long_prompts_matches_static_fp32(built):
-    """Prompts of 130-300 tokens, 4 samples each, 7 slots: the steps run the cascade kernels where the lists
-    hold two rows or more (and read through their leads otherwise), in CUDA graphs, through waves,
-    retirements and compaction; the sampled tokens equal the static batch's, log-probs within 1e-4 (fp32)."""
-    from trinity.rollout.continuous import KVBudget, RolloutStats, generate_continuous
-    from trinity.rollout.generate import SamplingParams, generate
-
-    models, facts = built
-    gpt = models[torch.float32]
-    g = torch.Generator().manual_seed(4)
-    prompts = [p for n in (130, 300, 170, 220) for p in [torch.randint(1, facts.vocab_size, (n,), generator=g).tolist()] * 4]
-    kw = dict(vocab_size=facts.vocab_size, pad_id=0)
-    # sampled at temperature 1 (the fused sampler draws the same tokens in any engine): a prompt's samples
-    # end at different tokens (11 EOS ids of a 128-token vocabulary), so lists shrink to one row
-    params = SamplingParams(temperature=1.0, max_new_tokens=24, eos_token_ids=tuple(range(1, 12)))
-    gen = lambda: torch.Generator(device="cuda").manual_seed(6)  # noqa: E731
-    want = generate(gpt, prompts, params, generator=gen(), **kw)
-    stats = RolloutStats()
-    got = generate_continuous(gpt, prompts, params, budget=KVBudget(max_num_seqs=7), stats=stats, generator=gen(), **kw)
-    assert 0 < stats.cascade_steps < stats.decode_steps and stats.waves > 1, stats
-    assert torch.equal(got.tokens, want.tokens) and torch.equal(got.response_mask, want.response_mask)
-    assert (got.logprobs - want.logprobs).abs().max().item() <= 1e-4
-    assert stats.read_kv_tokens < stats.live_kv_tokens, stats
-    assert 1 < len(set(got.response_mask.sum(1).tolist())), "rows should end at different lengths"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

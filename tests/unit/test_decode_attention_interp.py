@@ -24,7 +24,7 @@ CHILD = textwrap.dedent("""
     import json
     import torch
     import torch.nn.functional as F
-    from trinity.rollout.decode_attention import cascade_width, decode_attention
+    from trinity.rollout.decode_attention import decode_attention
     from trinity.rollout.decode_fused import random_rope_table, reference_rope_store, rope_store
 
     torch.manual_seed(0)
@@ -82,19 +82,10 @@ CHILD = textwrap.dedent("""
             want = decode_attention(x, *fixed, nkeys, cache, d ** -0.5, splits=splits, **kw)
             written = not rope or all(torch.equal(c[i, :, nkeys[i] - 1], f[i, :, nkeys[i] - 1])
                                       for c, f in zip(kv, fixed) for i in range(b))
-            # the cascade over the copies: lists (0, 1, 2) and (3, 4, 5) read through slots 0 and 4; the prompt
-            # part of each list attended at once, every row then reading its own keys after it
-            members = torch.full((b, cascade_width(per)), -1)
-            members[0, :3], members[4, :3] = torch.tensor([0, 1, 2]), torch.tensor([3, 4, 5])
-            casc_kv = [f.clone() for f in fixed]
-            casc = decode_attention(x, *casc_kv, nkeys, cache, d ** -0.5, splits=splits, prefix=(src, plen),
-                                    cascade=(members, 40), **kw)
             shared.append({"rope": bool(rope), "splits": splits, "equal": torch.equal(got, want),
                            "cache_written": bool(written),
                            "garbage_differs": not torch.equal(decode_attention(x.clone(), *[c.clone() for c in kv], nkeys, cache,
-                                                                              d ** -0.5, splits=splits, **kw), want),
-                           "cascade_err": ((casc - want).norm() / want.norm()).item(),
-                           "cascade_cache": all(torch.equal(c, f) for c, f in zip(casc_kv, fixed))})
+                                                                              d ** -0.5, splits=splits, **kw), want)})
     out["shared"] = shared
 
     # the engine on a tiny Qwen2 with these kernels, against the static batch (torch ops)
@@ -134,24 +125,20 @@ CHILD = textwrap.dedent("""
     from trinity.rollout.continuous import KVBudget
     prompts = [p for p in ([5, 9, 17, 3, 44, 2, 8, 11, 23, 4], [7, 1, 6], [100, 12, 8, 60, 3]) for _ in range(4)]
     lengths = [2, 9, 5, 10, 1, 7, 4, 8, 6, 3, 10, 2]
-    import trinity.rollout.continuous as engine
     runs = {}
-    # "shared": these short prompts read through their lead; "cascade": the cascade kernels from one-token
-    # prompts on (the engine's threshold lowered); "sdpa": each row its own copy
-    for name, env, threshold in (("shared", "", None), ("cascade", "", 1), ("sdpa", "sdpa", None)):
+    for name, env in (("shared", ""), ("sdpa", "sdpa")):
         os.environ["TRINITY_DECODE_ATTENTION"] = env
-        default, engine._CASCADE_PROMPT = engine._CASCADE_PROMPT, threshold or engine._CASCADE_PROMPT
-        stats = RolloutStats()
-        ro = generate_continuous(chunks[0], prompts, params, vocab_size=facts.vocab_size, pad_id=0,
-                                 budget=KVBudget(max_num_seqs=3), response_lengths=lengths, stats=stats)
-        engine._CASCADE_PROMPT = default
-        runs[name] = (stats, ro)
-    d_stats, d_out = runs["sdpa"]
-    out["waves"] = {name: {
-        "attention": st.attention, "waves": st.waves, "cascade_steps": st.cascade_steps, "steps": st.decode_steps,
-        "tokens_equal": torch.equal(ro.tokens, d_out.tokens), "mask_equal": torch.equal(ro.response_mask, d_out.response_mask),
-        "lengths": ro.response_mask.sum(1).tolist(), "logp_diff": (ro.logprobs - d_out.logprobs).abs().max().item(),
-        "read_kv": st.read_kv_tokens, "live_kv": st.live_kv_tokens} for name, (st, ro) in runs.items()}
+        runs[name] = (RolloutStats(),)
+        runs[name] += (generate_continuous(chunks[0], prompts, params, vocab_size=facts.vocab_size, pad_id=0,
+                                           budget=KVBudget(max_num_seqs=3), response_lengths=lengths, stats=runs[name][0]),)
+    (s_stats, s_out), (d_stats, d_out) = runs["shared"], runs["sdpa"]
+    out["waves"] = {
+        "attention": s_stats.attention, "sdpa_attention": d_stats.attention, "waves": s_stats.waves,
+        "tokens_equal": torch.equal(s_out.tokens, d_out.tokens), "mask_equal": torch.equal(s_out.response_mask, d_out.response_mask),
+        "lengths": s_out.response_mask.sum(1).tolist(), "logp_diff": (s_out.logprobs - d_out.logprobs).abs().max().item(),
+        "read_kv": s_stats.read_kv_tokens, "live_kv": s_stats.live_kv_tokens, "sdpa_read_kv": d_stats.read_kv_tokens,
+        "sdpa_live_kv": d_stats.live_kv_tokens,
+    }
     print("RESULT " + json.dumps(out))
 """)
 
@@ -177,8 +164,6 @@ def test_fused_rope_equals_the_separate_kernels_and_the_engine_the_static_batch(
     assert len(res["shared"]) == 6
     for c in res["shared"]:
         assert c["equal"] and c["cache_written"] and c["garbage_differs"], c
-        # the cascade sums the prompt's part apart: another order of fp32 additions
-        assert c["cascade_err"] < 1e-6 and c["cascade_cache"], c
     # the engine took these kernels (their first-use checks passed: no "disabled" warning), and gives the
     # static batch's greedy tokens and log-probs (fp32); its prompts have two samples each, which share keys
     eng = res["engine"]
@@ -187,12 +172,7 @@ def test_fused_rope_equals_the_separate_kernels_and_the_engine_the_static_batch(
     # through waves, retirements and compaction: SDPA's tokens and log-probs (each row reads its own copy),
     # with the scheduled lengths; the prompts' keys counted once per step where shared
     w = res["waves"]
-    assert w["sdpa"]["attention"].startswith("sdpa") and w["sdpa"]["read_kv"] == w["sdpa"]["live_kv"], w
-    for name in ("shared", "cascade"):
-        assert w[name]["attention"].endswith(", shared prompt keys"), w
-        assert w[name]["waves"] >= 4 and w[name]["lengths"] == [2, 9, 5, 10, 1, 7, 4, 8, 6, 3, 10, 2], w
-        assert w[name]["tokens_equal"] and w[name]["mask_equal"] and w[name]["logp_diff"] < 1e-5, w
-        assert w[name]["read_kv"] < w[name]["live_kv"] == w["sdpa"]["live_kv"], w
-    # the cascade ran where lists held two rows or more on average, and not everywhere (the rows of the
-    # last prompt end one by one)
-    assert w["shared"]["cascade_steps"] == 0 and 0 < w["cascade"]["cascade_steps"] < w["cascade"]["steps"], w
+    assert w["attention"].endswith(", shared prompt keys") and w["sdpa_attention"].startswith("sdpa"), w
+    assert w["waves"] >= 4 and w["lengths"] == [2, 9, 5, 10, 1, 7, 4, 8, 6, 3, 10, 2], w
+    assert w["tokens_equal"] and w["mask_equal"] and w["logp_diff"] < 1e-5, w
+    assert w["read_kv"] < w["live_kv"] and w["sdpa_read_kv"] == w["sdpa_live_kv"] == w["live_kv"], w

@@ -59,9 +59,6 @@ from trinity.rollout.types import Rollout, SamplingParams
 _LEN_BUCKET = 256  # attention reads the cache up to the longest live context rounded up to this
 _CACHE_MULTIPLE = 64
 _PREFILL_TOKENS = 16384  # padded prompt tokens per prefill forward (bounds its activations)
-# shortest prompt for which a step runs the cascade kernels (one kernel more per layer; below this the
-# rows read the prompt through their lead, in L2)
-_CASCADE_PROMPT = 128
 
 
 def _bucket(n: int, cap: int) -> int:
@@ -87,7 +84,6 @@ class RolloutStats:
     decode_steps: int = 0
     live_kv_tokens: int = 0  # sum over decode steps of the live rows' context lengths (KV read floor)
     read_kv_tokens: int = 0  # the same with a prompt's keys counted once per step where its samples share them
-    cascade_steps: int = 0  # decode steps that read the prompts' keys once per list of samples (cascade kernels)
     slot_steps: int = 0  # sum over decode steps of the batch bucket (rows computed, live or not)
     tokens: int = 0
     attention: str = ""  # the decode attention: "triton split-KV" (CUDA) or "sdpa"
@@ -317,42 +313,20 @@ def generate_continuous(
             n_waiting -= 1
         next_grp += u
 
-    leads: list = [list(range(slots)), {}]  # the host's copies of dec.lead and of dec.members' lists
-    width = dec.members.shape[1]
-    for d in decs:
-        d.prompt_len = max(plens)
-
-    def upload(dst: torch.Tensor, values: list) -> None:
-        src = torch.tensor(values, dtype=torch.long)
-        dst.copy_(src.pin_memory() if device.type == "cuda" else src, non_blocking=True)
+    leads = list(range(slots))  # the host's copy of dec.lead
 
     def set_leads() -> None:
-        """Shared prompt keys: the active slots of a prompt form lists of up to `width` slots, each read
-        through its lowest slot, the lead (an active slot's cache is not reused before `retire` frees it,
-        and the new lists reach the device before the next step; queued only when they changed: rows end
-        one at a time in the tail). A step runs the cascade kernels (the prompt's keys read once per list)
-        where the lists hold two rows or more on average and the prompts are long enough to matter;
-        otherwise each row reads through its lead, which neighbouring programs share in L2."""
+        """Shared prompt keys: each active slot reads its prompt's keys from the lowest active slot of its
+        prompt (an active slot's cache is not reused before `retire` frees it, and the new leads reach the
+        device before the next step). Queued only when they changed: rows end one at a time in the tail."""
         first: dict[int, int] = {}
-        lists: dict[int, list[int]] = {}
-        lead = list(range(slots))
+        new = list(range(slots))
         for s in sorted(active_set):
-            top = first.get(slot_grp[s])
-            if top is None or len(lists[top]) == width:
-                top = first[slot_grp[s]] = s
-                lists[s] = []
-            lists[top].append(s)
-            lead[s] = top
-        if lead != leads[0] or lists != leads[1]:
-            upload(dec.lead, lead)
-            table = [[-1] * width for _ in range(slots)]
-            for top, rows_ in lists.items():
-                table[top][: len(rows_)] = rows_
-            upload(dec.members, table)
-            leads[:] = [lead, lists]
-        cascade = len(active_set) >= 2 * len(lists) and max((slot_plen[s] for s in active_set), default=0) >= _CASCADE_PROMPT
-        for d in decs:
-            d.cascade = cascade
+            new[s] = first.setdefault(slot_grp[s], s)
+        if new != leads:
+            leads[:] = new
+            dec.lead.copy_(torch.tensor(new, dtype=torch.long).pin_memory() if device.type == "cuda"
+                           else torch.tensor(new, dtype=torch.long), non_blocking=True)
 
     def retire(snap: tuple[int, torch.Tensor] | None) -> None:
         if snap is None:
@@ -419,7 +393,6 @@ def generate_continuous(
                     shared_ctx += slot_pos[s] - (slot_plen[s] if dec.share_prefix and slot_grp[s] in seen else 0)
                     seen.add(slot_grp[s])
                 stats.decode_steps += 1
-                stats.cascade_steps += int(dec.share_prefix and dec.cascade)
                 stats.slot_steps += b
                 stats.live_kv_tokens += live_ctx
                 stats.read_kv_tokens += shared_ctx

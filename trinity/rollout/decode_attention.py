@@ -24,7 +24,6 @@ except ImportError:  # pragma: no cover - CPU-only installs
     triton = None
 
 SPLIT = 256  # keys per program
-PREFIX_SPLIT = 64  # prompt keys per program of the cascade's prompt kernel
 BLOCK_N = 64  # keys per inner iteration
 
 
@@ -102,22 +101,13 @@ def _self_check(device: torch.device, head_dim: int, per: int, dtype: torch.dtyp
         # against SDPA over caches where those keys are slot 0's
         plen = torch.full((b,), 48, device=device)
         src = torch.zeros(b, dtype=torch.long, device=device)
-        # the cascade: lists of cascade_width rows, each read through its first row's copy
-        width = cascade_width(per)
-        members = torch.full((b, width), -1, dtype=torch.long)
-        lead = torch.arange(b) // width * width
-        for r in range(b):
-            members[lead[r], r % width] = r
         for n in (None, 1):
+            out = decode_attention(q, k, v, lengths, cache, head_dim**-0.5, splits=n, prefix=(src, plen)).float()
             shared_k, shared_v = k.clone(), v.clone()
             shared_k[:, :, :48], shared_v[:, :, :48] = k[:1, :, :48], v[:1, :, :48]
             want = torch.cat([F.scaled_dot_product_attention(q[i:i + 1].float(), shared_k[i:i + 1, :, :m].float(),
                                                               shared_v[i:i + 1, :, :m].float(), scale=head_dim**-0.5)
                               for i, m in enumerate(lengths.tolist())])
-            out = decode_attention(q, k, v, lengths, cache, head_dim**-0.5, splits=n, prefix=(src, plen)).float()
-            err = max(err, ((out - want).norm() / want.norm()).item())
-            out = decode_attention(q, shared_k, shared_v, lengths, cache, head_dim**-0.5, splits=n,
-                                   prefix=(lead.to(device), plen), cascade=(members.to(device), 48)).float()
             err = max(err, ((out - want).norm() / want.norm()).item())
         # with RoPE and the cache store in the kernel, against the torch ops, then SDPA
         from trinity.rollout.decode_fused import random_rope_table, reference_rope_store
@@ -144,11 +134,11 @@ _FULL_GRID = 512  # rows x groups at which one program per (row, group) already 
 if triton is not None:
 
     @triton.jit
-    def _block(q, K, V, b, src, plen, g, sk_b, sk_g, sk_n, sv_b, sv_g, sv_n, cols, lo, end, dims, m_i, l_i, acc, scale,
+    def _block(q, K, V, b, src, plen, g, sk_b, sk_g, sk_n, sv_b, sv_g, sv_n, cols, end, dims, m_i, l_i, acc, scale,
                PRECISION: tl.constexpr):
-        """One block of keys `cols` (those outside [lo, end) masked) folded into the online softmax (m_i, l_i,
-        acc). Keys before `plen` come from slot `src` (the shared prompt), the others from the row's own slot b."""
-        live = (cols < end) & (cols >= lo)
+        """One block of keys `cols` (those >= end masked) folded into the online softmax (m_i, l_i, acc).
+        Keys before `plen` come from slot `src` (the shared prompt), the others from the row's own slot b."""
+        live = cols < end
         slot = tl.where(cols < plen, src, b).to(tl.int64)
         k = tl.load(K + slot[:, None] * sk_b + g * sk_g + cols[:, None] * sk_n + dims[None, :], mask=live[:, None], other=0.0)
         v = tl.load(V + slot[:, None] * sv_b + g * sv_g + cols[:, None] * sv_n + dims[None, :], mask=live[:, None], other=0.0)
@@ -190,13 +180,12 @@ if triton is not None:
         return _round(_round(x * c, DT) + _round(xr * s, DT), DT).to(DT)
 
     @triton.jit
-    def _split_kernel(Q, K, V, Lens, Src, Plen, Acc, Mx, Den, COS, SIN, POS, PAcc, PMx, PDen, scale,
+    def _split_kernel(Q, K, V, Lens, Src, Plen, Acc, Mx, Den, COS, SIN, POS, scale,
                       sq_b, sq_g, sq_p, sk_b, sk_g, sk_n, sv_b, sv_g, sv_n,
-                      sa_b, sa_g, sa_s, sa_p, sm_b, sm_g, sm_s, s_c, spa_b, spa_g, spa_s, spa_p, spm_b, spm_g, spm_s,
+                      sa_b, sa_g, sa_s, sa_p, sm_b, sm_g, sm_s, s_c,
                       PER: tl.constexpr, P_PAD: tl.constexpr, D: tl.constexpr,
                       SPLIT_LEN: tl.constexpr, BLOCK: tl.constexpr, PRECISION: tl.constexpr,
-                      SINGLE: tl.constexpr, DYNAMIC: tl.constexpr, ROPE: tl.constexpr, SHARE: tl.constexpr,
-                      CASCADE: tl.constexpr, PS: tl.constexpr):
+                      SINGLE: tl.constexpr, DYNAMIC: tl.constexpr, ROPE: tl.constexpr, SHARE: tl.constexpr):
         b = tl.program_id(0)
         g = tl.program_id(1)
         s = tl.program_id(2)
@@ -207,10 +196,6 @@ if triton is not None:
         else:
             src = b
             plen = 0
-        lo = 0
-        if CASCADE:  # _prefix_kernel attended to the prompt's keys: this row reads its own keys after them
-            lo = tl.where(n_keys > plen, plen, 0)  # an ended row (one key) reads its own
-            src = b
         start = s * SPLIT_LEN
         end = tl.minimum(start + SPLIT_LEN, n_keys)
         rows = tl.arange(0, P_PAD)
@@ -236,28 +221,13 @@ if triton is not None:
         l_i = tl.zeros([P_PAD], tl.float32)
         acc = tl.zeros([P_PAD, D], tl.float32)
         if DYNAMIC:  # compiled: stop at the row's end
-            for n0 in range(tl.maximum(start, lo), end, BLOCK):
-                m_i, l_i, acc = _block(q, K, V, b, src, plen, g, sk_b, sk_g, sk_n, sv_b, sv_g, sv_n, n0 + tl.arange(0, BLOCK),
-                                       lo, end, dims, m_i, l_i, acc, scale, PRECISION)
+            for n0 in range(start, end, BLOCK):
+                m_i, l_i, acc = _block(q, K, V, b, src, plen, g, sk_b, sk_g, sk_n, sv_b, sv_g, sv_n, n0 + tl.arange(0, BLOCK), end,
+                                       dims, m_i, l_i, acc, scale, PRECISION)
         else:  # Triton's interpreter (CPU tests) takes no tensor loop bounds: a fixed trip count, masked
             for i in range(SPLIT_LEN // BLOCK):
                 m_i, l_i, acc = _block(q, K, V, b, src, plen, g, sk_b, sk_g, sk_n, sv_b, sv_g, sv_n,
-                                       start + i * BLOCK + tl.arange(0, BLOCK), lo, end, dims, m_i, l_i, acc, scale, PRECISION)
-        if CASCADE:  # split 0 folds in the prompt's partials (PS splits of it), where the row shares them
-            take = (rows < PER) & ((rows * 0 + s) == 0) & ((rows * 0 + lo) > 0)  # per-row masks (the interpreter's too)
-            for ps in range(PS):
-                stat = b * spm_b + g * spm_g + ps * spm_s + rows
-                pm = tl.load(PMx + stat, mask=take, other=float("-inf"))
-                pl = tl.load(PDen + stat, mask=take, other=0.0)
-                pa = tl.load(PAcc + b * spa_b + g * spa_g + ps * spa_s + rows[:, None] * spa_p + dims[None, :],
-                             mask=take[:, None], other=0.0)
-                m_new = tl.maximum(m_i, pm)
-                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-                alpha = tl.exp(m_i - m_safe)
-                beta = tl.exp(pm - m_safe)
-                l_i = l_i * alpha + pl * beta
-                acc = acc * alpha[:, None] + pa * beta[:, None]
-                m_i = m_new
+                                       start + i * BLOCK + tl.arange(0, BLOCK), end, dims, m_i, l_i, acc, scale, PRECISION)
         if SINGLE:  # one split holds the whole row: the normalised output, in the output's dtype
             out = acc / l_i[:, None]
             tl.store(Acc + b * sa_b + g * sa_g + rows[:, None] * sa_p + dims[None, :], out.to(Acc.dtype.element_ty),
@@ -268,60 +238,6 @@ if triton is not None:
             tl.store(Den + base + rows, l_i)
             tl.store(Acc + b * sa_b + g * sa_g + s * sa_s + rows[:, None] * sa_p + dims[None, :], acc)
 
-
-    @triton.jit
-    def _prefix_kernel(Q, K, V, Members, Plen, PAcc, PMx, PDen, COS, SIN, POS, scale,
-                       sq_b, sq_g, sq_p, sk_b, sk_g, sk_n, sv_b, sv_g, sv_n, s_mb,
-                       spa_b, spa_g, spa_s, spa_p, spm_b, spm_g, spm_s, s_c,
-                       PER: tl.constexpr, MAXM: tl.constexpr, R_PAD: tl.constexpr, D: tl.constexpr,
-                       SPLIT_LEN: tl.constexpr, BLOCK: tl.constexpr, PRECISION: tl.constexpr,
-                       DYNAMIC: tl.constexpr, ROPE: tl.constexpr):
-        """The prompt part of a decode step's attention for the samples of a prompt (cascade): one program per
-        (leading slot, group, prompt split) reads the prompt's keys once, from the leading slot, and attends
-        all its members' query heads to them as one [members x heads, D] tile; it writes each member's
-        partial (max, normaliser, sum) for that member's split 0 of `_split_kernel` to fold in. A slot that
-        leads no member (Members row all -1) reads and writes nothing."""
-        b = tl.program_id(0)
-        g = tl.program_id(1)
-        s = tl.program_id(2)
-        r = tl.arange(0, R_PAD)
-        mi = r // PER
-        h = r % PER
-        dims = tl.arange(0, D)
-        mem = tl.load(Members + b * s_mb + mi, mask=mi < MAXM, other=-1)
-        valid = mem >= 0
-        memc = tl.where(valid, mem, 0).to(tl.int64)
-        plen = tl.load(Plen + b)
-        start = s * SPLIT_LEN
-        end = tl.minimum(start + SPLIT_LEN, plen)
-        end = tl.where(tl.max(valid.to(tl.int32), 0) > 0, end, start)  # no members: no keys
-        offs = memc[:, None] * sq_b + g * sq_g + h[:, None] * sq_p
-        if ROPE:  # the members' query heads rotated at their own positions, as _split_kernel rotates them
-            DT = Q.dtype.element_ty
-            p = tl.load(POS + memc)
-            partner = (dims + D // 2) % D
-            sign = tl.where(dims < D // 2, -1.0, 1.0)
-            c = tl.load(COS + p[:, None] * s_c + dims[None, :]).to(tl.float32)
-            sn = tl.load(SIN + p[:, None] * s_c + dims[None, :]).to(tl.float32)
-            q = _rope_at(Q, offs + dims[None, :], offs + partner[None, :], sign[None, :], c, sn, valid[:, None], DT)
-        else:
-            q = tl.load(Q + offs + dims[None, :], mask=valid[:, None], other=0.0)
-        m_i = tl.full([R_PAD], float("-inf"), tl.float32)
-        l_i = tl.zeros([R_PAD], tl.float32)
-        acc = tl.zeros([R_PAD, D], tl.float32)
-        if DYNAMIC:
-            for n0 in range(start, end, BLOCK):
-                m_i, l_i, acc = _block(q, K, V, b, b, 0, g, sk_b, sk_g, sk_n, sv_b, sv_g, sv_n, n0 + tl.arange(0, BLOCK),
-                                       0, end, dims, m_i, l_i, acc, scale, PRECISION)
-        else:
-            for i in range(SPLIT_LEN // BLOCK):
-                m_i, l_i, acc = _block(q, K, V, b, b, 0, g, sk_b, sk_g, sk_n, sv_b, sv_g, sv_n,
-                                       start + i * BLOCK + tl.arange(0, BLOCK), 0, end, dims, m_i, l_i, acc, scale, PRECISION)
-        stat = memc * spm_b + g * spm_g + s * spm_s + h
-        tl.store(PMx + stat, m_i, mask=valid)
-        tl.store(PDen + stat, l_i, mask=valid)
-        tl.store(PAcc + memc[:, None] * spa_b + g * spa_g + s * spa_s + h[:, None] * spa_p + dims[None, :], acc,
-                 mask=valid[:, None])
 
     @triton.jit
     def _combine_kernel(Acc, Mx, Den, Out, sa_b, sa_g, sa_s, sa_p, sm_b, sm_g, sm_s, so_b, so_g, so_p,
@@ -350,11 +266,6 @@ if triton is not None:
                  mask=rows[:, None] < PER)
 
 
-def cascade_width(per: int) -> int:
-    """Rows per list of `decode_attention(cascade=...)`: as many samples as fill a 64-row tile of query heads."""
-    return max(1, 64 // per)
-
-
 def num_splits(programs: int, L: int, tune: dict | None = None) -> int:
     """Splits per row for `programs` (rows x groups) over L keys: one where the rows alone fill the GPU
     (_FULL_GRID), else L / SPLIT."""
@@ -365,8 +276,7 @@ def num_splits(programs: int, L: int, tune: dict | None = None) -> int:
 def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor,
                      L: int, scale: float, splits: int | None = None, tune: dict | None = None, *,
                      rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                     prefix: tuple[torch.Tensor, torch.Tensor] | None = None,
-                     cascade: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
+                     prefix: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """q [b, groups, per, d]; keys/values [slots >= b, groups, cache_len, d]; lengths [b] (keys per
     row, >= 1); L >= max(lengths). Returns [b, groups, per, d] in q's dtype.
 
@@ -385,15 +295,7 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     must hold the same ones: the n samples of a prompt each keep a copy of its prompt's, and all read one
     of them), the rest from slot b. Rows of a prompt sit in neighbouring programs, so the prompt's keys
     come from DRAM about once per step and from L2 for the other samples (benchmarks/decode_kernels.py
-    --what prefix).
-
-    cascade=(members, prompt_len), with prefix: members [>= b, cascade_width(per)] lists, in the row of
-    a leading slot, the slots of its prompt's samples (-1 pads; every row sharing a prompt in exactly one
-    list; a row's plen must be its leading slot's). `_prefix_kernel` attends all members' query heads to
-    the leading slot's prompt keys at once, in ceil(prompt_len / PREFIX_SPLIT) programs per list
-    (prompt_len >= every plen), and
-    each row then reads only its own keys after the prompt: the prompt's keys are read once per list, not
-    once per row. A row with lengths <= plen (an ended row) reads its own keys from 0."""
+    --what prefix)."""
     import os
 
     tune = tune or {}
@@ -411,34 +313,11 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     split_len = -(-(-(-L // splits)) // block_n) * block_n
     p_pad = 16
     launch = {k: tune[k] for k in ("num_warps", "num_stages") if k in tune}
-    assert cascade is None or prefix is not None, "cascade= needs prefix=(src, plen)"
-    if cascade is not None:
-        members, prompt_len = cascade
-        prefix_split = tune.get("prefix_split", PREFIX_SPLIT)
-        prompt_splits = max(1, -(-prompt_len // prefix_split))
-        width = cascade_width(per)
-        assert members.shape[1] == width, (members.shape, width)
-        pacc = torch.empty(b, g, prompt_splits, per, d, dtype=torch.float32, device=q.device)
-        pmx = torch.empty(b, g, prompt_splits, per, dtype=torch.float32, device=q.device)
-        pden = torch.empty_like(pmx)
-        _prefix_kernel[(b, g, prompt_splits)](
-            q, keys, values, members, plen, pacc, pmx, pden, cos, sin, pos, scale,
-            q.stride(0), q.stride(1), q.stride(2), keys.stride(0), keys.stride(1), keys.stride(2),
-            values.stride(0), values.stride(1), values.stride(2), members.stride(0),
-            pacc.stride(0), pacc.stride(1), pacc.stride(2), pacc.stride(3), pmx.stride(0), pmx.stride(1), pmx.stride(2),
-            cos.stride(0), PER=per, MAXM=width, R_PAD=max(16, triton.next_power_of_2(width * per)), D=d,
-            SPLIT_LEN=prefix_split, BLOCK=min(block_n, prefix_split), PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-            DYNAMIC=os.environ.get("TRITON_INTERPRET") != "1", ROPE=rope is not None, enable_fp_fusion=rope is None,
-            **{k[len("prefix_"):]: tune[k] for k in ("prefix_num_warps", "prefix_num_stages") if k in tune})
-        part = (pacc, pmx, pden, pacc.stride(0), pacc.stride(1), pacc.stride(2), pacc.stride(3),
-                pmx.stride(0), pmx.stride(1), pmx.stride(2))
-    else:
-        prompt_splits, part = 1, (lengths, lengths, lengths) + (0,) * 7  # not read
     common = dict(PER=per, P_PAD=p_pad, D=d, SPLIT_LEN=split_len, BLOCK=block_n, **launch,
                   # fp32 caches (tests, CPU-precision checks) multiply in full fp32, not TF32
                   PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
                   SINGLE=splits == 1, DYNAMIC=os.environ.get("TRITON_INTERPRET") != "1", ROPE=rope is not None,
-                  SHARE=prefix is not None, CASCADE=cascade is not None, PS=prompt_splits,
+                  SHARE=prefix is not None,
                   # no fused multiply-add where RoPE rounds each product as the eager ops do (a bf16 run
                   # with them failed the first-use check's exact cache comparison on an H100)
                   enable_fp_fusion=rope is None)
@@ -446,16 +325,16 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
                values.stride(0), values.stride(1), values.stride(2))
     if splits == 1:
         out = torch.empty(b, g, per, d, dtype=q.dtype, device=q.device)
-        _split_kernel[(b, g, 1)](q, keys, values, lengths, src, plen, out, out, out, cos, sin, pos, *part[:3], scale, *strides,
-                                 out.stride(0), out.stride(1), 0, out.stride(2), 0, 0, 0, cos.stride(0), *part[3:], **common)
+        _split_kernel[(b, g, 1)](q, keys, values, lengths, src, plen, out, out, out, cos, sin, pos, scale, *strides,
+                                 out.stride(0), out.stride(1), 0, out.stride(2), 0, 0, 0, cos.stride(0), **common)
         return out
     acc = torch.empty(b, g, splits, p_pad, d, dtype=torch.float32, device=q.device)
     mx = torch.empty(b, g, splits, p_pad, dtype=torch.float32, device=q.device)
     den = torch.empty_like(mx)
     _split_kernel[(b, g, splits)](
-        q, keys, values, lengths, src, plen, acc, mx, den, cos, sin, pos, *part[:3], scale, *strides,
+        q, keys, values, lengths, src, plen, acc, mx, den, cos, sin, pos, scale, *strides,
         acc.stride(0), acc.stride(1), acc.stride(2), acc.stride(3), mx.stride(0), mx.stride(1), mx.stride(2),
-        cos.stride(0), *part[3:], **common,
+        cos.stride(0), **common,
     )
     # one merge kernel instead of ~9 torch ops (max, exp, products, sums, division): the rollout's
     # tail runs these steps ~700 times x layers

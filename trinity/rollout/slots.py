@@ -67,17 +67,8 @@ class SlotDecoder(StageDecoder):
         # retired, whose keys stay intact until then)
         self.lead = self.rows.clone() if state_from is None else state_from.lead
         self.plen = torch.zeros(slots, dtype=torch.long, device=self.device) if state_from is None else state_from.plen
-        # cascade (the caller sets `cascade` before a step, and the lists when they change): in the row of a
-        # leading slot, the slots of its prompt's samples that read the prompt's keys through it (-1 pads);
-        # prompt_len: the longest prompt of the rollout
-        from trinity.rollout.decode_attention import cascade_width
-
-        width = cascade_width(max(1, self.heads // self.groups))
-        self.members = (torch.full((slots, width), -1, dtype=torch.long, device=self.device) if state_from is None
-                        else state_from.members)
-        self.cascade, self.prompt_len = False, 1
         self.kpos = torch.arange(cache_len, device=self.device)
-        self._graphs: dict[tuple[int, int, bool, bool], tuple[torch.cuda.CUDAGraph, Any]] = {}
+        self._graphs: dict[tuple[int, int, bool], tuple[torch.cuda.CUDAGraph, Any]] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.use_graph else None
         self.captures, self.capture_s = 0, 0.0
         from trinity.rollout import decode_attention
@@ -128,7 +119,7 @@ class SlotDecoder(StageDecoder):
 
             table = (self.cos, self.sin, self.pos[:b]) if rope else None
             return decode_attention(q, self.keys[i], self.values[i], ctx["nkeys"], L, self.scale, rope=table,
-                                    prefix=ctx["prefix"], cascade=ctx["cascade"])
+                                    prefix=ctx["prefix"])
         return F.scaled_dot_product_attention(q, self.keys[i][:b, :, :L], self.values[i][:b, :, :L],
                                               attn_mask=ctx["bias"], scale=self.scale)
 
@@ -267,8 +258,7 @@ class SlotDecoder(StageDecoder):
             (self.kpos[:L].view(1, 1, 1, L) > pos.view(b, 1, 1, 1)), float("-inf"))
         nkeys = torch.where(self.done[:b], torch.ones_like(pos), pos + 1) if self.split_kv else None
         prefix = (self.lead[:b], self.plen[:b]) if self.share_prefix else None
-        cascade = (self.members, self.prompt_len) if self.share_prefix and self.cascade else None
-        ctx = {"decode": True, "L": L, "bias": bias, "nkeys": nkeys, "prefix": prefix, "cascade": cascade}
+        ctx = {"decode": True, "L": L, "bias": bias, "nkeys": nkeys, "prefix": prefix}
         x = self.gpt.embedding(input_ids=self.tok[:b].view(b, 1), position_ids=pos.view(b, 1)) if self.first else self.hidden[:, :b]
         x = self._layers(x, pos.view(1, b), ctx)
         return self._logits(x) if self.last else x
@@ -287,14 +277,14 @@ class SlotDecoder(StageDecoder):
         if not self.use_graph:
             out = self._step(b, L)
             return out if tail is None else tail(b, out, book=True)
-        key = (b, L, tail is not None, self.share_prefix and self.cascade)
+        key = (b, L, tail is not None)
         if key not in self._graphs:
             self._capture(key, tail)
         graph, out = self._graphs[key]
         graph.replay()
         return out
 
-    def _capture(self, key: tuple[int, int, bool, bool], tail: Any) -> None:
+    def _capture(self, key: tuple[int, int, bool], tail: Any) -> None:
         # A warm-up run before capture (lazy inits, cuBLAS workspaces, Triton compiles and first-use checks
         # for this shape), as torch advises, once per process and shape: later rollouts (every RL step
         # captures its own graphs) skip it. Its cache writes are those the replay makes again (same tokens
