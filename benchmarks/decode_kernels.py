@@ -211,23 +211,10 @@ def prefix(args, bw: float) -> None:
                 c[:, :, :plen_] = c.index_select(0, lead)[:, :, :plen_]
             caches.append(kv)
         pos, lengths = (ctx - 1).to(DEVICE), ctx.to(DEVICE)
-        from trinity.rollout.decode_attention import list_width
-
-        width = list_width(per)
-        lists = torch.full((rows, width), -1, dtype=torch.long)
-        chunk_lead = torch.empty(rows, dtype=torch.long)
-        for r in range(rows):  # a prompt's samples in lists of `width`, as the engine forms them
-            first = r // args.n * args.n
-            top = first + (r - first) // width * width
-            chunk_lead[r] = top
-            lists[top, r - top] = r
-        lists, chunk_lead = lists.to(DEVICE), chunk_lead.to(DEVICE)
         outs = {}
         times = {}
-        for shared in (False, True, "lists"):
+        for shared in (False, True):
             kw = dict(rope=(cos, sin, pos), prefix=(lead, plen) if shared else None)
-            if shared == "lists":  # one program per list where the engine runs one per row (single split)
-                kw.update(prefix=(chunk_lead, plen), lists=lists)
 
             def step():
                 return [decode_attention(qkv, k, v, lengths, cache_len, d**-0.5, **kw) for k, v in caches]
@@ -243,19 +230,14 @@ def prefix(args, bw: float) -> None:
                 times[shared] = _bench(step) / n_layers
         same = all(torch.equal(a, b) for a, b in zip(outs[False], outs[True]))
         assert same, "shared prompt keys changed the attention's output"
-        err = max(float((a.float() - b.float()).norm() / b.float().norm()) for a, b in zip(outs["lists"], outs[False]))
-        assert err < 2e-2, f"one program per list: relative error {err:.1e}"  # bf16, other summation order
         kv_bytes = groups * d * 2 * 2  # keys and values, bf16, per token and layer
         prompts = -(-rows // args.n)
         floors = {False: float(ctx.sum()) * kv_bytes / bw,
                   True: (float(ctx.sum()) - (rows - prompts) * plen_) * kv_bytes / bw}
-        floors["lists"] = floors[True]
-        names = {False: "own copy per row", True: "one copy per prompt, each row through its lead",
-                 "lists": "one copy per prompt, one program per list"}
-        for shared in (False, True, "lists"):
-            print(f"| {rows} | {float(ctx.float().mean()):.0f} | {names[shared]} | "
+        for shared in (False, True):
+            print(f"| {rows} | {float(ctx.float().mean()):.0f} | {'one copy per prompt' if shared else 'own copy per row'} | "
                   f"{times[shared] * 1e6:.2f} | {floors[shared] * 1e6:.2f} | {100 * floors[shared] / times[shared]:.1f}% | "
-                  f"{'' if shared is False else f'{100 * (1 - times[shared] / times[False]):.0f}%'} |", flush=True)
+                  f"{'' if not shared else f'{100 * (1 - times[True] / times[False]):.0f}%'} |", flush=True)
         del caches
 
 

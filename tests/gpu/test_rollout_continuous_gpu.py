@@ -198,7 +198,7 @@ def test_shared_prompt_keys_read_one_copy(dtype):
     first split's 256), each sample's own copy of its prompt's keys garbage: the output equals the kernel's
     over caches where every sample holds the prompt's keys, with RoPE and the cache store in the kernel,
     for one split per row, several, and the engine's choice; without prefix= the garbage shows."""
-    from trinity.rollout.decode_attention import decode_attention, list_width
+    from trinity.rollout.decode_attention import decode_attention
     from trinity.rollout.decode_fused import random_rope_table
 
     g = torch.Generator().manual_seed(2)
@@ -225,47 +225,6 @@ def test_shared_prompt_keys_read_one_copy(dtype):
         err = ((got.float() - want.float()).norm() / want.float().norm()).item()
         assert err <= (1e-6 if dtype == torch.float32 else 1e-2), (splits, err, torch.equal(got, want))
         assert ((unshared.float() - want.float()).norm() / want.float().norm()).item() > 0.05, splits
-    # one program per list (single split): each prompt's 8 samples read through its fourth sample's slot,
-    # over the garbage copies, with RoPE and the cache store
-    lists = torch.full((b, list_width(per)), -1, dtype=torch.long)
-    for r in range(b):
-        lists[int(src[r]), r % 8] = r
-    kv = [torch.randn(b, groups, cache, d, generator=g).to("cuda", dtype) for _ in range(2)]
-    fixed = [c.clone() for c in kv]
-    for f in fixed:
-        f[:, :, :plen_] = f.index_select(0, src)[:, :, :plen_]
-    want = decode_attention(qkv, *fixed, pos + 1, cache, d**-0.5, splits=1, rope=(cos, sin, pos))
-    got = decode_attention(qkv, *kv, pos + 1, cache, d**-0.5, splits=1, rope=(cos, sin, pos), prefix=(src, plen),
-                           lists=lists.cuda())
-    rows = torch.arange(b, device="cuda")
-    for c, f in zip(kv, fixed):
-        assert torch.equal(c[rows, :, pos], f[rows, :, pos])
-    err = ((got.float() - want.float()).norm() / want.float().norm()).item()
-    assert err <= (1e-5 if dtype == torch.float32 else 1e-2), err
-
-
-def test_one_program_per_list_matches_static_fp32(built, monkeypatch):
-    """The steps take one program per list of a prompt's samples (the rows x groups threshold lowered to
-    1, as at 7B from 128 rows): 6 prompts x 3 samples sampled at temperature 1 in 7 slots, in CUDA graphs,
-    through waves, retirements and compaction, give the static batch's tokens, log-probs within 1e-4."""
-    from trinity.rollout import decode_attention as kernels
-    from trinity.rollout.continuous import KVBudget, RolloutStats, generate_continuous
-    from trinity.rollout.generate import SamplingParams, generate
-
-    monkeypatch.setattr(kernels, "_FULL_GRID", 1)
-    models, facts = built
-    gpt = models[torch.float32]
-    prompts = [p for p in _prompts(facts, 6) for _ in range(3)]
-    params = SamplingParams(temperature=1.0, max_new_tokens=24, eos_token_ids=tuple(range(1, 12)))
-    kw = dict(vocab_size=facts.vocab_size, pad_id=0)
-    gen = lambda: torch.Generator(device="cuda").manual_seed(6)  # noqa: E731
-    want = generate(gpt, prompts, params, generator=gen(), **kw)
-    stats = RolloutStats()
-    got = generate_continuous(gpt, prompts, params, budget=KVBudget(max_num_seqs=7), stats=stats, generator=gen(), **kw)
-    assert stats.graph_tail and stats.waves > 1 and stats.attention.endswith(", shared prompt keys"), stats
-    assert torch.equal(got.tokens, want.tokens) and torch.equal(got.response_mask, want.response_mask)
-    assert (got.logprobs - want.logprobs).abs().max().item() <= 1e-4
-    assert 1 < len(set(got.response_mask.sum(1).tolist())), "rows should end at different lengths"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -24,7 +24,7 @@ CHILD = textwrap.dedent("""
     import json
     import torch
     import torch.nn.functional as F
-    from trinity.rollout.decode_attention import decode_attention, list_width
+    from trinity.rollout.decode_attention import decode_attention
     from trinity.rollout.decode_fused import random_rope_table, reference_rope_store, rope_store
 
     torch.manual_seed(0)
@@ -79,23 +79,11 @@ CHILD = textwrap.dedent("""
             kw = dict(rope=(cos, sin, nkeys - 1)) if rope else {}
             x = qkv if rope else q
             got = decode_attention(x, *kv, nkeys, cache, d ** -0.5, splits=splits, prefix=(src, plen), **kw)
-            before = [f.clone() for f in fixed]  # the caches before this step's key and value are stored
             want = decode_attention(x, *fixed, nkeys, cache, d ** -0.5, splits=splits, **kw)
             written = not rope or all(torch.equal(c[i, :, nkeys[i] - 1], f[i, :, nkeys[i] - 1])
                                       for c, f in zip(kv, fixed) for i in range(b))
-
-            grouped_err = None
-            if splits == 1:  # one program per list: (0, 1, 2) through slot 0, (3, 4, 5) through slot 4
-                lists = torch.full((b, list_width(per)), -1)
-                lists[0, :3], lists[4, :3] = torch.tensor([0, 1, 2]), torch.tensor([3, 4, 5])
-                grouped_kv = [f.clone() for f in before]
-                grouped = decode_attention(x, *grouped_kv, nkeys, cache, d ** -0.5, splits=1, prefix=(src, plen),
-                                           lists=lists, **kw)
-                live = nkeys > plen  # a row of one key or of its prompt alone has ended: its output is not read
-                grouped_err = ((grouped[live] - want[live]).norm() / want[live].norm()).item()
-                written = written and all(torch.equal(c, f) for c, f in zip(grouped_kv, fixed))
             shared.append({"rope": bool(rope), "splits": splits, "equal": torch.equal(got, want),
-                           "cache_written": bool(written), "grouped_err": grouped_err,
+                           "cache_written": bool(written),
                            "garbage_differs": not torch.equal(decode_attention(x.clone(), *[c.clone() for c in kv], nkeys, cache,
                                                                               d ** -0.5, splits=splits, **kw), want)})
     out["shared"] = shared
@@ -138,22 +126,19 @@ CHILD = textwrap.dedent("""
     prompts = [p for p in ([5, 9, 17, 3, 44, 2, 8, 11, 23, 4], [7, 1, 6]) for _ in range(4)]
     lengths = [2, 6, 4, 5, 1, 6, 3, 2]
     runs = {}
-    import trinity.rollout.decode_attention as kernels
-    # "shared": few rows, each through its lead (split KV); "lists": one program per list at every step
-    # (the engine's threshold of rows x groups lowered to 1); "sdpa": each row its own copy
-    for name, env, full_grid in (("shared", "", None), ("lists", "", 1), ("sdpa", "sdpa", None)):
+    for name, env in (("shared", ""), ("sdpa", "sdpa")):
         os.environ["TRINITY_DECODE_ATTENTION"] = env
-        default, kernels._FULL_GRID = kernels._FULL_GRID, full_grid or kernels._FULL_GRID
         runs[name] = (RolloutStats(),)
         runs[name] += (generate_continuous(chunks[0], prompts, params, vocab_size=facts.vocab_size, pad_id=0,
                                            budget=KVBudget(max_num_seqs=3), response_lengths=lengths, stats=runs[name][0]),)
-        kernels._FULL_GRID = default
-    d_stats, d_out = runs["sdpa"]
-    out["waves"] = {name: {
-        "attention": st.attention, "waves": st.waves,
-        "tokens_equal": torch.equal(ro.tokens, d_out.tokens), "mask_equal": torch.equal(ro.response_mask, d_out.response_mask),
-        "lengths": ro.response_mask.sum(1).tolist(), "logp_diff": (ro.logprobs - d_out.logprobs).abs().max().item(),
-        "read_kv": st.read_kv_tokens, "live_kv": st.live_kv_tokens} for name, (st, ro) in runs.items()}
+    (s_stats, s_out), (d_stats, d_out) = runs["shared"], runs["sdpa"]
+    out["waves"] = {
+        "attention": s_stats.attention, "sdpa_attention": d_stats.attention, "waves": s_stats.waves,
+        "tokens_equal": torch.equal(s_out.tokens, d_out.tokens), "mask_equal": torch.equal(s_out.response_mask, d_out.response_mask),
+        "lengths": s_out.response_mask.sum(1).tolist(), "logp_diff": (s_out.logprobs - d_out.logprobs).abs().max().item(),
+        "read_kv": s_stats.read_kv_tokens, "live_kv": s_stats.live_kv_tokens, "sdpa_read_kv": d_stats.read_kv_tokens,
+        "sdpa_live_kv": d_stats.live_kv_tokens,
+    }
     print("RESULT " + json.dumps(out))
 """)
 
@@ -179,8 +164,6 @@ def test_fused_rope_equals_the_separate_kernels_and_the_engine_the_static_batch(
     assert len(res["shared"]) == 6
     for c in res["shared"]:
         assert c["equal"] and c["cache_written"] and c["garbage_differs"], c
-        # one program per list (single split): the prompt's part in one tile, another order of fp32 sums
-        assert (c["grouped_err"] is None) == (c["splits"] != 1) and (c["grouped_err"] or 0.0) < 1e-6, c
     # the engine took these kernels (their first-use checks passed: no "disabled" warning), and gives the
     # static batch's greedy tokens and log-probs (fp32); its prompts have two samples each, which share keys
     eng = res["engine"]
@@ -189,9 +172,7 @@ def test_fused_rope_equals_the_separate_kernels_and_the_engine_the_static_batch(
     # through waves, retirements and compaction: SDPA's tokens and log-probs (each row reads its own copy),
     # with the scheduled lengths; the prompts' keys counted once per step where shared
     w = res["waves"]
-    assert w["sdpa"]["attention"].startswith("sdpa") and w["sdpa"]["read_kv"] == w["sdpa"]["live_kv"], w
-    for name in ("shared", "lists"):
-        assert w[name]["attention"].endswith(", shared prompt keys"), w
-        assert w[name]["waves"] >= 3 and w[name]["lengths"] == [2, 6, 4, 5, 1, 6, 3, 2], w
-        assert w[name]["tokens_equal"] and w[name]["mask_equal"] and w[name]["logp_diff"] < 1e-5, w
-        assert w[name]["read_kv"] < w[name]["live_kv"] == w["sdpa"]["live_kv"], w
+    assert w["attention"].endswith(", shared prompt keys") and w["sdpa_attention"].startswith("sdpa"), w
+    assert w["waves"] >= 3 and w["lengths"] == [2, 6, 4, 5, 1, 6, 3, 2], w
+    assert w["tokens_equal"] and w["mask_equal"] and w["logp_diff"] < 1e-5, w
+    assert w["read_kv"] < w["live_kv"] and w["sdpa_read_kv"] == w["sdpa_live_kv"] == w["live_kv"], w

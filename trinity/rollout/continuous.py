@@ -313,38 +313,20 @@ def generate_continuous(
             n_waiting -= 1
         next_grp += u
 
-    leads: list = [list(range(slots)), {}]  # the host's copies of dec.lead and of dec.lists' rows
-    width = dec.lists.shape[1]
-
-    def upload(dst: torch.Tensor, values: list) -> None:
-        src = torch.tensor(values, dtype=torch.long)
-        dst.copy_(src.pin_memory() if device.type == "cuda" else src, non_blocking=True)
+    leads = list(range(slots))  # the host's copy of dec.lead
 
     def set_leads() -> None:
-        """Shared prompt keys: the active slots of a prompt form lists of up to `width` slots, each read
-        through its lowest slot, the lead (an active slot's cache is not reused before `retire` frees it,
-        and the new lists reach the device before the next step); every other slot is a list of its own.
-        Queued only when they changed: rows end one at a time in the tail."""
+        """Shared prompt keys: each active slot reads its prompt's keys from the lowest active slot of its
+        prompt (an active slot's cache is not reused before `retire` frees it, and the new leads reach the
+        device before the next step). Queued only when they changed: rows end one at a time in the tail."""
         first: dict[int, int] = {}
-        lists: dict[int, list[int]] = {}
-        lead = list(range(slots))
+        new = list(range(slots))
         for s in sorted(active_set):
-            top = first.get(slot_grp[s])
-            if top is None or len(lists[top]) == width:
-                top = first[slot_grp[s]] = s
-                lists[s] = []
-            lists[top].append(s)
-            lead[s] = top
-        if lead != leads[0] or lists != leads[1]:
-            upload(dec.lead, lead)
-            table = [[-1] * width for _ in range(slots)]
-            for s in range(slots):
-                if s not in active_set:
-                    table[s][0] = s
-            for top, rows_ in lists.items():
-                table[top][: len(rows_)] = rows_
-            upload(dec.lists, table)
-            leads[:] = [lead, lists]
+            new[s] = first.setdefault(slot_grp[s], s)
+        if new != leads:
+            leads[:] = new
+            dec.lead.copy_(torch.tensor(new, dtype=torch.long).pin_memory() if device.type == "cuda"
+                           else torch.tensor(new, dtype=torch.long), non_blocking=True)
 
     def retire(snap: tuple[int, torch.Tensor] | None) -> None:
         if snap is None:

@@ -109,15 +109,6 @@ def _self_check(device: torch.device, head_dim: int, per: int, dtype: torch.dtyp
                                                               shared_v[i:i + 1, :, :m].float(), scale=head_dim**-0.5)
                               for i, m in enumerate(lengths.tolist())])
             err = max(err, ((out - want).norm() / want.norm()).item())
-        # one program per list (lists of list_width rows, each through its first row's copy)
-        width = list_width(per)
-        lead = torch.arange(b) // width * width
-        lists = torch.full((b, width), -1, dtype=torch.long)
-        lists[lead, torch.arange(b) % width] = torch.arange(b)
-        out = decode_attention(q, shared_k, shared_v, lengths, cache, head_dim**-0.5, splits=1,
-                               prefix=(lead.to(device), plen), lists=lists.to(device)).float()
-        live = lengths > 48  # a row of one key has ended: its output is not read
-        err = max(err, ((out[live] - want[live]).norm() / want[live].norm()).item())
         # with RoPE and the cache store in the kernel, against the torch ops, then SDPA
         from trinity.rollout.decode_fused import random_rope_table, reference_rope_store
 
@@ -144,16 +135,15 @@ if triton is not None:
 
     @triton.jit
     def _block(q, K, V, b, src, plen, g, sk_b, sk_g, sk_n, sv_b, sv_g, sv_n, cols, end, dims, m_i, l_i, acc, scale,
-               keep, PRECISION: tl.constexpr):
-        """One block of keys `cols` (those >= end masked) folded into the online softmax (m_i, l_i, acc) of
-        the query rows `keep` (the others see no key of the block). Keys before `plen` come from slot `src`
-        (the shared prompt), the others from slot b."""
+               PRECISION: tl.constexpr):
+        """One block of keys `cols` (those >= end masked) folded into the online softmax (m_i, l_i, acc).
+        Keys before `plen` come from slot `src` (the shared prompt), the others from the row's own slot b."""
         live = cols < end
         slot = tl.where(cols < plen, src, b).to(tl.int64)
         k = tl.load(K + slot[:, None] * sk_b + g * sk_g + cols[:, None] * sk_n + dims[None, :], mask=live[:, None], other=0.0)
         v = tl.load(V + slot[:, None] * sv_b + g * sv_g + cols[:, None] * sv_n + dims[None, :], mask=live[:, None], other=0.0)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale
-        scores = tl.where(live[None, :] & keep[:, None], scores, float("-inf"))
+        scores = tl.where(live[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # all masked so far: no NaN from -inf - -inf
         p = tl.exp(scores - m_safe[:, None])
@@ -233,13 +223,13 @@ if triton is not None:
         if DYNAMIC:  # compiled: stop at the row's end
             for n0 in range(start, end, BLOCK):
                 m_i, l_i, acc = _block(q, K, V, b, src, plen, g, sk_b, sk_g, sk_n, sv_b, sv_g, sv_n, n0 + tl.arange(0, BLOCK), end,
-                                       dims, m_i, l_i, acc, scale, rows >= 0, PRECISION)
+                                       dims, m_i, l_i, acc, scale, PRECISION)
         else:  # Triton's interpreter (CPU tests) takes no tensor loop bounds: a fixed trip count, masked
             for i in range(SPLIT_LEN // BLOCK):
                 if start + i * BLOCK < end:  # blocks past the row's end skipped
                     m_i, l_i, acc = _block(q, K, V, b, src, plen, g, sk_b, sk_g, sk_n, sv_b, sv_g, sv_n,
                                            start + i * BLOCK + tl.arange(0, BLOCK), end, dims, m_i, l_i, acc, scale,
-                                           rows >= 0, PRECISION)
+                                           PRECISION)
         if SINGLE:  # one split holds the whole row: the normalised output, in the output's dtype
             out = acc / l_i[:, None]
             tl.store(Acc + b * sa_b + g * sa_g + rows[:, None] * sa_p + dims[None, :], out.to(Acc.dtype.element_ty),
@@ -250,81 +240,6 @@ if triton is not None:
             tl.store(Den + base + rows, l_i)
             tl.store(Acc + b * sa_b + g * sa_g + s * sa_s + rows[:, None] * sa_p + dims[None, :], acc)
 
-
-    @triton.jit
-    def _grouped_kernel(Q, K, V, Lens, Members, Plen, Out, COS, SIN, POS, scale,
-                        sq_b, sq_g, sq_p, sk_b, sk_g, sk_n, sv_b, sv_g, sv_n, s_mb, so_b, so_g, so_p, s_c,
-                        PER: tl.constexpr, MAXM: tl.constexpr, R_PAD: tl.constexpr, D: tl.constexpr, L: tl.constexpr,
-                        BLOCK: tl.constexpr, PRECISION: tl.constexpr, DYNAMIC: tl.constexpr, ROPE: tl.constexpr):
-        """A list of rows sharing a prompt (the samples of a prompt, in the row of its lead slot b) in one
-        program per (list, group): the rows' query heads stacked as one [rows x heads, D] tile read the
-        prompt's keys once, from slot b, then each row's own keys after the prompt, from its own slot
-        (the other rows of the tile masked); each row's normalised output. A slot that leads no list does
-        nothing. Every row of the step is in exactly one list (the caller's rule)."""
-        b = tl.program_id(0)
-        g = tl.program_id(1)
-        r = tl.arange(0, R_PAD)
-        mi = r // PER
-        h = r % PER
-        dims = tl.arange(0, D)
-        mem = tl.load(Members + b * s_mb + mi, mask=mi < MAXM, other=-1)
-        valid = mem >= 0
-        if tl.max(valid.to(tl.int32), 0) > 0:  # b leads a list
-            memc = tl.where(valid, mem, 0).to(tl.int64)
-            nk = tl.load(Lens + memc, mask=valid, other=0)
-            plen = tl.load(Plen + b)
-            # the prompt part: its keys up to the longest row's (a list of ended rows, one key each, reads one)
-            pend = tl.minimum(plen, tl.max(nk, 0))
-            offs = memc[:, None] * sq_b + g * sq_g + h[:, None] * sq_p
-            if ROPE:  # every row's query heads at its own position; each row's key and value stored at it
-                DT = Q.dtype.element_ty
-                p = tl.load(POS + memc)
-                partner = (dims + D // 2) % D
-                sign = tl.where(dims < D // 2, -1.0, 1.0)
-                c = tl.load(COS + p[:, None] * s_c + dims[None, :]).to(tl.float32)
-                sn = tl.load(SIN + p[:, None] * s_c + dims[None, :]).to(tl.float32)
-                q = _rope_at(Q, offs + dims[None, :], offs + partner[None, :], sign[None, :], c, sn, valid[:, None], DT)
-                first = valid & (h == 0)  # one tile row per list row writes its key and value
-                koffs = memc[:, None] * sq_b + g * sq_g + PER * sq_p
-                k = _rope_at(Q, koffs + dims[None, :], koffs + partner[None, :], sign[None, :], c, sn, first[:, None], DT)
-                tl.store(K + memc[:, None] * sk_b + g * sk_g + p[:, None] * sk_n + dims[None, :], k, mask=first[:, None])
-                v = tl.load(Q + koffs + sq_p + dims[None, :], mask=first[:, None], other=0.0)
-                tl.store(V + memc[:, None] * sv_b + g * sv_g + p[:, None] * sv_n + dims[None, :], v, mask=first[:, None])
-                tl.debug_barrier()
-            else:
-                q = tl.load(Q + offs + dims[None, :], mask=valid[:, None], other=0.0)
-            m_i = tl.full([R_PAD], float("-inf"), tl.float32)
-            l_i = tl.zeros([R_PAD], tl.float32)
-            acc = tl.zeros([R_PAD, D], tl.float32)
-            if DYNAMIC:
-                for n0 in range(0, pend, BLOCK):
-                    m_i, l_i, acc = _block(q, K, V, b, b, 0, g, sk_b, sk_g, sk_n, sv_b, sv_g, sv_n, n0 + tl.arange(0, BLOCK),
-                                           pend, dims, m_i, l_i, acc, scale, valid, PRECISION)
-            else:  # the interpreter: a fixed trip count, blocks past the end skipped
-                for i in range(L // BLOCK):
-                    if i * BLOCK < pend:
-                        m_i, l_i, acc = _block(q, K, V, b, b, 0, g, sk_b, sk_g, sk_n, sv_b, sv_g, sv_n,
-                                               i * BLOCK + tl.arange(0, BLOCK), pend, dims, m_i, l_i, acc, scale, valid,
-                                               PRECISION)
-            for j in range(MAXM):  # each row's own keys after the prompt, from its slot, for its tile rows only
-                slot = tl.load(Members + b * s_mb + j)
-                if slot >= 0:
-                    own = valid & (mi == j)
-                    end = tl.load(Lens + slot)
-                    if DYNAMIC:
-                        for n0 in range(pend, end, BLOCK):
-                            m_i, l_i, acc = _block(q, K, V, slot, slot, 0, g, sk_b, sk_g, sk_n, sv_b, sv_g, sv_n,
-                                                   n0 + tl.arange(0, BLOCK), end, dims, m_i, l_i, acc, scale, own, PRECISION)
-                    else:
-                        for i in range(L // BLOCK):
-                            if (i + 1) * BLOCK > pend and i * BLOCK < end:
-                                cols = i * BLOCK + tl.arange(0, BLOCK)
-                                cols = tl.where(cols >= pend, cols, end)  # keys of the prompt part: masked here
-                                m_i, l_i, acc = _block(q, K, V, slot, slot, 0, g, sk_b, sk_g, sk_n, sv_b, sv_g, sv_n,
-                                                       cols, end, dims, m_i, l_i, acc, scale, own, PRECISION)
-            out = acc / l_i[:, None]
-            tl.store(Out + memc[:, None] * so_b + g * so_g + h[:, None] * so_p + dims[None, :],
-                     out.to(Out.dtype.element_ty), mask=valid[:, None])
 
     @triton.jit
     def _combine_kernel(Acc, Mx, Den, Out, sa_b, sa_g, sa_s, sa_p, sm_b, sm_g, sm_s, so_b, so_g, so_p,
@@ -353,11 +268,6 @@ if triton is not None:
                  mask=rows[:, None] < PER)
 
 
-def list_width(per: int) -> int:
-    """Rows per list of `decode_attention(lists=...)`: as many as fill a 64-row tile of query heads."""
-    return max(1, 64 // per)
-
-
 def num_splits(programs: int, L: int, tune: dict | None = None) -> int:
     """Splits per row for `programs` (rows x groups) over L keys: one where the rows alone fill the GPU
     (_FULL_GRID), else L / SPLIT."""
@@ -368,8 +278,7 @@ def num_splits(programs: int, L: int, tune: dict | None = None) -> int:
 def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor,
                      L: int, scale: float, splits: int | None = None, tune: dict | None = None, *,
                      rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                     prefix: tuple[torch.Tensor, torch.Tensor] | None = None,
-                     lists: torch.Tensor | None = None) -> torch.Tensor:
+                     prefix: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """q [b, groups, per, d]; keys/values [slots >= b, groups, cache_len, d]; lengths [b] (keys per
     row, >= 1); L >= max(lengths). Returns [b, groups, per, d] in q's dtype.
 
@@ -388,13 +297,7 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     must hold the same ones: the n samples of a prompt each keep a copy of its prompt's, and all read one
     of them), the rest from slot b. Rows of a prompt sit in neighbouring programs, so the prompt's keys
     come from DRAM about once per step and from L2 for the other samples (benchmarks/decode_kernels.py
-    --what prefix).
-
-    lists [>= b, list_width(per)], with prefix: in the row of a slot, the rows that read their prompt
-    through it (-1 pads; every row of [0, b) in exactly one list, a row that shares nothing alone in its
-    own, and a list's rows share the prompt of its slot, with its plen). Where one program per row
-    and group fills the GPU (the single-split case), one program per list and group then takes all its
-    rows: their query heads as one tile read the prompt's keys once (`_grouped_kernel`)."""
+    --what prefix)."""
     import os
 
     tune = tune or {}
@@ -422,17 +325,6 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
                   enable_fp_fusion=rope is None)
     strides = (q.stride(0), q.stride(1), q.stride(2), keys.stride(0), keys.stride(1), keys.stride(2),
                values.stride(0), values.stride(1), values.stride(2))
-    if splits == 1 and lists is not None:
-        assert prefix is not None and lists.shape[1] == list_width(per), "lists= needs prefix= and list_width(per) columns"
-        out = torch.empty(b, g, per, d, dtype=q.dtype, device=q.device)
-        width = list_width(per)
-        _grouped_kernel[(b, g)](
-            q, keys, values, lengths, lists, plen, out, cos, sin, pos, scale, *strides, lists.stride(0),
-            out.stride(0), out.stride(1), out.stride(2), cos.stride(0), PER=per, MAXM=width,
-            R_PAD=max(16, triton.next_power_of_2(width * per)), D=d, L=split_len, BLOCK=block_n,
-            PRECISION=common["PRECISION"], DYNAMIC=common["DYNAMIC"], ROPE=rope is not None,
-            enable_fp_fusion=rope is None, **launch)
-        return out
     if splits == 1:
         out = torch.empty(b, g, per, d, dtype=q.dtype, device=q.device)
         _split_kernel[(b, g, 1)](q, keys, values, lengths, src, plen, out, out, out, cos, sin, pos, scale, *strides,

@@ -67,14 +67,6 @@ class SlotDecoder(StageDecoder):
         # retired, whose keys stay intact until then)
         self.lead = self.rows.clone() if state_from is None else state_from.lead
         self.plen = torch.zeros(slots, dtype=torch.long, device=self.device) if state_from is None else state_from.plen
-        # with share_prefix, in the row of each slot that leads one, the rows reading the prompt through it
-        # (-1 pads; every slot in one list): the steps of many rows take a list per program
-        from trinity.rollout.decode_attention import list_width
-
-        self.lists = (torch.full((slots, list_width(max(1, self.heads // self.groups))), -1, dtype=torch.long,
-                                 device=self.device) if state_from is None else state_from.lists)
-        if state_from is None:
-            self.lists[:, 0] = self.rows
         self.kpos = torch.arange(cache_len, device=self.device)
         self._graphs: dict[tuple[int, int, bool], tuple[torch.cuda.CUDAGraph, Any]] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.use_graph else None
@@ -127,7 +119,7 @@ class SlotDecoder(StageDecoder):
 
             table = (self.cos, self.sin, self.pos[:b]) if rope else None
             return decode_attention(q, self.keys[i], self.values[i], ctx["nkeys"], L, self.scale, rope=table,
-                                    prefix=ctx["prefix"], lists=ctx["lists"])
+                                    prefix=ctx["prefix"])
         return F.scaled_dot_product_attention(q, self.keys[i][:b, :, :L], self.values[i][:b, :, :L],
                                               attn_mask=ctx["bias"], scale=self.scale)
 
@@ -266,8 +258,7 @@ class SlotDecoder(StageDecoder):
             (self.kpos[:L].view(1, 1, 1, L) > pos.view(b, 1, 1, 1)), float("-inf"))
         nkeys = torch.where(self.done[:b], torch.ones_like(pos), pos + 1) if self.split_kv else None
         prefix = (self.lead[:b], self.plen[:b]) if self.share_prefix else None
-        lists = self.lists if self.share_prefix else None
-        ctx = {"decode": True, "L": L, "bias": bias, "nkeys": nkeys, "prefix": prefix, "lists": lists}
+        ctx = {"decode": True, "L": L, "bias": bias, "nkeys": nkeys, "prefix": prefix}
         x = self.gpt.embedding(input_ids=self.tok[:b].view(b, 1), position_ids=pos.view(b, 1)) if self.first else self.hidden[:, :b]
         x = self._layers(x, pos.view(1, b), ctx)
         return self._logits(x) if self.last else x
