@@ -9,10 +9,10 @@ go to which slot and when. Here:
   samples' slots (identical prompts are prefilled once);
 - a decode step runs the slots [0, b) from static buffers (`tok`, `pos`, `done`, and the previous
   stage's `hidden`), attending over the first `L` cache positions, keys after a row's position masked;
-  on CUDA the attention is a Triton split-KV kernel that reads each row's own keys
-  (`trinity.rollout.decode_attention`), which on lean layers also applies RoPE and stores the step's
-  key and value, with SwiGLU fused too (`trinity.rollout.decode_fused`); elsewhere torch's SDPA with an
-  additive mask;
+  on CUDA the attention is a Triton split-KV kernel that reads each row's own keys, its prompt's from
+  the copy of the slot `lead` names (`share_prefix`; `trinity.rollout.decode_attention`), which on lean
+  layers also applies RoPE and stores the step's key and value, with SwiGLU fused too
+  (`trinity.rollout.decode_fused`); elsewhere torch's SDPA with an additive mask;
 - layers run as `trinity.rollout.decode.StaticDecoder` runs them (the lean path with dense SwiGLU MLPs
   and torch RMSNorms, at TP>1 on this rank's shards with an all-reduce after each row-parallel GEMM;
   megatron's submodules otherwise; `StageDecoder` sets up both);
