@@ -212,6 +212,7 @@ def generate_continuous(
     slot_pos = [0] * slots  # upper bound of the slot's next position (host's estimate for L)
     slot_grp, slot_plen = [-1] * slots, [0] * slots  # the slot's prompt (id per prompt and prefill), its length
     next_grp = 0
+    leads_stale = False  # which slot holds what changed since `set_leads` last ran
     active_set: set[int] = set()  # slots holding a row that has not been retired
     flags = _DoneFlags(device, slots)
     was_training = [g.training for g in gpts]
@@ -284,7 +285,7 @@ def generate_continuous(
             prefill(chunk, it)
 
     def prefill(chunk: list[tuple[tuple[int, ...], list[tuple[int, int]]]], it: int) -> None:
-        nonlocal n_waiting, next_grp
+        nonlocal n_waiting, next_grp, leads_stale
         u, width = len(chunk), max(len(c[0]) for c in chunk)
         tok = torch.full((u, width), pad_id, dtype=torch.long)
         for j, (p, _) in enumerate(chunk):
@@ -312,13 +313,17 @@ def generate_continuous(
             slot_grp[s], slot_plen[s] = next_grp + j, len(chunk[j][0])
             n_waiting -= 1
         next_grp += u
+        leads_stale = True
 
     leads = list(range(slots))  # the host's copy of dec.lead
 
     def set_leads() -> None:
         """Shared prompt keys: each active slot reads its prompt's keys from the lowest active slot of its
         prompt (an active slot's cache is not reused before `retire` frees it, and the new leads reach the
-        device before the next step). Queued only when they changed: rows end one at a time in the tail."""
+        device before the next step). Run after admissions, retirements and compactions only, and queued
+        only when the leads changed: rows end one at a time in the tail."""
+        nonlocal leads_stale
+        leads_stale = False
         first: dict[int, int] = {}
         new = list(range(slots))
         for s in sorted(active_set):
@@ -329,6 +334,7 @@ def generate_continuous(
                            else torch.tensor(new, dtype=torch.long), non_blocking=True)
 
     def retire(snap: tuple[int, torch.Tensor] | None) -> None:
+        nonlocal leads_stale
         if snap is None:
             return
         it, ended = snap
@@ -338,10 +344,12 @@ def generate_continuous(
                 slot_row[s] = -1
                 active_set.discard(s)
                 free.append(s)
+                leads_stale = True
         free.sort()
 
     def compact(it: int) -> None:
         """No rows wait: move the live slots above the bucket of the live count into lower free slots."""
+        nonlocal leads_stale
         live = sorted(active_set)
         if not live or _bucket(live[-1] + 1, slots) <= _bucket(len(live), slots):
             return
@@ -361,6 +369,7 @@ def generate_continuous(
             active_set.discard(s)
             active_set.add(d)
         free[:] = sorted(set(free) - set(dst) | set(src))
+        leads_stale = True
 
     it = 0
     try:
@@ -408,7 +417,7 @@ def generate_continuous(
                 compact(it)
             if not n_waiting and len(free) == slots and flags.pending is None:
                 break
-            if dec.share_prefix:
+            if dec.share_prefix and leads_stale:
                 set_leads()
             it += 1
     finally:
