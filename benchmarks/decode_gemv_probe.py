@@ -516,6 +516,32 @@ def gemv_sweep(shape: str, rows_list: list[int], reps: int) -> None:
                   f"{mb / best:.2f} | {best_cfg} | {old:.2f} |", flush=True)
 
 
+def blas_sweep(shape: str, rows_list: list[int], reps: int, libraries: list[str]) -> None:
+    """Each projection of the shape (and the LM head) alone through F.linear, one matrix per layer (no L2
+    reuse), under each BLAS library torch can prefer (`torch.backends.cuda.preferred_blas_library`): us
+    per call, TB/s of the weights and TFLOP/s."""
+    device = torch.device("cuda")
+    h, ffn, layers, heads, groups, d, vocab = geometry(shape)
+    projections = {"qkv": ((heads + 2 * groups) * d, h), "o_proj": (h, heads * d), "gate/up": (2 * ffn, h),
+                   "down": (h, ffn), "lm_head": (vocab, h)}
+    print(f"\nshape {shape}: F.linear, us per call ({', '.join(libraries)})")
+    print("| rows | projection | MB | " + " | ".join(f"{lib} us (TB/s, TFLOP/s)" for lib in libraries) + " |")
+    print("|---|---|---|" + "---|" * len(libraries))
+    for m in rows_list:
+        for name, (n, k) in projections.items():
+            count = 2 if name == "lm_head" else layers
+            ws = [torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02 for _ in range(count)]
+            x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+            mb = n * k * 2 / 1e6
+            cells = []
+            for lib in libraries:
+                torch.backends.cuda.preferred_blas_library(lib)
+                t = timed(lambda: [F.linear(x, w) for w in ws], reps) * 1e3 / count
+                cells.append(f"{t:.2f} ({mb / t:.2f}, {2 * m * n * k / t / 1e6:.0f})")
+            torch.backends.cuda.preferred_blas_library("default")
+            print(f"| {m} | {name} | {mb:.1f} | " + " | ".join(cells) + " |", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="0.5b")
@@ -529,6 +555,10 @@ def main() -> None:
     ap.add_argument("--no-gemv", action="store_true")
     ap.add_argument("--check-only", action="store_true")
     ap.add_argument("--sweep", action="store_true", help="each projection alone: cuBLAS against the Triton GEMVs")
+    ap.add_argument("--blas", nargs="+", default=["default"],
+                    help="BLAS libraries to prefer for the torch ops (default, cublas, cublaslt); with --sweep-blas: "
+                         "those to compare")
+    ap.add_argument("--sweep-blas", action="store_true", help="each projection and the LM head alone, per BLAS library")
     args = ap.parse_args()
     err = check()
     print(f"gemv kernels vs torch ops, fp32: max relative error {err:.2e}")
@@ -538,6 +568,9 @@ def main() -> None:
         return
     if args.sweep:
         gemv_sweep(args.shape, args.rows, args.reps)
+        return
+    if args.sweep_blas:
+        blas_sweep(args.shape, args.rows, args.reps, args.blas)
         return
     device = torch.device("cuda")
     use_attention = not args.no_attention
@@ -553,9 +586,15 @@ def main() -> None:
         weight_bytes = sum(t.numel() * 2 for layer in ls for k, t in layer.items() if k not in ("keys", "values"))
         weight_bytes += top["lm"].numel() * 2
         x0 = torch.randn(rows, geo["h"], device=device, dtype=torch.bfloat16)
-        base = timed(lambda: torch_step(x0, ls, top, rope, geo, use_attention), args.reps)
+        for lib in args.blas:
+            torch.backends.cuda.preferred_blas_library(lib)
+            t = timed(lambda: torch_step(x0, ls, top, rope, geo, use_attention), args.reps)
+            if lib == args.blas[0]:
+                base = t
+            print(f"| {rows} | torch ops ({lib} BLAS) | - | - | - | {t:.3f} | {t / base:.2f} | "
+                  f"(weights {weight_bytes / 1e9:.2f} GB) |", flush=True)
+        torch.backends.cuda.preferred_blas_library(args.blas[0])
         ref = torch_step(x0, ls, top, rope, geo, use_attention).float()
-        print(f"| {rows} | torch ops | - | - | - | {base:.3f} | 1.00 | (weights {weight_bytes / 1e9:.2f} GB) |", flush=True)
         side = torch.cuda.Stream()
         for schedule in args.prefetch:
             for limit in (None, 24 << 20):

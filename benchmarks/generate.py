@@ -106,6 +106,30 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def bucket_table(stats, call_s: float, engine: str, weight_bytes: int, kv_per_token: int, bw: float,
+                 s_per_token: float) -> str:
+    """Per batch bucket of one continuous call (`--buckets`): its decode steps, their GPU time, and the floor
+    of what they read (the weights once per step + the KV the kernel reads, a prompt's keys once where
+    its samples share them) and of what they compute (2 x params per live row at the matmul rate)."""
+    lines = [f"\nper batch bucket: {engine} ({call_s:.2f} s call)",
+             "| bucket | steps | live rows per step | ms per step | s | share of the call | read floor ms per step "
+             "| % of it | compute floor ms per step | % of max(floors) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    total = 0.0
+    for b in sorted(stats.buckets, reverse=True):
+        t = stats.buckets[b]
+        ms = t.ms / t.steps
+        read = (weight_bytes + t.read_kv_tokens / t.steps * kv_per_token) / bw * 1e3
+        compute = t.live_rows / t.steps * s_per_token * 1e3
+        total += t.ms / 1e3
+        lines.append(f"| {b} | {t.steps} | {t.live_rows / t.steps:.0f} | {ms:.3f} | {t.ms / 1e3:.2f} | "
+                     f"{100 * t.ms / 1e3 / call_s:.1f}% | {read:.3f} | {100 * read / ms:.1f}% | {compute:.3f} | "
+                     f"{100 * max(read, compute) / ms:.1f}% |")
+    lines.append(f"| all | {stats.decode_steps} | | | {total:.2f} | {100 * total / call_s:.1f}% | | | | |")
+    lines.append(f"(the rest of the call, {call_s - total:.2f} s: prefills, the host's gaps between steps, the output)")
+    return "\n".join(lines)
+
+
 def hf_config(shape: str, dtype: torch.dtype):
     """The HF Qwen2 config of a benchmark shape (the 7B shape unties its embeddings, as Qwen2.5-7B does)."""
     from transformers import Qwen2Config
@@ -157,6 +181,12 @@ def main() -> None:
                     help="--lengths: comma list of decode paths to time the continuous engine with: auto (the split-KV "
                          "kernel and the fused RoPE/SwiGLU kernels where they run, a prompt's samples reading one copy "
                          "of its keys), unshared (the same, each sample reading its own copy), unfused (split-KV only), sdpa")
+    ap.add_argument("--blas", default="default",
+                    help="--lengths: comma list of BLAS libraries for torch to prefer (default, cublas, cublaslt; "
+                         "torch.backends.cuda.preferred_blas_library): one row each")
+    ap.add_argument("--buckets", action="store_true",
+                    help="--lengths: time every decode step of the continuous engine on the GPU and print, per batch "
+                         "bucket, its steps, ms per step and the floor of its reads (RolloutStats.time_buckets)")
     ap.add_argument("--eager", action="store_true", help="decode steps without CUDA graphs")
     ap.add_argument("--compile", action="store_true", help="torch.compile the decode step")
     ap.add_argument("--profile", action="store_true", help="profile one trinity call at the last batch size")
@@ -283,6 +313,7 @@ def rollout_table(args, gpt, facts, device, weight_bytes: int, kv_per_token: int
     print(f"\n| engine | rows | lengths | useful tokens | call s | useful tok/s | decode steps | mean batch | "
           f"graph captures (s) | floor s | % of floor | shared-prompt floor s | % of it | compute floor s |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    bucket_tables: list[str] = []
     for batch in args.batches:
         g = torch.Generator().manual_seed(batch)
         # batch rows = batch / n prompts, each n times (the continuous engine prefills a prompt once)
@@ -290,12 +321,15 @@ def rollout_table(args, gpt, facts, device, weight_bytes: int, kv_per_token: int
         prompts = [p for p in distinct for _ in range(args.n)][:batch]
         lengths = draw_response_lengths(args.lengths, batch, args.new_tokens, seed=batch)
         useful = sum(lengths)
-        engines = [(e, m, a, smp) for e in args.engines.split(",") for m in (args.max_num_seqs if e == "continuous" else [0])
+        engines = [(e, m, a, smp, lib) for e in args.engines.split(",") for m in (args.max_num_seqs if e == "continuous" else [0])
                    for a in (args.attention.split(",") if e == "continuous" else ["-"])
                    for smp in (args.samplers.split(",") if e == "continuous" else ["torch"])
+                   for lib in args.blas.split(",")
                    if e == "continuous" or batch <= args.static_max_batch]
         warmed: set[str] = set()
-        for engine, max_num_seqs, attention, smp in engines:
+        for engine, max_num_seqs, attention, smp, lib in engines:
+            if device.type == "cuda":
+                torch.backends.cuda.preferred_blas_library(lib)
             os.environ["TRINITY_FUSED_SAMPLER"] = "1" if smp == "fused" else "0"
             # sdpa: SDPA decode attention; unfused: the split-KV kernel without the fused RoPE/SwiGLU
             # kernels (trinity.rollout.decode_fused); auto: what the engine picks
@@ -307,7 +341,7 @@ def rollout_table(args, gpt, facts, device, weight_bytes: int, kv_per_token: int
             first = (attention, smp) not in warmed
             warmed.add((attention, smp))
             for attempt in (("warm-up", "timed") if first else ("timed",)):
-                stats = RolloutStats()
+                stats = RolloutStats(time_buckets=args.buckets and attempt == "timed")
                 _sync(device)
                 t0 = time.perf_counter()
                 if engine == "continuous":
@@ -325,7 +359,8 @@ def rollout_table(args, gpt, facts, device, weight_bytes: int, kv_per_token: int
                 floor = (stats.decode_steps * weight_bytes + stats.live_kv_tokens * kv_per_token) / bw
                 shared = (stats.decode_steps * weight_bytes + stats.read_kv_tokens * kv_per_token) / bw
                 engine = (f"continuous ({stats.attention}, {stats.sampler} sampler"
-                          f"{' in the graph' if stats.graph_tail else ''}, {stats.slots} slots)")
+                          f"{' in the graph' if stats.graph_tail else ''}, {stats.slots} slots"
+                          f"{'' if lib == 'default' else ', ' + lib})")
                 extra = (f"{stats.decode_steps} | {stats.slot_steps / max(1, stats.decode_steps):.0f} | "
                          f"{stats.graph_captures} ({stats.capture_s:.2f}) | {floor:.2f} | {100 * floor / dt:.1f}% | "
                          f"{shared:.2f} | {100 * shared / dt:.1f}%")
@@ -335,6 +370,12 @@ def rollout_table(args, gpt, facts, device, weight_bytes: int, kv_per_token: int
                 extra = f"{steps} | {batch} | - | {floor:.2f} | {100 * floor / dt:.1f}% (of its own reads) | - | -"
             print(f"| {engine} | {batch} | {args.lengths} (mean {useful / batch:.0f}) | {useful} | {dt:.2f} | "
                   f"{useful / dt:.0f} | {extra} | {2 * n_params * useful / rate:.2f} |", flush=True)
+            if engine != "static" and stats.buckets:
+                bucket_tables.append(bucket_table(stats, dt, engine, weight_bytes, kv_per_token, bw,
+                                                  2 * n_params / rate))
+        for table in bucket_tables:
+            print(table)
+        bucket_tables = []
     if args.profile:  # one more continuous call at the last batch size, under the profiler
         from torch.profiler import ProfilerActivity, profile
 

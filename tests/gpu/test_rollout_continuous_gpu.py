@@ -82,6 +82,31 @@ def test_graphs_match_eager_and_static_fp32(built):
     assert torch.equal(sdpa.tokens, want.tokens) and (sdpa.logprobs - want.logprobs).abs().max().item() <= 1e-4
 
 
+def test_step_timing_per_bucket_accounts_for_every_step(built):
+    """RolloutStats.time_buckets (benchmarks/generate.py --buckets): events around each decode step change
+    no token, and the buckets' steps, rows and KV add up to the call's."""
+    from trinity.rollout.continuous import KVBudget, RolloutStats, _bucket, generate_continuous
+    from trinity.rollout.generate import SamplingParams
+
+    models, facts = built
+    gpt = models[torch.float32]
+    prompts = [p for p in _prompts(facts, 12) for _ in range(2)]
+    kw = dict(vocab_size=facts.vocab_size, pad_id=0, budget=KVBudget(max_num_seqs=7),
+              response_lengths=[1 + (7 * r) % 33 for r in range(len(prompts))])
+    params = SamplingParams(temperature=0.0, max_new_tokens=40)
+    plain, timed = RolloutStats(), RolloutStats(time_buckets=True)
+    a = generate_continuous(gpt, prompts, params, stats=plain, **kw)
+    b = generate_continuous(gpt, prompts, params, stats=timed, **kw)
+    assert torch.equal(a.tokens, b.tokens) and torch.equal(a.logprobs, b.logprobs)
+    assert not plain.buckets
+    assert set(timed.buckets) <= {_bucket(n, 7) for n in range(1, 8)} and len(timed.buckets) >= 3, timed.buckets
+    assert sum(t.steps for t in timed.buckets.values()) == timed.decode_steps == plain.decode_steps
+    assert sum(t.live_kv_tokens for t in timed.buckets.values()) == timed.live_kv_tokens
+    assert sum(t.read_kv_tokens for t in timed.buckets.values()) == timed.read_kv_tokens
+    for bucket, t in timed.buckets.items():
+        assert t.ms > 0 and t.live_rows <= bucket * t.steps, (bucket, t)
+
+
 def test_a_later_rollout_captures_warmed_shapes_without_a_warm_up(built, monkeypatch):
     """Every RL step's rollout captures its own graphs. A decode shape this process has run once is
     captured without the warm-up run (one `_step` per capture, not two), and decodes what the first

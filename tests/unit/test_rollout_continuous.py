@@ -82,6 +82,28 @@ def test_rollout_over_kv_budget_runs_in_waves(model):
     assert stats.waves >= 6  # 12 rows through 2 slots
 
 
+def test_step_timing_per_bucket_adds_up(model):
+    """RolloutStats.time_buckets (benchmarks/generate.py --buckets): timing changes no token, and the
+    buckets' steps, rows and KV reads add up to the call's through waves, retirements and compaction."""
+    from trinity.rollout.continuous import _bucket
+
+    gpt, facts = model
+    prompts = [p for p in PROMPTS for _ in range(3)]
+    kw = dict(vocab_size=facts.vocab_size, pad_id=0, budget=KVBudget(max_num_seqs=5),
+              response_lengths=[1 + (5 * r) % NEW for r in range(len(prompts))])
+    params = SamplingParams(temperature=0.0, max_new_tokens=NEW)
+    plain, timed = RolloutStats(), RolloutStats(time_buckets=True)
+    _same(generate_continuous(gpt, prompts, params, stats=plain, **kw),
+          generate_continuous(gpt, prompts, params, stats=timed, **kw), tol=0.0)
+    assert not plain.buckets
+    assert set(timed.buckets) <= {_bucket(n, 5) for n in range(1, 6)} and len(timed.buckets) >= 2, timed.buckets
+    assert sum(t.steps for t in timed.buckets.values()) == timed.decode_steps == plain.decode_steps
+    assert sum(t.live_kv_tokens for t in timed.buckets.values()) == timed.live_kv_tokens > 0
+    assert sum(t.read_kv_tokens for t in timed.buckets.values()) == timed.read_kv_tokens
+    for bucket, t in timed.buckets.items():
+        assert t.ms > 0 and 0 < t.live_rows <= bucket * t.steps, (bucket, t)
+
+
 def test_budget_below_one_sequence_names_the_key(model):
     from trinity.errors import UserError
 

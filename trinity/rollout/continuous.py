@@ -92,12 +92,39 @@ class RolloutStats:
     graph_captures: int = 0
     capture_s: float = 0.0
     waves: int = 0  # admissions
+    time_buckets: bool = False  # set by the caller: time every decode step, per batch bucket (`BucketTime`)
+    buckets: dict[int, "BucketTime"] = field(default_factory=dict)  # batch bucket -> its steps (time_buckets)
 
     @property
     def computed_tokens(self) -> int:
         """Tokens the engine computed: each row's first (from its prefill) and every decode step's batch
         bucket, rows that had ended or held nothing included."""
         return self.rows + self.slot_steps
+
+
+@dataclass
+class BucketTime:
+    """The decode steps of one batch bucket (`RolloutStats.time_buckets`). On CUDA `ms` is GPU time between
+    events recorded around each step (its layers, sampling and bookkeeping; not the host's gaps between
+    steps), on CPU the wall time of each (synchronous) step."""
+
+    steps: int = 0
+    ms: float = 0.0
+    live_rows: int = 0  # sum over the steps of the rows not yet retired
+    live_kv_tokens: int = 0
+    read_kv_tokens: int = 0
+
+
+def _clock(device: torch.device) -> Any:
+    """A step's start or end mark for `RolloutStats.time_buckets`: a CUDA event recorded on the current stream
+    (read once the rollout ends, so the host never waits for it), or the CPU's clock."""
+    import time
+
+    if device.type != "cuda":
+        return time.perf_counter()
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
 
 
 class _DoneFlags:
@@ -215,6 +242,8 @@ def generate_continuous(
     leads_stale = False  # which slot holds what changed since `set_leads` last ran
     active_set: set[int] = set()  # slots holding a row that has not been retired
     flags = _DoneFlags(device, slots)
+    # time_buckets: (bucket, live rows, live KV, read KV, start, end) per decode step, read after the loop
+    step_events: list[tuple[int, int, int, int, Any, Any]] | None = [] if stats.time_buckets else None
     was_training = [g.training for g in gpts]
     for g in gpts:
         g.eval()
@@ -382,6 +411,8 @@ def generate_continuous(
                 # each row's own keys whatever L is: one L, one graph per batch bucket
                 L = cache_len if dec.split_kv else min(
                     cache_len, -(-(max(slot_pos[s] for s in active) + 1) // _LEN_BUCKET) * _LEN_BUCKET)
+                if step_events is not None:
+                    ev0 = _clock(device)
                 if graph_tail:
                     dec.step(b, L, tail=tail)
                 else:
@@ -401,6 +432,8 @@ def generate_continuous(
                     # with shared prompts a prompt's keys count once per step
                     shared_ctx += slot_pos[s] - (slot_plen[s] if dec.share_prefix and slot_grp[s] in seen else 0)
                     seen.add(slot_grp[s])
+                if step_events is not None:
+                    step_events.append((b, len(active), live_ctx, shared_ctx, ev0, _clock(device)))
                 stats.decode_steps += 1
                 stats.slot_steps += b
                 stats.live_kv_tokens += live_ctx
@@ -426,6 +459,16 @@ def generate_continuous(
         for d in decs:
             d.close()
     stats.graph_captures, stats.capture_s = sum(d.captures for d in decs), sum(d.capture_s for d in decs)
+    if step_events:
+        if device.type == "cuda":
+            step_events[-1][5].synchronize()
+        for b, live_rows, live_ctx, shared_ctx, ev0, ev1 in step_events:
+            bt = stats.buckets.setdefault(b, BucketTime())
+            bt.steps += 1
+            bt.ms += ev0.elapsed_time(ev1) if device.type == "cuda" else (ev1 - ev0) * 1e3
+            bt.live_rows += live_rows
+            bt.live_kv_tokens += live_ctx
+            bt.read_kv_tokens += shared_ctx
     stats.attention = dec.attention
     lengths = out_len[:rows]
     width = int(lengths.max())
