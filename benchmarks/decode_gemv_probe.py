@@ -517,14 +517,15 @@ def gemv_sweep(shape: str, rows_list: list[int], reps: int) -> None:
 
 
 def blas_sweep(shape: str, rows_list: list[int], reps: int, libraries: list[str]) -> None:
-    """Each projection of the shape (and the LM head) alone through F.linear, one matrix per layer (no L2
-    reuse), under each BLAS library torch can prefer (`torch.backends.cuda.preferred_blas_library`): us
+    """Each projection of the shape (and the LM head) alone, through the op the engine calls for it (F.linear,
+    with QKV's bias; `addmm_` into the residual for o_proj and down), one matrix per layer (no L2 reuse),
+    under each BLAS library torch can prefer (`torch.backends.cuda.preferred_blas_library`): us
     per call, TB/s of the weights and TFLOP/s."""
     device = torch.device("cuda")
     h, ffn, layers, heads, groups, d, vocab = geometry(shape)
     projections = {"qkv": ((heads + 2 * groups) * d, h), "o_proj": (h, heads * d), "gate/up": (2 * ffn, h),
                    "down": (h, ffn), "lm_head": (vocab, h)}
-    print(f"\nshape {shape}: F.linear, us per call ({', '.join(libraries)})")
+    print(f"\nshape {shape}: the engine's ops, us per call ({', '.join(libraries)})")
     print("| rows | projection | MB | " + " | ".join(f"{lib} us (TB/s, TFLOP/s)" for lib in libraries) + " |")
     print("|---|---|---|" + "---|" * len(libraries))
     for m in rows_list:
@@ -532,11 +533,23 @@ def blas_sweep(shape: str, rows_list: list[int], reps: int, libraries: list[str]
             count = 2 if name == "lm_head" else layers
             ws = [torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02 for _ in range(count)]
             x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+            bias = torch.randn(n, device=device, dtype=torch.bfloat16)
+            y = torch.zeros(m, n, device=device, dtype=torch.bfloat16)
             mb = n * k * 2 / 1e6
             cells = []
+
+            # the engine's op for each (trinity.rollout.slots.SlotDecoder._lean_layer): QKV with its bias,
+            # the output and down projections added into the residual stream in place (addmm_)
+            def op(w):
+                if name == "qkv":
+                    return F.linear(x, w, bias)
+                if name in ("o_proj", "down"):
+                    return y.addmm_(x, w.t())
+                return F.linear(x, w)
+
             for lib in libraries:
                 torch.backends.cuda.preferred_blas_library(lib)
-                t = timed(lambda: [F.linear(x, w) for w in ws], reps) * 1e3 / count
+                t = timed(lambda: [op(w) for w in ws], reps) * 1e3 / count
                 cells.append(f"{t:.2f} ({mb / t:.2f}, {2 * m * n * k / t / 1e6:.0f})")
             torch.backends.cuda.preferred_blas_library("default")
             print(f"| {m} | {name} | {mb:.1f} | " + " | ".join(cells) + " |", flush=True)
