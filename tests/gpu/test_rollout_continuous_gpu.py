@@ -107,6 +107,28 @@ def test_step_timing_per_bucket_accounts_for_every_step(built):
         assert t.ms > 0 and t.live_rows <= bucket * t.steps, (bucket, t)
 
 
+def test_decode_buckets_are_timed_once_and_cover_every_row_count(built, monkeypatch):
+    """trinity.rollout.buckets on CUDA: the tuned ladder is a subset of the plain one that ends at the slot
+    count, names what it left out, is measured once per process; TRINITY_DECODE_BUCKETS=fixed keeps the
+    plain ladder."""
+    from trinity.rollout.buckets import Buckets, decode_buckets, gemm_ms, step_gemms
+
+    models, _ = built
+    cuda = torch.device("cuda")
+    plain = Buckets.plain(512)
+    for gpt in models.values():
+        tuned = decode_buckets([gpt], 512, cuda)
+        assert set(tuned.sizes) <= set(plain.sizes) and tuned.sizes[-1] == 512, tuned
+        assert {b for b, _, _ in tuned.dropped} == set(plain.sizes) - set(tuned.sizes)
+        assert all(n <= tuned(n) for n in range(1, 513))
+        assert decode_buckets([gpt], 512, cuda) is tuned
+    gemms = step_gemms([models[torch.bfloat16]], cuda)
+    assert len(gemms) == 4 * len(models[torch.bfloat16].decoder.layers) + 1
+    assert 0 < gemm_ms(gemms, 64) and 0 < gemm_ms(gemms, 512)
+    monkeypatch.setenv("TRINITY_DECODE_BUCKETS", "fixed")
+    assert decode_buckets([models[torch.float32]], 512, cuda) == plain
+
+
 def test_a_later_rollout_captures_warmed_shapes_without_a_warm_up(built, monkeypatch):
     """Every RL step's rollout captures its own graphs. A decode shape this process has run once is
     captured without the warm-up run (one `_step` per capture, not two), and decodes what the first

@@ -13,9 +13,10 @@ until its longest row ends, over a cache of the final length, with no memory bou
   those slots for all of its samples (`set_leads`), so that they come from DRAM about once per step
   instead of n times;
 - every slot has its own position, so a row's RoPE and causal mask are those of the row alone. A decode
-  step runs the slots [0, b) with b the batch bucket above the highest live slot, attending over the
-  first `L` cache positions, L the longest live context rounded up to `_LEN_BUCKET` (a step reads the
-  live context, not the whole cache). When no rows wait, live slots are compacted to the front so that
+  step runs the slots [0, b) with b the batch bucket above the highest live slot (`trinity.rollout.buckets`:
+  powers of two, then multiples of 64, leaving out on CUDA those whose GEMMs are slower than a larger
+  one's), attending over the first `L` cache positions, L the longest live context rounded up to
+  `_LEN_BUCKET` (a step reads the live context, not the whole cache). When no rows wait, live slots are compacted to the front so that
   the tail of a rollout runs small buckets.
 The prefill and decode steps over the pool (per-row RoPE, the attention kernels, one CUDA graph per
 (batch bucket, length bucket) on CUDA) are `trinity.rollout.slots.SlotDecoder`'s.
@@ -50,6 +51,7 @@ import torch
 
 # re-exported: tests, benchmarks and the RL recipe import these from here
 from trinity.rollout.bench_lengths import BENCH_LENGTHS_ENV, bench_response_lengths, draw_response_lengths  # noqa: F401
+from trinity.rollout.buckets import decode_buckets, plain_bucket
 from trinity.rollout.kv_budget import (  # noqa: F401
     DEFAULT_GPU_MEMORY_UTILIZATION, KVBudget, free_memory, kv_bytes_per_token, plan_slots)
 from trinity.rollout.sampler import Sampler
@@ -61,14 +63,7 @@ _CACHE_MULTIPLE = 64
 _PREFILL_TOKENS = 16384  # padded prompt tokens per prefill forward (bounds its activations)
 
 
-def _bucket(n: int, cap: int) -> int:
-    """Batch bucket: powers of two up to 64, then multiples of 64 (few CUDA graphs, < 2x padding)."""
-    b = 1
-    while b < n and b < 64:
-        b *= 2
-    if b < n:
-        b = -(-n // 64) * 64
-    return min(b, cap)
+_bucket = plain_bucket  # the plain ladder (tests); a rollout's own buckets: `decode_buckets`
 
 
 @dataclass
@@ -87,6 +82,7 @@ class RolloutStats:
     slot_steps: int = 0  # sum over decode steps of the batch bucket (rows computed, live or not)
     tokens: int = 0
     attention: str = ""  # the decode attention: "triton split-KV" (CUDA) or "sdpa"
+    bucket_note: str = ""  # batch buckets left out of the ladder as slower than a larger one (`decode_buckets`)
     sampler: str = ""  # "fused" (one Triton pass over the logits) or "torch"
     graph_tail: bool = False  # sampling and bookkeeping captured in the decode step's CUDA graph
     graph_captures: int = 0
@@ -197,6 +193,9 @@ def generate_continuous(
         raise ValueError("generate_continuous: every prompt needs at least one token")
     cache_len = -(-(max(plens) + max_new) // _CACHE_MULTIPLE) * _CACHE_MULTIPLE
     slots = plan_slots(gpts, budget, rows, cache_len, device)
+    # the batch buckets (CUDA: tuned by timing this stage's GEMMs, before the cache takes the memory)
+    buckets = decode_buckets(gpts, slots, device)
+    stats.bucket_note = buckets.note
     pipe = _Pipeline(gpts, device, param.dtype)
     sampler = Sampler(params, generator, device, vocab_size)
     # one decoder per model chunk; `dec` (chunk 0) holds the slot state all of them read; tail_key: what
@@ -380,7 +379,7 @@ def generate_continuous(
         """No rows wait: move the live slots above the bucket of the live count into lower free slots."""
         nonlocal leads_stale
         live = sorted(active_set)
-        if not live or _bucket(live[-1] + 1, slots) <= _bucket(len(live), slots):
+        if not live or buckets(live[-1] + 1) <= buckets(len(live)):
             return
         src = [s for s in live if s >= len(live)]
         dst = [s for s in free if s < len(live)][: len(src)]
@@ -406,7 +405,7 @@ def generate_continuous(
             snap = None
             if active_set:
                 active = sorted(active_set)
-                b = _bucket(active[-1] + 1, slots)
+                b = buckets(active[-1] + 1)
                 # SDPA reads all L keys of a row: L follows the longest live row; the split-KV kernel reads
                 # each row's own keys whatever L is: one L, one graph per batch bucket
                 L = cache_len if dec.split_kv else min(

@@ -1,0 +1,176 @@
+"""Batch buckets of the continuous engine's decode steps: the row counts a step runs at (one CUDA graph each).
+
+The ladder: powers of two up to 64, then multiples of 64 up to the slot count (few graphs, under 2x
+padding). A step runs the smallest bucket that holds its highest live slot.
+
+Why the ladder is tuned on CUDA: cuBLAS's heuristics give some row counts a slow kernel. On an H100
+(torch 2.11+cu130, 2026-11-27) the 7B gate/up projection took 358 us at 448 rows against 217 us at 512,
+and a 448-row decode step 18.9 ms against 15.2 ms at 512 (docs/performance.md, "2026-11-27"). So
+`decode_buckets` times the GEMMs of one decode step of this rank's layers at each bucket from 64 rows up
+and leaves a bucket out when a larger one takes less than (1 - MARGIN) of its time: its steps then run
+in that larger bucket, whose padding rows cost less than the slow kernel. The margin keeps timing noise
+(a few percent) from changing the ladder from one run to the next; a dropped bucket's kernel is 15-65%
+slower. The ranks of a model-parallel group add up their times, so that all of them pick the same
+ladder (their steps exchange hidden states and all-reduce at the same shapes). Measured once per process
+and slot count (an RL job's later rollouts reuse it). TRINITY_DECODE_BUCKETS=fixed keeps the plain
+ladder (a diagnostic).
+"""
+
+from __future__ import annotations
+
+import bisect
+import os
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+SMALL = 64  # below this, powers of two; the buckets tuned start here
+MARGIN = 0.15  # a bucket is left out when a larger one takes less than (1 - MARGIN) of its time
+REPS = 3  # timed replays per bucket (the fastest counts)
+ENV = "TRINITY_DECODE_BUCKETS"
+
+
+def plain_bucket(n: int, cap: int) -> int:
+    """The plain ladder's bucket for n rows: powers of two up to 64, then multiples of 64, at most cap."""
+    b = 1
+    while b < n and b < SMALL:
+        b *= 2
+    if b < n:
+        b = -(-n // SMALL) * SMALL
+    return min(b, cap)
+
+
+@dataclass(frozen=True)
+class Buckets:
+    """The buckets of a rollout (ascending, the last the slot count) and, for the log, the buckets left
+    out: (bucket, the larger one its steps run in, that one's GEMM time / the bucket's)."""
+
+    sizes: tuple[int, ...]
+    dropped: tuple[tuple[int, int, float], ...] = ()
+
+    @classmethod
+    def plain(cls, cap: int) -> "Buckets":
+        return cls(tuple(sorted({plain_bucket(n, cap) for n in range(1, cap + 1)})))
+
+    def __call__(self, n: int) -> int:
+        """The bucket a step with n rows (1 <= n <= the slot count) runs at."""
+        return self.sizes[bisect.bisect_left(self.sizes, n)]
+
+    @property
+    def note(self) -> str:
+        """'' for the plain ladder; else e.g. '448 rows run as 512 (0.74x the GEMM time)'."""
+        return "; ".join(f"{b} rows run as {to} ({r:.2f}x the GEMM time)" for b, to, r in self.dropped)
+
+
+def choose(candidates: Sequence[int], times: Sequence[float], margin: float = MARGIN) -> tuple[list[int], list[tuple[int, int, float]]]:
+    """Which of the ascending `candidates` (times: their GEMM times) to keep: every one for which no larger
+    candidate takes less than (1 - margin) of its time (the largest is always kept). Returns the kept ones
+    and, per dropped one, (it, the smallest kept one above it, that one's time / its time)."""
+    keep = [b for i, b in enumerate(candidates)
+            if not any(times[j] < (1 - margin) * times[i] for j in range(i + 1, len(candidates)))]
+    dropped = []
+    for i, b in enumerate(candidates):
+        if b not in keep:
+            to = next(k for k in keep if k > b)
+            dropped.append((b, to, times[candidates.index(to)] / times[i]))
+    return keep, dropped
+
+
+_TUNED: dict[tuple, Buckets] = {}
+
+
+def decode_buckets(gpts: Sequence[Any], cap: int, device: torch.device) -> Buckets:
+    """The buckets for `cap` slots (module doc): the plain ladder on CPU, with TRINITY_DECODE_BUCKETS=fixed,
+    below 2 buckets of 64+ rows, or for layers that are not a dense GPT's; else tuned by timing."""
+    plain = Buckets.plain(cap)
+    candidates = [b for b in plain.sizes if b >= SMALL]
+    if device.type != "cuda" or os.environ.get(ENV, "") == "fixed" or len(candidates) < 2:
+        return plain
+    gemms = step_gemms(gpts, device)
+    if gemms is None:
+        return plain
+    key = (str(device), cap, tuple((kind, tuple(w.shape), b is not None, w.dtype) for kind, w, b in gemms))
+    if key not in _TUNED:
+        times = torch.tensor([gemm_ms(gemms, m) for m in candidates], dtype=torch.float64, device=device)
+        _model_parallel_sum(times)
+        keep, dropped = choose(candidates, times.tolist())
+        _TUNED[key] = Buckets(tuple(b for b in plain.sizes if b < SMALL) + tuple(keep), tuple(dropped))
+    return _TUNED[key]
+
+
+def step_gemms(gpts: Sequence[Any], device: torch.device) -> list[tuple[str, torch.Tensor, torch.Tensor | None]] | None:
+    """The GEMMs of one decode step of these model chunks, as the lean decode path calls them
+    (`trinity.rollout.slots.SlotDecoder._lean_layer`): per layer QKV (F.linear with its bias), the output
+    projection (`addmm_` into the residual), gate/up (F.linear) and down (`addmm_`); the LM head on the last
+    stage. None when a layer has no such linears (no tuning) or a weight is not on `device`."""
+    out: list[tuple[str, torch.Tensor, torch.Tensor | None]] = []
+    for g in gpts:
+        for layer in g.decoder.layers:
+            attn, mlp = getattr(layer, "self_attention", None), getattr(layer, "mlp", None)
+            mods = [getattr(attn, "linear_qkv", None), getattr(attn, "linear_proj", None),
+                    getattr(mlp, "linear_fc1", None), getattr(mlp, "linear_fc2", None)]
+            if any(getattr(m, "weight", None) is None for m in mods):
+                return None
+            qkv, proj, fc1, fc2 = mods
+            out += [("linear", qkv.weight, qkv.bias), ("addmm", proj.weight, None), ("linear", fc1.weight, None),
+                    ("addmm", fc2.weight, None)]
+        if getattr(g, "post_process", False):
+            w = g.shared_embedding_or_output_weight() if g.share_embeddings_and_output_weights else g.output_layer.weight
+            if w is None:
+                return None
+            out.append(("linear", w, None))
+    if not out or any(w.device != device or w.dim() != 2 for _, w, _ in out):
+        return None
+    return out
+
+
+def gemm_ms(gemms: list[tuple[str, torch.Tensor, torch.Tensor | None]], m: int) -> float:
+    """Milliseconds of `gemms` at m rows, captured as one CUDA graph (as a decode step runs them), the
+    fastest of REPS replays."""
+    w0 = gemms[0][1]
+    xs: dict[int, torch.Tensor] = {}
+    ys: dict[int, torch.Tensor] = {}
+    for kind, w, _ in gemms:
+        xs.setdefault(w.shape[1], torch.randn(m, w.shape[1], device=w0.device, dtype=w0.dtype))
+        if kind == "addmm":
+            ys.setdefault(w.shape[0], torch.zeros(m, w.shape[0], device=w0.device, dtype=w0.dtype))
+
+    def run() -> None:
+        for kind, w, bias in gemms:
+            x = xs[w.shape[1]]
+            if kind == "addmm":
+                ys[w.shape[0]].addmm_(x, w.t())
+            else:
+                torch.nn.functional.linear(x, w, bias)
+
+    with torch.no_grad():
+        side = torch.cuda.Stream(w0.device)
+        side.wait_stream(torch.cuda.current_stream(w0.device))
+        with torch.cuda.stream(side):
+            run()  # cuBLAS's handles and heuristics before the capture
+        torch.cuda.current_stream(w0.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            run()
+        best = float("inf")
+        for _ in range(REPS):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            best = min(best, start.elapsed_time(end))
+        del graph
+    return best
+
+
+def _model_parallel_sum(t: torch.Tensor) -> None:
+    """Add up `t` over this rank's model-parallel group (TP x PP), in place."""
+    from megatron.core import parallel_state as ps
+
+    if not torch.distributed.is_initialized() or ps.get_model_parallel_group() is None:
+        return
+    group = ps.get_model_parallel_group()
+    if torch.distributed.get_world_size(group) > 1:
+        torch.distributed.all_reduce(t, group=group)
