@@ -120,9 +120,18 @@ def step_gemms(gpts: Sequence[Any], device: torch.device) -> list[tuple[str, tor
             if w is None:
                 return None
             out.append(("linear", w, None))
-    if not out or any(w.device != device or w.dim() != 2 for _, w, _ in out):
+    if not out or any(not _on(w, device) or w.dim() != 2 for _, w, _ in out):
         return None
     return out
+
+
+def _on(t: torch.Tensor, device: torch.device) -> bool:
+    """t is on `device` ("cuda" meaning the current CUDA device)."""
+    if t.device.type != device.type:
+        return False
+    if device.type == "cuda" and device.index is None:
+        return t.device.index == torch.cuda.current_device()
+    return device.index is None or t.device.index == device.index
 
 
 def gemm_ms(gemms: list[tuple[str, torch.Tensor, torch.Tensor | None]], m: int) -> float:
