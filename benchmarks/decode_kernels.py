@@ -141,9 +141,10 @@ def layers(args, bw: float) -> None:
     d, per = shape["hidden_size"] // heads, heads // groups
     cache_len = args.cache_len
     print(f"\nattention part of {n_layers} decode layers, shape {args.shape}, cache {cache_len}, one CUDA graph")
-    print("| rows | mean ctx | RoPE + cache store | keys per split | splits | kernels per layer | us per step | us per layer |")
+    print("| rows | mean ctx | RoPE + cache store | keys per split / full grid | splits | kernels per layer | us per step | us per layer |")
     print("|---|---|---|---|---|---|---|---|")
-    for rows, split in itertools.product(args.rows, [None] + (args.split or [])):
+    variants = [None] + [("split", v) for v in (args.split or [])] + [("full_grid", v) for v in (args.full_grid or [])]
+    for rows, variant in itertools.product(args.rows, variants):
         g = torch.Generator(device="cpu").manual_seed(rows)
         ctx = torch.randint(max(1, args.ctx // 2), min(cache_len - 1, args.ctx * 3 // 2) + 1, (rows,), generator=g)
         qkv = torch.randn(rows, groups, per + 2, d, generator=g).to(DEVICE, torch.bfloat16)
@@ -152,7 +153,7 @@ def layers(args, bw: float) -> None:
                   for _ in range(n_layers)]
         pos = (ctx - 1).to(DEVICE)
         lengths = ctx.to(DEVICE)
-        tune = {} if split is None else {"split": split}
+        tune = {} if variant is None else {variant[0]: variant[1]}
         splits = num_splits(rows * groups, cache_len, tune)
 
         def step(fused: bool):
@@ -162,7 +163,7 @@ def layers(args, bw: float) -> None:
                 else:
                     decode_attention(rope_store(qkv, cos, sin, pos, k, v), k, v, lengths, cache_len, d**-0.5, tune=tune)
 
-        for fused in ((False, True) if split is None else (True,)):
+        for fused in ((False, True) if variant is None else (True,)):
             step(fused)  # compile outside the capture
             if DEVICE == "cuda":
                 torch.cuda.synchronize()
@@ -174,7 +175,8 @@ def layers(args, bw: float) -> None:
                 sec = _bench(lambda: step(fused))
             kernels = 1 + (not fused) + (splits > 1)
             print(f"| {rows} | {float(ctx.float().mean()):.0f} | {'in the attention kernel' if fused else 'own kernel'} | "
-                  f"{'engine' if split is None else split} | {splits} | {kernels} | {sec * 1e6:.1f} | {sec * 1e6 / n_layers:.2f} |", flush=True)
+                  f"{'engine' if variant is None else f'{variant[0]} {variant[1]}'} | {splits} | {kernels} | {sec * 1e6:.1f} | "
+                  f"{sec * 1e6 / n_layers:.2f} |", flush=True)
 
 
 def prefix(args, bw: float) -> None:
@@ -252,6 +254,8 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=8, help="prefix: samples per prompt")
     ap.add_argument("--prompt-len", type=int, default=256, help="prefix: prompt tokens")
     ap.add_argument("--split", type=int, nargs="*", default=None, help="layers: keys per split to time besides the engine's rule")
+    ap.add_argument("--full-grid", type=int, nargs="*", default=None,
+                    help="layers: rows x groups from which a row is one program (no split), to time besides the engine's 512")
     ap.add_argument("--top", type=int, default=6, help="fastest settings shown per row count")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run under TRITON_INTERPRET=1")
     args = ap.parse_args()
