@@ -72,3 +72,44 @@ def test_the_engine_runs_the_buckets_it_is_given(tiny_qwen2_cpu, monkeypatch):
     got = engine.generate_continuous(gpt, prompts, params, stats=tuned, **kw)
     assert set(tuned.buckets) == {1, 4} and tuned.bucket_note == "2 rows run as 4 (0.50x the GEMM time)"
     assert torch.equal(got.tokens, want.tokens) and (got.logprobs - want.logprobs).abs().max().item() <= 1e-5
+
+
+def _agree_worker(rank: int, port: int, out: str) -> None:
+    import json
+    import os
+    from pathlib import Path
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    from trinity.config.megatron import MegatronConfig
+    from trinity.distributed.parallel import destroy, init_parallel
+    from trinity.rollout.buckets import Buckets, agree
+
+    try:
+        init_parallel(device="cpu", layout=MegatronConfig(tensor_model_parallel_size=2).layout(), seed=0)
+        plain = Buckets.plain(512)
+        # each rank half of the 7B times of test_a_bucket_slower_than_a_larger_one_is_left_out, rank 1's
+        # 448-row bucket alone slow: the sum decides, on both ranks
+        base = [185.0, 197.0, 215.0, 238.0, 275.0, 297.0, 265.0, 390.0]
+        mine = [t / 2 for t in base]
+        if rank == 1:
+            mine[6] = 530.0 - base[6] / 2
+        both = agree(mine, plain, torch.device("cpu"))
+        # a rank that cannot time (None) sends zeros: both keep the plain ladder, and nobody waits
+        one = agree(None if rank == 1 else mine, plain, torch.device("cpu"))
+        Path(out, f"rank{rank}.json").write_text(json.dumps({"both": list(both.sizes), "dropped": [list(d[:2]) for d in both.dropped],
+                                                             "one": list(one.sizes)}))
+    finally:
+        destroy()
+
+
+@pytest.mark.multiproc
+def test_model_parallel_ranks_agree_on_one_ladder(tmp_path):
+    import json
+
+    from tests.conftest import run_two_ranks
+
+    run_two_ranks(_agree_worker, str(tmp_path), timeout=120)
+    res = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert res[0] == res[1], res
+    assert 448 not in res[0]["both"] and res[0]["dropped"] == [[448, 512]], res
+    assert res[0]["one"] == list(Buckets.plain(512).sizes), res

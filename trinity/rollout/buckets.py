@@ -82,21 +82,32 @@ _TUNED: dict[tuple, Buckets] = {}
 
 def decode_buckets(gpts: Sequence[Any], cap: int, device: torch.device) -> Buckets:
     """The buckets for `cap` slots (module doc): the plain ladder on CPU, with TRINITY_DECODE_BUCKETS=fixed,
-    below 2 buckets of 64+ rows, or for layers that are not a dense GPT's; else tuned by timing."""
+    below 2 buckets of 64+ rows, or where a rank of the model-parallel group has layers that are not a dense
+    GPT's; else tuned by timing. Every rank of the group calls it with the same `cap` (as `plan_slots`)."""
     plain = Buckets.plain(cap)
     candidates = [b for b in plain.sizes if b >= SMALL]
     if device.type != "cuda" or os.environ.get(ENV, "") == "fixed" or len(candidates) < 2:
         return plain
     gemms = step_gemms(gpts, device)
-    if gemms is None:
-        return plain
-    key = (str(device), cap, tuple((kind, tuple(w.shape), b is not None, w.dtype) for kind, w, b in gemms))
+    key = (str(device), cap, None if gemms is None else
+           tuple((kind, tuple(w.shape), b is not None, w.dtype) for kind, w, b in gemms))
     if key not in _TUNED:
-        times = torch.tensor([gemm_ms(gemms, m) for m in candidates], dtype=torch.float64, device=device)
-        _model_parallel_sum(times)
-        keep, dropped = choose(candidates, times.tolist())
-        _TUNED[key] = Buckets(tuple(b for b in plain.sizes if b < SMALL) + tuple(keep), tuple(dropped))
+        _TUNED[key] = agree(None if gemms is None else [gemm_ms(gemms, m) for m in candidates], plain, device)
     return _TUNED[key]
+
+
+def agree(times: list[float] | None, plain: Buckets, device: torch.device) -> Buckets:
+    """The ladder of the model-parallel group from each rank's GEMM times at the plain ladder's buckets of
+    SMALL rows and more (None: this rank's layers cannot be timed). One collective, made by every rank:
+    the count of ranks that timed and their summed times; the plain ladder unless all of them timed."""
+    candidates = [b for b in plain.sizes if b >= SMALL]
+    t = torch.tensor([float(times is not None), *(times or [0.0] * len(candidates))], dtype=torch.float64,
+                     device=device)
+    ranks = _model_parallel_sum(t)
+    if t[0].item() < ranks:
+        return plain
+    keep, dropped = choose(candidates, t[1:].tolist())
+    return Buckets(tuple(b for b in plain.sizes if b < SMALL) + tuple(keep), tuple(dropped))
 
 
 def step_gemms(gpts: Sequence[Any], device: torch.device) -> list[tuple[str, torch.Tensor, torch.Tensor | None]] | None:
@@ -174,12 +185,14 @@ def gemm_ms(gemms: list[tuple[str, torch.Tensor, torch.Tensor | None]], m: int) 
     return best
 
 
-def _model_parallel_sum(t: torch.Tensor) -> None:
-    """Add up `t` over this rank's model-parallel group (TP x PP), in place."""
+def _model_parallel_sum(t: torch.Tensor) -> int:
+    """Add up `t` over this rank's model-parallel group (TP x PP), in place; returns the group's size."""
     from megatron.core import parallel_state as ps
 
     if not torch.distributed.is_initialized() or ps.get_model_parallel_group() is None:
-        return
+        return 1
     group = ps.get_model_parallel_group()
-    if torch.distributed.get_world_size(group) > 1:
+    size = torch.distributed.get_world_size(group)
+    if size > 1:
         torch.distributed.all_reduce(t, group=group)
+    return size
