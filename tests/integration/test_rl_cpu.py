@@ -102,6 +102,17 @@ def test_grpo_runs_checkpoints_and_resumes_exactly(assets, tmp_path):
     assert [r.get("profiled") for r in first] == [None, None, 1]
     assert f"profiled step 3: trace {out / 'profile' / 'step_3.rank_0.json.gz'}" in log
     assert (out / "profile" / "step_3.rank_0.json.gz").stat().st_size > 1000
+    # the profiled step's summary also times the rollout's decode steps per batch bucket: they add up to
+    # the step's decode steps, printed and written beside the trace
+    import re
+
+    head = re.search(r"rollout: (\d+) decode steps, ([0-9.]+) ms in them; per batch bucket", log)
+    assert head and int(head.group(1)) == first[2]["rollout/decode_steps"], log[-3000:]
+    table = [re.sub(r"^\[\w+\]:", "", line) for line in log[head.end():].splitlines()[2:]]  # torchrun's prefix
+    buckets = [line.split(" | ") for line in table if re.match(r"^\d+ \| \d+ \| ", line)]
+    assert buckets and sum(int(b[1]) for b in buckets) == int(head.group(1)), table[:12]
+    assert all(float(b[3]) > 0 for b in buckets), buckets
+    assert head.group(0) in (out / "profile" / "step_3.rank_0.txt").read_text()
     for key in ("reward/mean", "reward/std", "response_length/mean", "actor/pg_loss", "actor/entropy",
                 "actor/kl_loss", "actor/ref_kl", "actor/pg_clipfrac", "advantages/mean", "time/rollout_s",
                 "time/ref_s", "time/old_logp_s", "time/update_actor_s", "tokens_per_s/rollout"):

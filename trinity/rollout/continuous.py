@@ -91,6 +91,22 @@ class RolloutStats:
     time_buckets: bool = False  # set by the caller: time every decode step, per batch bucket (`BucketTime`)
     buckets: dict[int, "BucketTime"] = field(default_factory=dict)  # batch bucket -> its steps (time_buckets)
 
+    def bucket_lines(self) -> list[str]:
+        """The decode steps per batch bucket (`time_buckets`) as the lines of a table, for a profiled RL
+        step's summary (trinity.trainer.profiling); [] when they were not timed."""
+        if not self.buckets:
+            return []
+        total = sum(t.ms for t in self.buckets.values())
+        lines = [f"rollout: {self.decode_steps} decode steps, {total:.1f} ms in them; per batch bucket",
+                 "bucket | steps | live rows per step | ms per step | share of the steps' time"]
+        for b in sorted(self.buckets, reverse=True):
+            t = self.buckets[b]
+            lines.append(f"{b} | {t.steps} | {t.live_rows / t.steps:.0f} | {t.ms / t.steps:.3f} | "
+                         f"{100 * t.ms / max(total, 1e-9):.1f}%")
+        if self.bucket_note:
+            lines.append(f"(left out as slower than a larger bucket: {self.bucket_note})")
+        return lines
+
     @property
     def computed_tokens(self) -> int:
         """Tokens the engine computed: each row's first (from its prefill) and every decode step's batch
@@ -493,10 +509,11 @@ class ActorRollout:
     pad_id: int
     budget: KVBudget = KVBudget()
     stats: RolloutStats = field(default_factory=RolloutStats)
+    time_buckets: bool = False  # time the decode steps per batch bucket (a profiled RL step sets it)
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
                  generator: torch.Generator | None = None) -> Rollout:
-        self.stats = RolloutStats()
+        self.stats = RolloutStats(time_buckets=self.time_buckets)
         lengths = bench_response_lengths(len(prompts), params.max_new_tokens)
         return generate_continuous(self.model, prompts, params, vocab_size=self.vocab_size, pad_id=self.pad_id,
                                    budget=self.budget, generator=generator, response_lengths=lengths, stats=self.stats)

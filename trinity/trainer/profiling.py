@@ -153,7 +153,15 @@ class StepProfiler:
             self.summary = [f"host time of a {wall * 1e3:.1f} ms profiled step, top ops", "op | ms | calls"]
             self.summary += [f"{e.key} | {e.self_cpu_time_total / 1e3:.1f} | {e.count}" for e in rows]
         self.summary.insert(0, f"profiled step {step}: trace {path}")
-        summary_path(self.output_dir, step, self.rank, self.folder).write_text("\n".join(self.summary) + "\n")
+        self._summary_file = summary_path(self.output_dir, step, self.rank, self.folder)
+        self._summary_file.write_text("\n".join(self.summary) + "\n")
+
+    def extend(self, lines: list[str]) -> None:
+        """Add the recipe's lines (`Recipe.profile_lines`: an RL step's decode steps per batch bucket) to the
+        summary of the step just profiled, printed and written with it."""
+        if lines and self.profiled:
+            self.summary += lines
+            self._summary_file.write_text("\n".join(self.summary) + "\n")
 
 
 __all__ = ["KERNEL_KINDS", "StepProfiler", "kernel_kind", "kernel_kind_table", "kernel_kind_totals", "summary_path",

@@ -68,6 +68,13 @@ class Recipe:
     def setup(self) -> None:
         """Anything built after the engines (phases, samplers...)."""
 
+    def profiling(self, on: bool) -> None:
+        """Called before each step: whether the loop's profiler profiles it (a recipe may then measure more)."""
+
+    def profile_lines(self) -> list[str]:
+        """Lines added to a profiled step's summary (trinity.trainer.profiling), after the step."""
+        return []
+
     # ---------------------------------------------------------------- shared
 
     def build(self) -> None:

@@ -185,6 +185,16 @@ class RLRecipe(Recipe):
     def describe(self) -> str:
         return f"{super().describe()}; roles: {', '.join(self.engines)}"
 
+    def profiling(self, on: bool) -> None:
+        # a profiled step also times the rollout's decode steps per batch bucket (the built-in engine)
+        engine = getattr(self.rollout_engine, "engine", self.rollout_engine)
+        if hasattr(engine, "time_buckets"):
+            engine.time_buckets = on
+
+    def profile_lines(self) -> list[str]:
+        stats = getattr(self.rollout_engine, "stats", None)
+        return stats.bucket_lines() if stats is not None else []
+
     def make_batching(self) -> dict[str, Any]:
         """Each role's `Batching` (rollout_forward): packed rows of its token budget, or padded rows."""
         from megatron.core import parallel_state as ps
