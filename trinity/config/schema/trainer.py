@@ -59,8 +59,9 @@ class TrainerConfig(StrictModel):
     <output_dir>/samples/step_N.jsonl (val ones to val_step_N.jsonl). 0 prints none and writes no files."""
     profile_step: int | None = Field(default=None, ge=1)
     """Profile this step with torch.profiler on every rank: a Chrome trace per rank in
-    <output_dir>/profile and GPU time per kind of kernel printed; pick a step after the first
-    (which compiles and warms up). Unset: no profiling."""
+    <output_dir>/profile and GPU time per kind of kernel printed (an RL step also times its rollout's
+    decode steps per batch bucket); pick a step after the first (which compiles and warms up). Unset:
+    no profiling."""
 
     def trackers(self) -> list[str]:
         """The metric sinks beyond the console and metrics.jsonl that this job writes to."""
