@@ -16,8 +16,8 @@ until its longest row ends, over a cache of the final length, with no memory bou
   step runs the slots [0, b) with b the batch bucket above the highest live slot (`trinity.rollout.buckets`:
   powers of two, then multiples of 64, leaving out on CUDA those whose GEMMs are slower than a larger
   one's), attending over the first `L` cache positions, L the longest live context rounded up to
-  `_LEN_BUCKET` (a step reads the live context, not the whole cache). When no rows wait, live slots are compacted to the front so that
-  the tail of a rollout runs small buckets.
+  `_LEN_BUCKET` (a step reads the live context, not the whole cache). When no rows wait, live slots are
+  compacted to the front so that the tail of a rollout runs small buckets.
 The prefill and decode steps over the pool (per-row RoPE, the attention kernels, one CUDA graph per
 (batch bucket, length bucket) on CUDA) are `trinity.rollout.slots.SlotDecoder`'s.
 
