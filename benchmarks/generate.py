@@ -188,6 +188,9 @@ def main() -> None:
                     help="--lengths: comma list of batch-bucket ladders for the continuous engine: tuned (the "
                          "engine's: buckets slower than a larger one left out, trinity.rollout.buckets), fixed "
                          "(TRINITY_DECODE_BUCKETS=fixed: every power of two, then every multiple of 64)")
+    ap.add_argument("--full-grid", default="",
+                    help="--lengths: comma list of split-KV thresholds (rows x groups from which a row is one program; "
+                         "TRINITY_DECODE_FULL_GRID) to time the continuous engine with besides the engine's (512)")
     ap.add_argument("--buckets", action="store_true",
                     help="--lengths: time every decode step of the continuous engine on the GPU and print, per batch "
                          "bucket, its steps, ms per step and the floor of its reads (RolloutStats.time_buckets)")
@@ -325,15 +328,17 @@ def rollout_table(args, gpt, facts, device, weight_bytes: int, kv_per_token: int
         prompts = [p for p in distinct for _ in range(args.n)][:batch]
         lengths = draw_response_lengths(args.lengths, batch, args.new_tokens, seed=batch)
         useful = sum(lengths)
-        engines = [(e, m, a, smp, lib, ladder) for e in args.engines.split(",") for m in (args.max_num_seqs if e == "continuous" else [0])
+        engines = [(e, m, a, smp, lib, ladder, grid) for e in args.engines.split(",") for m in (args.max_num_seqs if e == "continuous" else [0])
                    for a in (args.attention.split(",") if e == "continuous" else ["-"])
                    for smp in (args.samplers.split(",") if e == "continuous" else ["torch"])
                    for lib in args.blas.split(",")
                    for ladder in (args.ladder.split(",") if e == "continuous" else ["-"])
+                   for grid in ([""] + [g for g in args.full_grid.split(",") if g] if e == "continuous" else [""])
                    if e == "continuous" or batch <= args.static_max_batch]
         warmed: set[str] = set()
-        for engine, max_num_seqs, attention, smp, lib, ladder in engines:
+        for engine, max_num_seqs, attention, smp, lib, ladder, grid in engines:
             os.environ["TRINITY_DECODE_BUCKETS"] = "fixed" if ladder == "fixed" else ""
+            os.environ["TRINITY_DECODE_FULL_GRID"] = grid
             if device.type == "cuda":
                 torch.backends.cuda.preferred_blas_library(lib)
             os.environ["TRINITY_FUSED_SAMPLER"] = "1" if smp == "fused" else "0"
@@ -368,6 +373,7 @@ def rollout_table(args, gpt, facts, device, weight_bytes: int, kv_per_token: int
                           f"{' in the graph' if stats.graph_tail else ''}, {stats.slots} slots"
                           f"{'' if lib == 'default' else ', ' + lib}"
                           f"{', fixed buckets' if ladder == 'fixed' else ''}"
+                          f"{', one program per row from ' + grid + ' programs' if grid else ''}"
                           f"{'; ' + stats.bucket_note if stats.bucket_note else ''})")
                 extra = (f"{stats.decode_steps} | {stats.slot_steps / max(1, stats.decode_steps):.0f} | "
                          f"{stats.graph_captures} ({stats.capture_s:.2f}) | {floor:.2f} | {100 * floor / dt:.1f}% | "

@@ -270,9 +270,13 @@ if triton is not None:
 
 def num_splits(programs: int, L: int, tune: dict | None = None) -> int:
     """Splits per row for `programs` (rows x groups) over L keys: one where the rows alone fill the GPU
-    (_FULL_GRID), else L / SPLIT."""
+    (_FULL_GRID, or TRINITY_DECODE_FULL_GRID: a diagnostic for whole-rollout comparisons; per-layer times
+    favour ~128, docs/performance.md 2026-11-27), else L / SPLIT."""
+    import os
+
     tune = tune or {}
-    return 1 if programs >= tune.get("full_grid", _FULL_GRID) else -(-L // tune.get("split", SPLIT))
+    full = tune.get("full_grid") or int(os.environ.get("TRINITY_DECODE_FULL_GRID", "") or _FULL_GRID)
+    return 1 if programs >= full else -(-L // tune.get("split", SPLIT))
 
 
 def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor,

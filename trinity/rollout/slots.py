@@ -26,6 +26,7 @@ go to which slot and when. Here:
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -93,7 +94,9 @@ class SlotDecoder(StageDecoder):
         # the caller's for the sampling it captures with the step (`step(tail=...)`)
         self.warm_key = (str(self.device), self.dtype, type(gpt), len(self.layers), self.config.hidden_size,
                          self.heads, self.groups, self.head_dim, self.first, self.last, self.lean, self.fused,
-                         self.split_kv, self.share_prefix, self.tp_group is not None, *tail_key)
+                         self.split_kv, self.share_prefix, self.tp_group is not None,
+                         # the split-KV threshold decides which kernel variant a bucket compiles
+                         os.environ.get("TRINITY_DECODE_FULL_GRID", ""), *tail_key)
 
     # ---- layers ------------------------------------------------------------------------------------
     def _rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
