@@ -85,7 +85,8 @@ def test_graphs_match_eager_and_static_fp32(built):
 def test_step_timing_per_bucket_accounts_for_every_step(built):
     """RolloutStats.time_buckets (benchmarks/generate.py --buckets): events around each decode step change
     no token, and the buckets' steps, rows and KV add up to the call's."""
-    from trinity.rollout.continuous import KVBudget, RolloutStats, _bucket, generate_continuous
+    from trinity.rollout.buckets import plain_bucket
+    from trinity.rollout.continuous import KVBudget, RolloutStats, generate_continuous
     from trinity.rollout.generate import SamplingParams
 
     models, facts = built
@@ -99,7 +100,7 @@ def test_step_timing_per_bucket_accounts_for_every_step(built):
     b = generate_continuous(gpt, prompts, params, stats=timed, **kw)
     assert torch.equal(a.tokens, b.tokens) and torch.equal(a.logprobs, b.logprobs)
     assert not plain.buckets
-    assert set(timed.buckets) <= {_bucket(n, 7) for n in range(1, 8)} and len(timed.buckets) >= 3, timed.buckets
+    assert set(timed.buckets) <= {plain_bucket(n, 7) for n in range(1, 8)} and len(timed.buckets) >= 3, timed.buckets
     assert sum(t.steps for t in timed.buckets.values()) == timed.decode_steps == plain.decode_steps
     assert sum(t.live_kv_tokens for t in timed.buckets.values()) == timed.live_kv_tokens
     assert sum(t.read_kv_tokens for t in timed.buckets.values()) == timed.read_kv_tokens

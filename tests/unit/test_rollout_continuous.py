@@ -85,7 +85,7 @@ def test_rollout_over_kv_budget_runs_in_waves(model):
 def test_step_timing_per_bucket_adds_up(model):
     """RolloutStats.time_buckets (benchmarks/generate.py --buckets): timing changes no token, and the
     buckets' steps, rows and KV reads add up to the call's through waves, retirements and compaction."""
-    from trinity.rollout.continuous import _bucket
+    from trinity.rollout.buckets import plain_bucket
 
     gpt, facts = model
     prompts = [p for p in PROMPTS for _ in range(3)]
@@ -96,7 +96,7 @@ def test_step_timing_per_bucket_adds_up(model):
     _same(generate_continuous(gpt, prompts, params, stats=plain, **kw),
           generate_continuous(gpt, prompts, params, stats=timed, **kw), tol=0.0)
     assert not plain.buckets
-    assert set(timed.buckets) <= {_bucket(n, 5) for n in range(1, 6)} and len(timed.buckets) >= 2, timed.buckets
+    assert set(timed.buckets) <= {plain_bucket(n, 5) for n in range(1, 6)} and len(timed.buckets) >= 2, timed.buckets
     assert sum(t.steps for t in timed.buckets.values()) == timed.decode_steps == plain.decode_steps
     assert sum(t.live_kv_tokens for t in timed.buckets.values()) == timed.live_kv_tokens > 0
     assert sum(t.read_kv_tokens for t in timed.buckets.values()) == timed.read_kv_tokens

@@ -25,6 +25,9 @@ from typing import Any, Sequence
 
 import torch
 
+from trinity.rollout.decode import capture_graph
+from trinity.rollout.kv_budget import model_parallel_all_reduce
+
 SMALL = 64  # below this, powers of two; the buckets tuned start here
 MARGIN = 0.15  # a bucket is left out when a larger one takes less than (1 - MARGIN) of its time
 REPS = 3  # timed replays per bucket (the fastest counts)
@@ -103,7 +106,7 @@ def agree(times: list[float] | None, plain: Buckets, device: torch.device) -> Bu
     candidates = [b for b in plain.sizes if b >= SMALL]
     t = torch.tensor([float(times is not None), *(times or [0.0] * len(candidates))], dtype=torch.float64,
                      device=device)
-    ranks = _model_parallel_sum(t)
+    ranks = model_parallel_all_reduce(t)
     if t[0].item() < ranks:
         return plain
     keep, dropped = choose(candidates, t[1:].tolist())
@@ -165,14 +168,8 @@ def gemm_ms(gemms: list[tuple[str, torch.Tensor, torch.Tensor | None]], m: int) 
                 torch.nn.functional.linear(x, w, bias)
 
     with torch.no_grad():
-        side = torch.cuda.Stream(w0.device)
-        side.wait_stream(torch.cuda.current_stream(w0.device))
-        with torch.cuda.stream(side):
-            run()  # cuBLAS's handles and heuristics before the capture
-        torch.cuda.current_stream(w0.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            run()
+        # as the decode steps are captured: on the capture stream, after a run there (cuBLAS's heuristics)
+        graph, _ = capture_graph(run, warm=run)
         best = float("inf")
         for _ in range(REPS):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -183,16 +180,3 @@ def gemm_ms(gemms: list[tuple[str, torch.Tensor, torch.Tensor | None]], m: int) 
             best = min(best, start.elapsed_time(end))
         del graph
     return best
-
-
-def _model_parallel_sum(t: torch.Tensor) -> int:
-    """Add up `t` over this rank's model-parallel group (TP x PP), in place; returns the group's size."""
-    from megatron.core import parallel_state as ps
-
-    if not torch.distributed.is_initialized() or ps.get_model_parallel_group() is None:
-        return 1
-    group = ps.get_model_parallel_group()
-    size = torch.distributed.get_world_size(group)
-    if size > 1:
-        torch.distributed.all_reduce(t, group=group)
-    return size

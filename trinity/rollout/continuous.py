@@ -51,7 +51,7 @@ import torch
 
 # re-exported: tests, benchmarks and the RL recipe import these from here
 from trinity.rollout.bench_lengths import BENCH_LENGTHS_ENV, bench_response_lengths, draw_response_lengths  # noqa: F401
-from trinity.rollout.buckets import decode_buckets, plain_bucket
+from trinity.rollout.buckets import decode_buckets
 from trinity.rollout.kv_budget import (  # noqa: F401
     DEFAULT_GPU_MEMORY_UTILIZATION, KVBudget, free_memory, kv_bytes_per_token, plan_slots)
 from trinity.rollout.sampler import Sampler
@@ -61,9 +61,6 @@ from trinity.rollout.types import Rollout, SamplingParams
 _LEN_BUCKET = 256  # attention reads the cache up to the longest live context rounded up to this
 _CACHE_MULTIPLE = 64
 _PREFILL_TOKENS = 16384  # padded prompt tokens per prefill forward (bounds its activations)
-
-
-_bucket = plain_bucket  # the plain ladder (tests); a rollout's own buckets: `decode_buckets`
 
 
 @dataclass

@@ -49,17 +49,24 @@ def free_memory(device: torch.device) -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def _model_parallel_min(value: int, device: torch.device) -> int:
-    """The smallest `value` over this rank's model-parallel group (TP x PP): its ranks must agree."""
+def model_parallel_all_reduce(t: torch.Tensor, op: Any = None) -> int:
+    """All-reduce `t` in place over this rank's model-parallel group (TP x PP; a sum unless `op`), whose
+    ranks must make the same scheduling decisions; returns the group's size (1 without one)."""
     from megatron.core import parallel_state as ps
 
     if not torch.distributed.is_initialized() or ps.get_model_parallel_group() is None:
-        return value
+        return 1
     group = ps.get_model_parallel_group()
-    if torch.distributed.get_world_size(group) == 1:
-        return value
+    size = torch.distributed.get_world_size(group)
+    if size > 1:
+        torch.distributed.all_reduce(t, op=op or torch.distributed.ReduceOp.SUM, group=group)
+    return size
+
+
+def _model_parallel_min(value: int, device: torch.device) -> int:
+    """The smallest `value` over this rank's model-parallel group: its ranks must agree."""
     t = torch.tensor([value], dtype=torch.long, device=device)
-    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN, group=group)
+    model_parallel_all_reduce(t, torch.distributed.ReduceOp.MIN)
     return int(t.item())
 
 
