@@ -134,5 +134,12 @@ class RolloutWithoutSequenceParallel:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.engine, name)
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        # the wrapped engine's settings (ActorRollout.time_buckets) are set through the wrapper too
+        if name in ("engine", "chunks"):
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self.engine, name, value)
+
 
 __all__ = ["RolloutWithoutSequenceParallel", "SP_ATTRS", "pad_to_multiple", "round_up", "sequence_parallel_disabled", "sp_multiple"]

@@ -51,11 +51,9 @@ def run(ctx: WorkerContext, recipe_cls: type[Recipe]) -> None:
         if evaluator is not None and cfg.trainer.val_before_train:
             evaluate(start)
         for step in range(start + 1, recipe.total_steps + 1):
-            with profiler.step(step) as profiled:
+            with profiler.step(step, recipe.profile_lines) as profiled:
                 recipe.profiling(profiled)
                 row = recipe.step(step)
-            if profiled:
-                profiler.extend(recipe.profile_lines())
             profiler.log(metrics, row)
             samples.write(step, getattr(recipe, "last_samples", None), metrics,
                           show=step % cfg.trainer.log_interval == 0 or step == recipe.total_steps)

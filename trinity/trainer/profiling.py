@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import time
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
@@ -127,8 +127,9 @@ class StepProfiler:
             metrics.print(line)
 
     @contextlib.contextmanager
-    def step(self, step: int) -> Iterator[bool]:
-        """Runs the body under the profiler when `step` is the profiled one; yields whether it is."""
+    def step(self, step: int, extra: Callable[[], list[str]] = list) -> Iterator[bool]:
+        """Runs the body under the profiler when `step` is the profiled one; yields whether it is. `extra()`
+        gives lines the summary ends with (`Recipe.profile_lines`: an RL step's rollout per batch bucket)."""
         self.profiled = step in self.steps
         if not self.profiled:
             yield False
@@ -153,15 +154,8 @@ class StepProfiler:
             self.summary = [f"host time of a {wall * 1e3:.1f} ms profiled step, top ops", "op | ms | calls"]
             self.summary += [f"{e.key} | {e.self_cpu_time_total / 1e3:.1f} | {e.count}" for e in rows]
         self.summary.insert(0, f"profiled step {step}: trace {path}")
-        self._summary_file = summary_path(self.output_dir, step, self.rank, self.folder)
-        self._summary_file.write_text("\n".join(self.summary) + "\n")
-
-    def extend(self, lines: list[str]) -> None:
-        """Add the recipe's lines (`Recipe.profile_lines`: an RL step's decode steps per batch bucket) to the
-        summary of the step just profiled, printed and written with it."""
-        if lines and self.profiled:
-            self.summary += lines
-            self._summary_file.write_text("\n".join(self.summary) + "\n")
+        self.summary += extra()
+        summary_path(self.output_dir, step, self.rank, self.folder).write_text("\n".join(self.summary) + "\n")
 
 
 __all__ = ["KERNEL_KINDS", "StepProfiler", "kernel_kind", "kernel_kind_table", "kernel_kind_totals", "summary_path",

@@ -187,9 +187,8 @@ class RLRecipe(Recipe):
 
     def profiling(self, on: bool) -> None:
         # a profiled step also times the rollout's decode steps per batch bucket (the built-in engine)
-        engine = getattr(self.rollout_engine, "engine", self.rollout_engine)
-        if hasattr(engine, "time_buckets"):
-            engine.time_buckets = on
+        if hasattr(self.rollout_engine, "time_buckets"):
+            self.rollout_engine.time_buckets = on
 
     def profile_lines(self) -> list[str]:
         stats = getattr(self.rollout_engine, "stats", None)
