@@ -9,8 +9,8 @@ and a 448-row decode step 18.9 ms against 15.2 ms at 512 (docs/performance.md, "
 `decode_buckets` times the GEMMs of one decode step of this rank's layers at each bucket from 64 rows up
 and leaves a bucket out when a larger one takes less than (1 - MARGIN) of its time: its steps then run
 in that larger bucket, whose padding rows cost less than the slow kernel. The margin keeps timing noise
-(a few percent) from changing the ladder from one run to the next (the pothole above makes the step's
-GEMMs 1.36x slower). The ranks of a model-parallel group add up their times, so that all of them pick the same
+(a few percent) from changing the ladder from one run to the next (the engine's timing put the 512-row
+GEMMs at 0.64x of the 448-row ones). The ranks of a model-parallel group add up their times, so that all of them pick the same
 ladder (their steps exchange hidden states and all-reduce at the same shapes). Measured once per process
 and slot count (an RL job's later rollouts reuse it). TRINITY_DECODE_BUCKETS=fixed keeps the plain
 ladder (a diagnostic).
