@@ -190,7 +190,7 @@ def main() -> None:
                          "(TRINITY_DECODE_BUCKETS=fixed: every power of two, then every multiple of 64)")
     ap.add_argument("--full-grid", default="",
                     help="--lengths: comma list of split-KV thresholds (rows x groups from which a row is one program; "
-                         "TRINITY_DECODE_FULL_GRID) to time the continuous engine with besides the engine's (512)")
+                         "TRINITY_DECODE_FULL_GRID) to time the continuous engine with besides the engine's (128)")
     ap.add_argument("--buckets", action="store_true",
                     help="--lengths: time every decode step of the continuous engine on the GPU and print, per batch "
                          "bucket, its steps, ms per step and the floor of its reads (RolloutStats.time_buckets)")

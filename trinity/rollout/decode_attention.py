@@ -128,7 +128,10 @@ def _self_check(device: torch.device, head_dim: int, per: int, dtype: torch.dtyp
     return verdict(check, "split-KV decode attention disabled ({reason}); the rollout uses SDPA")
 
 
-_FULL_GRID = 512  # rows x groups at which one program per (row, group) already fills an H100 (132 SMs)
+# rows x groups from which each (row, group) is one program, no splits and no merge kernel: ~one program per
+# SM of an H100 (132). Per layer that was 5-25% faster than splitting from 128 programs up, whole rollouts
+# 0.7-4% faster than the earlier 512 (docs/performance.md, 2026-11-27 and its morning after).
+_FULL_GRID = 128
 
 
 if triton is not None:
@@ -270,8 +273,7 @@ if triton is not None:
 
 def num_splits(programs: int, L: int, tune: dict | None = None) -> int:
     """Splits per row for `programs` (rows x groups) over L keys: one where the rows alone fill the GPU
-    (_FULL_GRID, or TRINITY_DECODE_FULL_GRID: a diagnostic for whole-rollout comparisons; per-layer times
-    favour ~128, docs/performance.md 2026-11-27), else L / SPLIT."""
+    (_FULL_GRID, or TRINITY_DECODE_FULL_GRID: a diagnostic for whole-rollout comparisons), else L / SPLIT."""
     import os
 
     tune = tune or {}
