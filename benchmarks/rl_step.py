@@ -99,7 +99,9 @@ def run_case(cfg: dict, path: Path, timeout: int, log_tail: int = 0, lengths: st
 
 
 def summarize(rows: list[dict]) -> dict[str, float]:
-    steady = [r for r in rows[1:] if not r.get("profiled")] or rows
+    # the steps after the first (compiles, captures) that were not profiled; with none (--steps 2
+    # --profile-step 2) the later steps, profiled or not, then the only one: never the first beside others
+    steady = [r for r in rows[1:] if not r.get("profiled")] or rows[1:] or rows
     keys = {k for r in steady for k in r
             if k.startswith(("time/", "tokens_per_s/", "mem/", "padding", "response_length/", "rollout/"))
             or k == "step_time_s"}
