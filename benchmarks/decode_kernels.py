@@ -255,7 +255,7 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=256, help="prefix: prompt tokens")
     ap.add_argument("--split", type=int, nargs="*", default=None, help="layers: keys per split to time besides the engine's rule")
     ap.add_argument("--full-grid", type=int, nargs="*", default=None,
-                    help="layers: rows x groups from which a row is one program (no split), to time besides the engine's 512")
+                    help="layers: rows x groups from which a row is one program (no split), to time besides the engine's (trinity.rollout.decode_attention.full_grid)")
     ap.add_argument("--top", type=int, default=6, help="fastest settings shown per row count")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run under TRITON_INTERPRET=1")
     args = ap.parse_args()

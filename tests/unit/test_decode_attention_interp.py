@@ -184,10 +184,12 @@ def test_split_threshold_and_its_diagnostic_override(monkeypatch):
     """num_splits: one program per row from 128 rows x groups (the engine's rule), else the cache length
     over 256-key splits; TRINITY_DECODE_FULL_GRID moves the threshold (for whole-rollout comparisons), and
     a benchmark's `tune` still wins."""
-    from trinity.rollout.decode_attention import num_splits
+    from trinity.rollout.decode_attention import full_grid, num_splits
 
     monkeypatch.delenv("TRINITY_DECODE_FULL_GRID", raising=False)
+    assert full_grid() == 128 and full_grid({"full_grid": 256}) == 256
     assert num_splits(128, 1280) == 1 and num_splits(384, 1088) == 1 and num_splits(64, 1088) == 5
     monkeypatch.setenv("TRINITY_DECODE_FULL_GRID", "512")
+    assert full_grid() == 512
     assert num_splits(512, 1088) == 1 and num_splits(384, 1088) == 5 and num_splits(128, 1280) == 5
     assert num_splits(384, 1088, {"full_grid": 128}) == 1 and num_splits(64, 1088, {"split": 512}) == 3

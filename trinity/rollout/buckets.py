@@ -70,13 +70,13 @@ def choose(candidates: Sequence[int], times: Sequence[float], margin: float = MA
     """Which of the ascending `candidates` (times: their GEMM times) to keep: every one for which no larger
     candidate takes less than (1 - margin) of its time (the largest is always kept). Returns the kept ones
     and, per dropped one, (it, the smallest kept one above it, that one's time / its time)."""
-    keep = [b for i, b in enumerate(candidates)
-            if not any(times[j] < (1 - margin) * times[i] for j in range(i + 1, len(candidates)))]
+    keep = [b for i, b in enumerate(candidates) if all(t >= (1 - margin) * times[i] for t in times[i + 1:])]
+    time_of = dict(zip(candidates, times))
     dropped = []
-    for i, b in enumerate(candidates):
+    for b in candidates:
         if b not in keep:
             to = next(k for k in keep if k > b)
-            dropped.append((b, to, times[candidates.index(to)] / times[i]))
+            dropped.append((b, to, time_of[to] / time_of[b]))
     return keep, dropped
 
 

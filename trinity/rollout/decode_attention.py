@@ -15,6 +15,8 @@ in the decode step's CUDA graph.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 try:  # triton ships with CUDA builds of torch; CPU runs use SDPA and never import the kernel
@@ -32,8 +34,6 @@ def available(device: torch.device, head_dim: int, per: int, dtype: torch.dtype)
     query heads per group (the padded query tile), and its first run (once per process and shape)
     agreed with SDPA; otherwise the engine uses SDPA and a warning says why.
     TRINITY_DECODE_ATTENTION=sdpa turns it off (a diagnostic: compare the two paths)."""
-    import os
-
     if os.environ.get("TRINITY_DECODE_ATTENTION", "") == "sdpa" or not triton_runs(device):
         return False
     if head_dim not in (16, 32, 64, 128, 256) or per > 16:
@@ -47,8 +47,6 @@ _CHECKED: dict[tuple, bool] = {}
 def triton_runs(device: torch.device) -> bool:
     """Triton is installed and runs on `device`: CUDA, or anywhere under its interpreter (TRITON_INTERPRET=1,
     the CPU tests)."""
-    import os
-
     return triton is not None and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")
 
 
@@ -132,6 +130,7 @@ def _self_check(device: torch.device, head_dim: int, per: int, dtype: torch.dtyp
 # SM of an H100 (132). Per layer that was 5-25% faster than splitting from 128 programs up; the rollouts
 # of 0.5B and 1.5B RL steps took 4.5-5% less than at the earlier 512 (docs/performance.md, 2026-11-27)
 _FULL_GRID = 128
+FULL_GRID_ENV = "TRINITY_DECODE_FULL_GRID"
 
 
 if triton is not None:
@@ -271,14 +270,17 @@ if triton is not None:
                  mask=rows[:, None] < PER)
 
 
+def full_grid(tune: dict | None = None) -> int:
+    """Rows x groups from which each (row, group) is one program: a benchmark's `tune`, else
+    TRINITY_DECODE_FULL_GRID (a diagnostic for whole-rollout comparisons), else _FULL_GRID. The one place
+    that decides it: `num_splits` and the decode steps' warm-up key (`trinity.rollout.slots`) read it."""
+    return (tune or {}).get("full_grid") or int(os.environ.get(FULL_GRID_ENV, "") or _FULL_GRID)
+
+
 def num_splits(programs: int, L: int, tune: dict | None = None) -> int:
     """Splits per row for `programs` (rows x groups) over L keys: one where the rows alone fill the GPU
-    (_FULL_GRID, or TRINITY_DECODE_FULL_GRID: a diagnostic for whole-rollout comparisons), else L / SPLIT."""
-    import os
-
-    tune = tune or {}
-    full = tune.get("full_grid") or int(os.environ.get("TRINITY_DECODE_FULL_GRID", "") or _FULL_GRID)
-    return 1 if programs >= full else -(-L // tune.get("split", SPLIT))
+    (`full_grid`), else L / SPLIT."""
+    return 1 if programs >= full_grid(tune) else -(-L // (tune or {}).get("split", SPLIT))
 
 
 def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor,
@@ -304,8 +306,6 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     of them), the rest from slot b. Rows of a prompt sit in neighbouring programs, so the prompt's keys
     come from DRAM about once per step and from L2 for the other samples (benchmarks/decode_kernels.py
     --what prefix)."""
-    import os
-
     tune = tune or {}
     block_n = tune.get("block_n", BLOCK_N)
     b, g, per, d = q.shape

@@ -26,7 +26,6 @@ go to which slot and when. Here:
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Any
 
@@ -96,7 +95,7 @@ class SlotDecoder(StageDecoder):
                          self.heads, self.groups, self.head_dim, self.first, self.last, self.lean, self.fused,
                          self.split_kv, self.share_prefix, self.tp_group is not None,
                          # the split-KV threshold decides which kernel variant a bucket compiles
-                         os.environ.get("TRINITY_DECODE_FULL_GRID", ""), *tail_key)
+                         decode_attention.full_grid(), *tail_key)
 
     # ---- layers ------------------------------------------------------------------------------------
     def _rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
