@@ -10,6 +10,9 @@ from pathlib import Path
 # CI machines have 2 cores and several tests start 2 processes: more than one intra-op thread per
 # process makes tiny megatron steps 30-100x slower through contention. Subprocesses inherit this.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Strict collectives (trinity.distributed.collectives): a torch.distributed collective called from trinity
+# code outside the helpers raises, in this process and in every rank the tests start.
+os.environ["TRINITY_STRICT_COLLECTIVES"] = "1"
 
 import pytest
 import yaml
@@ -17,6 +20,13 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "tests" / "fixtures"
 HF_CONFIGS = FIXTURES / "hf_configs"
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _strict_collectives():
+    from trinity.distributed import collectives
+
+    collectives.install_strict_guard()
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -3,8 +3,22 @@ with megatron-core initialised on one CUDA device (TP=PP=1) for the module's tes
 
 from __future__ import annotations
 
-import pytest
-import torch
+import os
+
+
+def _pin_lane() -> None:
+    """`TRINITY_GPU_LANES="0,1;2,3"` with `pytest -n 2`: xdist worker gwN sees only lane N's GPUs, so two
+    2-GPU jobs run side by side on a 4-GPU machine. Set before torch first looks at CUDA."""
+    lanes = [lane for lane in os.environ.get("TRINITY_GPU_LANES", "").split(";") if lane]
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if lanes and worker.startswith("gw"):
+        os.environ["CUDA_VISIBLE_DEVICES"] = lanes[int(worker[2:]) % len(lanes)]
+
+
+_pin_lane()
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 
 @pytest.fixture(scope="module")

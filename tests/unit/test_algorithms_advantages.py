@@ -101,52 +101,6 @@ def test_summed_moments_of_shards_give_the_whole_batch_mean_and_var():
     assert moments[2].item() == mask.sum().item()
 
 
-class _FakeGroup:
-    """Stands in for a DP process group: all_reduce adds the moments the other shards would send."""
-
-    def __init__(self, others: list[tuple[torch.Tensor, torch.Tensor]]):
-        self.others, self.size = others, len(others) + 1
-
-    def all_reduce(self, tensor: torch.Tensor, op=None, group=None) -> None:
-        assert group is self and op == dist.ReduceOp.SUM
-        for v, m in self.others:
-            tensor += masked_moments(v, m)
-
-
-@pytest.fixture
-def fake_dist(monkeypatch):
-    def install(group: _FakeGroup) -> None:
-        monkeypatch.setattr(dist, "get_world_size", lambda g=None: g.size)
-        monkeypatch.setattr(dist, "all_reduce", group.all_reduce)
-
-    return install
-
-
-def test_masked_whiten_over_a_group_equals_whitening_the_whole_batch(fake_dist):
-    values, mask = _batch()
-    whole = masked_whiten(values, mask)
-    for i, s in enumerate(SHARDS):
-        group = _FakeGroup([(values[o], mask[o]) for j, o in enumerate(SHARDS) if j != i])
-        fake_dist(group)
-        torch.testing.assert_close(masked_whiten(values[s], mask[s], group=group), whole[s], rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(
-            masked_whiten(values[s], mask[s], shift_mean=False, group=group),
-            masked_whiten(values, mask, shift_mean=False)[s], rtol=1e-5, atol=1e-6,
-        )
-    # per rank (the old behaviour) the shards differ from the whole batch
-    assert not torch.allclose(masked_whiten(values[SHARDS[2]], mask[SHARDS[2]]), whole[SHARDS[2]], atol=1e-3)
-
-
-def test_group_of_one_rank_is_the_local_computation(fake_dist):
-    values, mask = _batch(seed=1)
-    group = _FakeGroup([])
-    fake_dist(group)
-    assert torch.equal(masked_whiten(values, mask, group=group), masked_whiten(values, mask))
-    rewards, vals = _batch(seed=2)[0], _batch(seed=3)[0]
-    assert all(torch.equal(a, b) for a, b in zip(
-        gae_advantages(rewards, vals, mask, 0.9, 0.8, group=group), gae_advantages(rewards, vals, mask, 0.9, 0.8)))
-
-
 def _gae_rank(rank: int, init_file: str, out_dir: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     try:
@@ -154,19 +108,33 @@ def _gae_rank(rank: int, init_file: str, out_dir: str) -> None:
         _, mask = _batch()
         rows = slice(0, 3) if rank == 0 else slice(3, 8)
         adv, ret = gae_advantages(rewards[rows], values[rows], mask[rows], 0.9, 0.8, group=dist.group.WORLD)
-        torch.save((adv, ret), f"{out_dir}/rank{rank}.pt")
+        whiten = [masked_whiten(values[rows], mask[rows], shift_mean=shift, group=dist.group.WORLD) for shift in (True, False)]
+        alone = [dist.new_group([r]) for r in (0, 1)][rank]  # every rank makes every group
+        one = (masked_whiten(values[rows], mask[rows], group=alone),
+               *gae_advantages(rewards[rows], values[rows], mask[rows], 0.9, 0.8, group=alone))
+        torch.save((adv, ret, whiten, one), f"{out_dir}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()
 
 
 @pytest.mark.multiproc
 def test_gae_whitening_over_two_gloo_ranks_equals_one_rank(tmp_path):
+    """Whitening over the DP group (uneven shards, uneven token counts) gives the whole batch's statistics;
+    a group of one rank gives the local computation."""
     import torch.multiprocessing as mp
 
     mp.spawn(_gae_rank, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2)
     rewards, values = _batch(seed=2)[0], _batch(seed=3)[0]
     _, mask = _batch()
     adv, ret = gae_advantages(rewards, values, mask, 0.9, 0.8)
-    (a0, r0), (a1, r1) = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
+    (a0, r0, w0, one0), (a1, r1, w1, one1) = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
     torch.testing.assert_close(torch.cat([a0, a1]), adv, rtol=1e-5, atol=1e-6)
     assert torch.equal(torch.cat([r0, r1]), ret)  # returns are per token: no statistics
+    for i, shift in enumerate((True, False)):
+        torch.testing.assert_close(torch.cat([w0[i], w1[i]]), masked_whiten(values, mask, shift_mean=shift), rtol=1e-5, atol=1e-6)
+    for one, rows in ((one0, slice(0, 3)), (one1, slice(3, 8))):
+        assert torch.equal(one[0], masked_whiten(values[rows], mask[rows]))
+        local = gae_advantages(rewards[rows], values[rows], mask[rows], 0.9, 0.8)
+        assert torch.equal(one[1], local[0]) and torch.equal(one[2], local[1])
+    # per rank (no group) the shards differ from the whole batch
+    assert not torch.allclose(masked_whiten(values[3:8], mask[3:8]), masked_whiten(values, mask)[3:8], atol=1e-3)

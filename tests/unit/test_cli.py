@@ -128,6 +128,7 @@ EXAMPLES = {
     "grpo_qwen2_5_7b_8gpu.yaml": "qwen2_5_7b",
     "ppo_qwen2_5_7b_8gpu.yaml": "qwen2_5_7b",
     "grpo_qwen3_30b_a3b_32gpu.yaml": "qwen3_30b_a3b",
+    "grpo_qwen3_moe_4gpu.yaml": "qwen3_30b_a3b",
 }
 
 
@@ -203,6 +204,22 @@ def test_preflight_refuses_cuda_without_gpu_and_taken_port():
         assert not port_is_free(port)
         with pytest.raises(UserError, match=f"cluster.master_port: port {port} is in use"):
             preflight(_cfg(device="cpu", nnodes=2, master_port=port))
+
+
+def test_gpu_preflight_names_the_key_for_too_many_processes_and_no_nccl():
+    """The arithmetic of the GPU checks (this machine may have no GPU): more processes than visible GPUs,
+    and several processes without NCCL, are refused before launch with one line naming the key."""
+    from trinity.errors import UserError
+    from trinity.launch.torchrun import gpu_preflight
+
+    gpu_preflight(4, 4, 4, nccl=True)
+    gpu_preflight(1, 1, 1, nccl=False)  # one process needs no collective backend
+    with pytest.raises(UserError, match=r"^cluster.nproc_per_node: 4 processes need 4 GPUs, but 2 are visible .*lower it to 2$"):
+        gpu_preflight(4, 4, 2, nccl=True)
+    with pytest.raises(UserError, match=r"^cluster.device: cuda with 8 processes needs NCCL"):
+        gpu_preflight(8, 4, 4, nccl=False)
+    with pytest.raises(UserError, match="no GPU is visible"):
+        gpu_preflight(1, 1, 0, nccl=True)
 
 
 def test_dry_run_prints_command(write_job, small_job, capsys):

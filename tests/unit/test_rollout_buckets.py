@@ -94,9 +94,9 @@ def _agree_worker(rank: int, port: int, out: str) -> None:
         mine = [t / 2 for t in base]
         if rank == 1:
             mine[6] = 14833.0 - base[6] / 2
-        both = agree(mine, plain, torch.device("cpu"))
+        both = agree(mine, plain)
         # a rank that cannot time (None) sends zeros: both keep the plain ladder, and nobody waits
-        one = agree(None if rank == 1 else mine, plain, torch.device("cpu"))
+        one = agree(None if rank == 1 else mine, plain)
         Path(out, f"rank{rank}.json").write_text(json.dumps({"both": list(both.sizes), "dropped": [list(d[:2]) for d in both.dropped],
                                                              "one": list(one.sizes)}))
     finally:

@@ -19,6 +19,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from trinity.distributed import collectives
+
 
 def masked_sum(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     return (values * mask).sum() if dim is None else (values * mask).sum(dim)
@@ -69,8 +71,7 @@ def masked_whiten(
     None, or a group of one rank: this tensor alone, computed two-pass in its own dtype.
     """
     if group is not None and dist.get_world_size(group) > 1:
-        moments = masked_moments(values, mask)
-        dist.all_reduce(moments, op=dist.ReduceOp.SUM, group=group)
+        moments = collectives.all_reduce(masked_moments(values, mask), group=group)
         mean64, var64 = mean_var_from_moments(moments)
         mean, var = mean64.to(values.dtype), var64.to(values.dtype)
     else:

@@ -30,6 +30,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from trinity.distributed import collectives
+
 _CHUNK_ELEMENTS = 1 << 26  # fp32 elements per temporary: 256 MiB
 _compiled: dict[str, Any] = {}
 
@@ -80,8 +82,9 @@ def _group_size_rank(group: Any) -> tuple[int, int]:
 
 
 def _all_reduce(tensor: torch.Tensor, op: Any, group: Any) -> None:
+    """In place: the vocabulary-parallel statistics live on the logits' device."""
     if _group_size_rank(group)[0] > 1:
-        dist.all_reduce(tensor, op=op, group=group)
+        collectives.all_reduce_(tensor, op, group=group)
 
 
 class _VocabParallelStats(torch.autograd.Function):

@@ -31,6 +31,7 @@ import torch
 
 from trinity.algorithms.advantages import masked_mean
 from trinity.algorithms.kl import token_kl
+from trinity.distributed import collectives
 from trinity.config.schema import ActorConfig, KLEstimator, LossAggMode
 
 
@@ -65,12 +66,7 @@ def global_agg_denominator(
 ) -> torch.Tensor:
     """Denominator of the whole step: summed over micro-batch masks, all-reduced over `group` (DP)."""
     total = sum((agg_denominator(m, mode) for m in masks), torch.zeros(()))
-    if group is not None:
-        import torch.distributed as dist
-
-        if dist.get_world_size(group) > 1:
-            dist.all_reduce(total, group=group)
-    return total
+    return total if group is None else collectives.all_reduce(total, group=group)
 
 
 def agg_loss(

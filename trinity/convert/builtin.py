@@ -31,6 +31,7 @@ from trinity.convert.weightmap import (
     tp_merge,
     tp_split,
 )
+from trinity.distributed import collectives
 from trinity.errors import UserError
 from trinity.models.build import unwrap
 from trinity.models.facts import ModelFacts
@@ -221,10 +222,7 @@ def _direct_pieces(
 
 
 def _check_all_consumed(ckpt: HFCheckpoint, consumed: set[str], facts: ModelFacts, wmap: WeightMap) -> None:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        gathered: list[Any] = [None] * torch.distributed.get_world_size()
-        torch.distributed.all_gather_object(gathered, sorted(consumed))
-        consumed = set().union(*map(set, gathered))
+    consumed = set().union(*map(set, collectives.all_gather_object(sorted(consumed))))
     leftover = [n for n in ckpt.names() if n not in consumed]
     # Some tied checkpoints still carry lm_head.weight (a copy of the embeddings): nothing to load.
     leftover = [n for n in leftover if not (facts.tie_word_embeddings and n == "lm_head.weight")]
@@ -270,7 +268,6 @@ def _to_hf_pairs(
 def _export_distributed(
     entries: dict[str, _Entry], facts: ModelFacts, wmap: WeightMap, ranks: _Ranks
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    tdist = torch.distributed
     local_meta = {}
     for key, e in entries.items():
         _, size, _ = ranks.of(e.rule)
@@ -278,17 +275,14 @@ def _export_distributed(
         if e.rule.tp_dim is not None:
             shape[e.rule.tp_dim] *= size
         local_meta[key] = (wmap.rules.index(e.rule), e.layer, e.experts, shape, str(e.param.dtype).removeprefix("torch."))
-    gathered: list[Any] = [None] * tdist.get_world_size()
-    tdist.all_gather_object(gathered, local_meta)
+    gathered = collectives.all_gather_object(local_meta)
     owners: dict[str, int] = {}
     meta: dict[str, tuple] = {}
     for rank, m in enumerate(gathered):
         for key, value in m.items():
             owners.setdefault(key, rank)
             meta.setdefault(key, value)
-    device = next(iter(entries.values())).param.device if entries else torch.device("cpu")
-    if tdist.get_backend() == "nccl":
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = collectives.group_device()
     for key in _natural(meta):
         rule_index, layer, experts, shape, dtype = meta[key]
         rule = wmap.rules[rule_index]
@@ -297,8 +291,7 @@ def _export_distributed(
             _, size, group = ranks.of(e.rule)
             local = e.param.detach().contiguous()
             if size > 1 and rule.tp_dim is not None:
-                parts = [torch.empty_like(local) for _ in range(size)]
-                tdist.all_gather(parts, local, group=group)
+                parts = collectives.all_gather(local, group=group)
                 n_exp = len(experts) if rule.grouped and experts else 1
                 full = tp_merge(rule, parts, n_exp)
             else:
@@ -306,7 +299,7 @@ def _export_distributed(
             full = full.to(device).contiguous()
         else:
             full = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
-        tdist.broadcast(full, src=owners[key])
+        full = collectives.broadcast_(full, src=owners[key])
         yield from _to_hf_pairs(rule, layer, experts, full.cpu(), facts)
 
 

@@ -29,6 +29,7 @@ import torch
 from trinity.convert.fingerprint import source_fingerprint
 from trinity.convert.hf_io import copy_side_files
 from trinity.convert.outdir import check_output, publish, temp_sibling
+from trinity.distributed import collectives
 from trinity.errors import UserError
 from trinity.models.build import unwrap
 
@@ -63,16 +64,11 @@ def _rank() -> int:
 
 
 def _barrier() -> None:
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
+    collectives.barrier()
 
 
 def _broadcast(obj: Any) -> Any:
-    if not torch.distributed.is_initialized():
-        return obj
-    box = [obj]
-    torch.distributed.broadcast_object_list(box, src=0)
-    return box[0]
+    return collectives.broadcast_object(obj, src=0)
 
 
 def _save_strategy() -> Any:

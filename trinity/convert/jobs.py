@@ -20,6 +20,7 @@ from trinity.convert.dist_ckpt import hf_dir_of, load_model_checkpoint, read_met
 from trinity.convert.hf_io import HFCheckpoint, copy_side_files, write_shards
 from trinity.convert.outdir import atomic_dir
 from trinity.convert.verify import Diff, compare_folders, compare_logits, hf_logits, mcore_logits, random_tokens
+from trinity.distributed import collectives
 from trinity.errors import UserError
 from trinity.models.facts import ModelFacts
 
@@ -164,8 +165,7 @@ def save_hf_folder_distributed(
     else:
         for _ in pairs:
             pass
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
+    collectives.barrier()
 
 
 def run_mcore_to_hf(

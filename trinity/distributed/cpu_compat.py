@@ -20,6 +20,8 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.overrides import TorchFunctionMode
 
+from trinity.distributed import collectives
+
 _patches: list[tuple[Any, str, Any]] = []  # (owner, attribute, original) in the order applied
 
 
@@ -257,8 +259,7 @@ def _uneven_gather(original: Callable[..., Any]) -> Callable[..., Any]:
         sizes = [int(n) for n in output_split_sizes]
         padded = input_.new_zeros((max(sizes), *input_.shape[1:]))
         padded[: input_.shape[0]] = input_
-        parts = [torch.empty_like(padded) for _ in sizes]
-        torch.distributed.all_gather(parts, padded.contiguous(), group=group)
+        parts = collectives.all_gather(padded, group=group)
         return torch.cat([part[:n] for part, n in zip(parts, sizes)])
 
     return gather
@@ -268,8 +269,7 @@ def _uneven_reduce_scatter(original: Callable[..., Any]) -> Callable[..., Any]:
     def reduce_scatter(input_: torch.Tensor, group: Any, input_split_sizes: Any = None, use_global_buffer: bool = False) -> torch.Tensor:
         if input_split_sizes is None or group.size() == 1:
             return original(input_, group, input_split_sizes, use_global_buffer)
-        total = input_.clone()
-        torch.distributed.all_reduce(total, group=group)
+        total = collectives.all_reduce(input_, group=group)
         return list(torch.split(total, [int(n) for n in input_split_sizes], dim=0))[group.rank()].contiguous()
 
     return reduce_scatter

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from trinity.distributed import collectives
 from trinity.distributed.layout import ParallelLayout
 from trinity.errors import UserError
 
@@ -104,6 +105,8 @@ def init_parallel(*, device: str, layout: ParallelLayout, seed: int, timeout_s: 
 
     if device not in _BACKENDS:
         raise UserError(f"cluster.device: {device!r} is not one of {sorted(_BACKENDS)}")
+    if collectives.strict_requested():
+        collectives.install_strict_guard()
     if device == "cuda" and not torch.cuda.is_available():
         raise UserError("cluster.device: 'cuda' but no CUDA device is visible; use 'cpu'")
     if device == "cpu":

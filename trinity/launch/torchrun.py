@@ -79,21 +79,33 @@ def worker_env(environ: Mapping[str, str], stream: IO[str], *, debug: bool = Fal
 
 
 def preflight(cfg: JobConfig) -> None:
-    """Refuse to start what cannot work: missing GPUs, a taken rendezvous port."""
+    """Refuse to start what cannot work: missing GPUs, no NCCL, a taken rendezvous port."""
     c = cfg.cluster
     if c.device == "cuda":
         import torch
+        import torch.distributed as dist
 
-        visible = torch.cuda.device_count()
-        if visible == 0:
-            raise UserError("cluster.device: cuda, but no GPU is visible; set cluster.device: cpu for a CPU run")
-        if c.nproc_per_node > visible:
-            raise UserError(
-                f"cluster.nproc_per_node: {c.nproc_per_node} processes need {c.nproc_per_node} GPUs, "
-                f"but {visible} are visible; lower it to {visible}"
-            )
+        gpu_preflight(c.nnodes * c.nproc_per_node, c.nproc_per_node, torch.cuda.device_count(),
+                      dist.is_available() and dist.is_nccl_available())
     if c.nnodes > 1 and c.node_rank == 0 and not c.rdzv_endpoint and not port_is_free(c.master_port):
         raise UserError(f"cluster.master_port: port {c.master_port} is in use on this machine; choose another")
+
+
+def gpu_preflight(world: int, nproc_per_node: int, visible: int, nccl: bool) -> None:
+    """A CUDA job of `world` ranks, `nproc_per_node` of them here, on a machine that shows `visible` GPUs
+    and has NCCL (`nccl`) or not: one process per GPU, and several processes talk over NCCL."""
+    if visible == 0:
+        raise UserError("cluster.device: cuda, but no GPU is visible; set cluster.device: cpu for a CPU run")
+    if nproc_per_node > visible:
+        raise UserError(
+            f"cluster.nproc_per_node: {nproc_per_node} processes need {nproc_per_node} GPUs, "
+            f"but {visible} are visible (CUDA_VISIBLE_DEVICES); lower it to {visible}"
+        )
+    if world > 1 and not nccl:
+        raise UserError(
+            f"cluster.device: cuda with {world} processes needs NCCL, which this build of torch lacks; "
+            "install a CUDA build of torch with NCCL, or run one process (cluster.nproc_per_node: 1)"
+        )
 
 
 def port_is_free(port: int, host: str = "") -> bool:

@@ -32,6 +32,7 @@ from typing import Any, Iterator
 
 import torch
 
+from trinity.distributed import collectives
 from trinity.errors import UserError
 from trinity.models.lora_targets import PEFT_CONFIG_FILE as CONFIG_FILE
 from trinity.models.lora_targets import PEFT_WEIGHTS_FILE as WEIGHTS_FILE
@@ -157,9 +158,7 @@ def gather_adapters(chunks: list[Any], facts: Any) -> dict[str, FullAdapter]:
         if tp > 1 and rule.tp_dim is not None:
             # column-parallel: B holds the base weight's rows; row-parallel: A holds its columns
             shard = b if rule.tp_dim == 0 else a
-            parts = [torch.empty_like(shard) for _ in range(tp)]
-            torch.distributed.all_gather(parts, shard.contiguous(), group=group)
-            full = tp_merge(rule, parts)
+            full = tp_merge(rule, collectives.all_gather(shard, group=group))
             a, b = (a, full) if rule.tp_dim == 0 else (full, b)
         mine[linear] = FullAdapter(a.float().cpu(), b.float().cpu())
     if not dist or torch.distributed.get_world_size() == 1:
@@ -167,9 +166,8 @@ def gather_adapters(chunks: list[Any], facts: Any) -> dict[str, FullAdapter]:
     # One copy per pipeline stage goes to rank 0: data-parallel (and context-parallel) replicas and the
     # other TP ranks hold the same tensors now.
     first = ps.get_data_parallel_rank(with_context_parallel=True) == 0 and ps.get_tensor_model_parallel_rank() == 0
-    boxes: list[Any] = [None] * torch.distributed.get_world_size() if torch.distributed.get_rank() == 0 else None
-    torch.distributed.gather_object(mine if first else {}, boxes, dst=0)
-    if torch.distributed.get_rank() != 0:
+    boxes = collectives.gather_object(mine if first else {}, dst=0)
+    if boxes is None:
         return {}
     merged: dict[str, FullAdapter] = {}
     for box in boxes:

@@ -95,18 +95,17 @@ def decode_buckets(gpts: Sequence[Any], cap: int, device: torch.device) -> Bucke
     key = (str(device), cap, None if gemms is None else
            tuple((kind, tuple(w.shape), b is not None, w.dtype) for kind, w, b in gemms))
     if key not in _TUNED:
-        _TUNED[key] = agree(None if gemms is None else [gemm_ms(gemms, m) for m in candidates], plain, device)
+        _TUNED[key] = agree(None if gemms is None else [gemm_ms(gemms, m) for m in candidates], plain)
     return _TUNED[key]
 
 
-def agree(times: list[float] | None, plain: Buckets, device: torch.device) -> Buckets:
+def agree(times: list[float] | None, plain: Buckets) -> Buckets:
     """The ladder of the model-parallel group from each rank's GEMM times at the plain ladder's buckets of
     SMALL rows and more (None: this rank's layers cannot be timed). One collective, made by every rank:
     the count of ranks that timed and their summed times; the plain ladder unless all of them timed."""
     candidates = [b for b in plain.sizes if b >= SMALL]
-    t = torch.tensor([float(times is not None), *(times or [0.0] * len(candidates))], dtype=torch.float64,
-                     device=device)
-    ranks = model_parallel_all_reduce(t)
+    t, ranks = model_parallel_all_reduce(
+        torch.tensor([float(times is not None), *(times or [0.0] * len(candidates))], dtype=torch.float64))
     if t[0].item() < ranks:
         return plain
     keep, dropped = choose(candidates, t[1:].tolist())

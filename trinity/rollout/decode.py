@@ -45,6 +45,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
+from trinity.distributed import collectives
 from trinity.models import lora  # the lean path's linears: base weight + active LoRA adapter
 from trinity.models.rope import rotate_half
 
@@ -177,7 +178,7 @@ class StageDecoder:
         if self.tp_group is None:
             return lora.addmm(residual, x, module)
         y = lora.linear(x, module)
-        torch.distributed.all_reduce(y, group=self.tp_group)
+        collectives.all_reduce_(y, group=self.tp_group)
         return residual + y
 
 

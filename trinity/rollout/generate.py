@@ -42,6 +42,7 @@ from typing import Any, Sequence
 
 import torch
 
+from trinity.distributed import collectives
 from trinity.errors import UserError
 from trinity.rollout.types import Rollout, RolloutEngine, SamplingParams  # noqa: F401  (re-exported)
 
@@ -100,9 +101,7 @@ def _tp_broadcast(tokens: torch.Tensor) -> torch.Tensor:
     from megatron.core import parallel_state as ps
 
     if ps.get_tensor_model_parallel_world_size() > 1:
-        torch.distributed.broadcast(
-            tokens, src=ps.get_tensor_model_parallel_src_rank(), group=ps.get_tensor_model_parallel_group()
-        )
+        collectives.broadcast_(tokens, src=ps.get_tensor_model_parallel_src_rank(), group=ps.get_tensor_model_parallel_group())
     return tokens
 
 
@@ -136,8 +135,7 @@ class _Pipeline:
         if self.size == 1 or (self.first and chunk == 0):
             return None
         buf = torch.empty(seq, batch, self.hidden_size, dtype=self.dtype, device=self.device)
-        torch.distributed.recv(buf, src=self.prev, group=self.group)
-        return buf
+        return collectives.recv(buf, src=self.prev, group=self.group)
 
     def send(self, hidden: torch.Tensor, chunk: int | None = None) -> None:
         """Model chunk `chunk`'s output (default: the last chunk) to the next rank of the ring (nothing on
@@ -145,13 +143,11 @@ class _Pipeline:
         chunk = self.chunks - 1 if chunk is None else chunk
         if self.size == 1 or (self.last and chunk == self.chunks - 1):
             return
-        torch.distributed.send(hidden.to(self.dtype).contiguous(), dst=self.next, group=self.group)
+        collectives.send(hidden.to(self.dtype), dst=self.next, group=self.group)
 
     def from_last(self, t: torch.Tensor) -> torch.Tensor:
         """`t` as the last stage holds it, on every stage."""
-        if self.size > 1:
-            torch.distributed.broadcast(t, src=self.src, group=self.group)
-        return t
+        return collectives.broadcast_(t, src=self.src, group=self.group) if self.size > 1 else t
 
 
 class _StopFlag:

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from trinity.distributed import collectives
 from trinity.errors import UserError
 
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.8
@@ -49,24 +50,20 @@ def free_memory(device: torch.device) -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def model_parallel_all_reduce(t: torch.Tensor, op: Any = None) -> int:
-    """All-reduce `t` in place over this rank's model-parallel group (TP x PP; a sum unless `op`), whose
-    ranks must make the same scheduling decisions; returns the group's size (1 without one)."""
+def model_parallel_all_reduce(t: torch.Tensor, op: collectives.Op = "sum") -> tuple[torch.Tensor, int]:
+    """`t` reduced over this rank's model-parallel group (TP x PP), whose ranks must make the same
+    scheduling decisions, and the group's size (1 without one)."""
     from megatron.core import parallel_state as ps
 
-    if not torch.distributed.is_initialized() or ps.get_model_parallel_group() is None:
-        return 1
+    if not collectives.active() or ps.get_model_parallel_group() is None:
+        return t, 1
     group = ps.get_model_parallel_group()
-    size = torch.distributed.get_world_size(group)
-    if size > 1:
-        torch.distributed.all_reduce(t, op=op or torch.distributed.ReduceOp.SUM, group=group)
-    return size
+    return collectives.all_reduce(t, op, group=group), collectives.size(group)
 
 
-def _model_parallel_min(value: int, device: torch.device) -> int:
+def _model_parallel_min(value: int) -> int:
     """The smallest `value` over this rank's model-parallel group: its ranks must agree."""
-    t = torch.tensor([value], dtype=torch.long, device=device)
-    model_parallel_all_reduce(t, torch.distributed.ReduceOp.MIN)
+    t, _ = model_parallel_all_reduce(torch.tensor([value], dtype=torch.long), "min")
     return int(t.item())
 
 
@@ -85,7 +82,7 @@ def plan_slots(gpt: Any, budget: KVBudget, rows: int, cache_len: int, device: to
     every rank of the model-parallel group; a budget below one sequence is a UserError naming the key."""
     per_slot = kv_bytes_per_token(gpt) * cache_len
     nbytes, key = budget.budget_bytes(device)
-    slots = _model_parallel_min(min(budget.max_num_seqs, rows, nbytes // per_slot), device)
+    slots = _model_parallel_min(min(budget.max_num_seqs, rows, nbytes // per_slot))
     if slots < 1:
         raise UserError(
             f"actor_rollout_ref.rollout.{key}: the KV cache budget ({nbytes / 2**30:.3g} GiB) holds no sequence: one "

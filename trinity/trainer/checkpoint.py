@@ -35,6 +35,7 @@ import numpy as np
 import torch
 import yaml
 
+from trinity.distributed import collectives
 from trinity.errors import UserError
 from trinity.trainer.resume import COMPLETE, CONFIG_FILE, STEP_DIR, complete_checkpoints
 # Fault injection for tests, `<step>:<seconds>`: sleep after checkpoint <step>'s data is written,
@@ -56,8 +57,7 @@ def _world() -> int:
 
 
 def _barrier() -> None:
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
+    collectives.barrier()
 
 
 def rng_state() -> dict[str, Any]:

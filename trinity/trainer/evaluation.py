@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from trinity.distributed import collectives
 from trinity.errors import UserError
 
 
@@ -96,7 +97,7 @@ class Evaluator:
             outputs = _forward_only(self.recipe.actor.model, batches, loss_fn)
             if ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0:
                 local += sum(float(o["loss_sum"]) for o in outputs)
-        torch.distributed.all_reduce(local)
+        local = collectives.all_reduce(local)
         return {"val/loss": float(local.item()) / max(int(rows.row_loss_tokens.sum()), 1)}
 
     # ---------------------------------------------------------------- RL

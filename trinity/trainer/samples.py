@@ -11,14 +11,11 @@ from typing import Any
 
 def _gather(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Every DP rank's samples, in DP rank order (a collective: every rank calls it)."""
-    import torch
     from megatron.core import parallel_state as ps
 
-    if ps.get_data_parallel_world_size() == 1:
-        return list(samples)
-    boxes: list[Any] = [None] * ps.get_data_parallel_world_size()
-    torch.distributed.all_gather_object(boxes, samples, group=ps.get_data_parallel_group())
-    return [s for box in boxes for s in box]
+    from trinity.distributed import collectives
+
+    return [s for box in collectives.all_gather_object(samples, group=ps.get_data_parallel_group()) for s in box]
 
 
 def _short(text: str, limit: int, tail: bool = False) -> str:

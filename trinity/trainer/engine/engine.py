@@ -23,6 +23,7 @@ import torch
 
 from trinity.config.roles import Role
 from trinity.config.weights import WeightSource
+from trinity.distributed import collectives
 from trinity.errors import UserError
 from trinity.trainer.engine.offload import RoleOffloader
 
@@ -322,5 +323,4 @@ def forward_only(
         result = torch.cat(out).float().contiguous()
     else:
         result = torch.empty(result_shape, dtype=torch.float32, device=device)
-    torch.distributed.broadcast(result, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group())
-    return result
+    return collectives.broadcast_(result, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group())

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from trinity.distributed import collectives
 from trinity.rollout.types import Rollout
 from trinity.trainer.recipes.rl import RLRecipe, _dp_info
 
@@ -85,8 +86,7 @@ class DAPORecipe(RLRecipe):
                 rows = slice(g * n, (g + 1) * n)
                 (kept if ok else dropped).append((ro.select(rows), score[rows], shaped[rows]))
             short = torch.tensor([max(0, want - len(kept))], dtype=torch.long, device=score.device)
-            if dp > 1:
-                torch.distributed.all_reduce(short, op=torch.distributed.ReduceOp.MAX, group=dp_group)
+            short = collectives.all_reduce(short, "max", group=dp_group)
             if int(short) == 0 or (fg.max_num_gen_batches > 0 and draws >= fg.max_num_gen_batches):
                 break
         kept_groups = min(len(kept), want)
@@ -100,8 +100,7 @@ class DAPORecipe(RLRecipe):
         self.phases.metrics["tokens_per_s/rollout"] = rollout_tokens / max(times["time/rollout_s"], 1e-9)
         counts = torch.tensor([kept_groups, want - kept_groups, float(score.sum()), float((shaped - score).sum()), score.numel()],
                               dtype=torch.float64, device=score.device)
-        if dp > 1:
-            torch.distributed.all_reduce(counts, group=dp_group)
+        counts = collectives.all_reduce(counts, group=dp_group)
         metrics = {
             "dapo/num_gen_batches": draws, "dapo/kept_groups": int(counts[0]), "dapo/filled_groups": int(counts[1]),
             "dapo/score_mean": float(counts[2] / counts[4]), "dapo/overlong_penalty_mean": float(counts[3] / counts[4]),

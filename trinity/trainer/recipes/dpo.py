@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from trinity.config.roles import Role
+from trinity.distributed import collectives
 from trinity.errors import UserError
 from trinity.trainer.metrics import peak_memory_gib
 from trinity.trainer.recipes import Recipe
@@ -138,7 +139,7 @@ class DPORecipe(Recipe):
         if ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0:
             for o in result.outputs:
                 local += torch.stack([o[k].double() for k in METRICS]).to(device)
-        torch.distributed.all_reduce(local)
+        local = collectives.all_reduce(local)
         _sync(device)
         dt = time.perf_counter() - t0
         row: dict[str, Any] = {"step": step}

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from trinity.config.roles import Role
+from trinity.distributed import collectives
 from trinity.errors import UserError
 from trinity.rollout.types import SamplingParams
 from trinity.trainer.engine.offload import memory_gib
@@ -92,20 +93,16 @@ def _from_last_stage(metrics: dict[str, float]) -> dict[str, float]:
 
     if ps.get_pipeline_model_parallel_world_size() == 1:
         return metrics
-    box = [metrics]
-    torch.distributed.broadcast_object_list(
-        box, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group()
-    )
-    return box[0]
+    return collectives.broadcast_object(
+        metrics, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group())
 
 
 def _dp_stats(values: torch.Tensor) -> tuple[float, float]:
     """Mean and std of per-sequence values over all DP ranks."""
-    _, dp, group = _dp_info()
-    v = values.double()  # stays on the device: NCCL (the CUDA backend) reduces only device tensors
+    group = _dp_info()[2]
+    v = values.double()
     s = torch.stack([v.sum(), (v * v).sum(), torch.tensor(float(v.numel()), dtype=torch.float64, device=v.device)])
-    if dp > 1:
-        torch.distributed.all_reduce(s, group=group)
+    s = collectives.all_reduce(s, group=group)
     mean = s[0] / s[2]
     return float(mean), float(torch.sqrt(torch.clamp(s[1] / s[2] - mean * mean, min=0)))
 
@@ -114,14 +111,13 @@ def _logprob_gap(rollout_logp: torch.Tensor, logp: torch.Tensor, mask: torch.Ten
     """Mean and max |rollout log-prob - training log-prob| over the response tokens of all DP ranks: the
     rollout and the training forward run the same weights, so this is their numerical difference
     (KV-cache decoding vs one whole-sequence pass, kernels, dtype)."""
-    _, dp, group = _dp_info()
+    group = _dp_info()[2]
     m = mask.float()
     d = (rollout_logp.float() - logp.float()).abs() * m
     s = torch.stack([d.sum().double(), m.sum().double()])
     mx = d.max().reshape(1) if d.numel() else d.new_zeros(1)
-    if dp > 1:
-        torch.distributed.all_reduce(s, group=group)
-        torch.distributed.all_reduce(mx, op=torch.distributed.ReduceOp.MAX, group=group)
+    s = collectives.all_reduce(s, group=group)
+    mx = collectives.all_reduce(mx, "max", group=group)
     if float(s[1]) == 0:
         return {}
     return {"rollout/logprob_diff_mean": float(s[0] / s[1]), "rollout/logprob_diff_max": float(mx)}

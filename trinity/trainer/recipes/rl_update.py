@@ -22,6 +22,7 @@ from typing import Any, Callable
 import torch
 
 from trinity.algorithms.losses import actor_loss, global_agg_denominator, value_loss
+from trinity.distributed import collectives
 from trinity.rollout.types import Rollout
 from trinity.trainer.recipes.rollout_forward import (
     Batching, forward_output, packed_forward, packed_response_logprobs, packed_response_values, response_logprobs,
@@ -124,11 +125,9 @@ def _reduce(records: list[dict], grad_norms: list[float], prefix: str) -> dict[s
     share of its mini-batch's loss), then averaged over updates."""
     dp, group = _dp()
     keys = sorted({k for r in records for k in r})
-    sums = torch.tensor([sum(float(r[k]) for r in records if k in r) for k in keys], dtype=torch.float64)
-    counts = torch.tensor([sum(1 for r in records if k in r) for k in keys], dtype=torch.float64)
-    if dp > 1:
-        torch.distributed.all_reduce(sums, group=group)
-        torch.distributed.all_reduce(counts, group=group)
+    sums, counts = collectives.all_reduce(torch.tensor(
+        [[sum(float(r[k]) for r in records if k in r) for k in keys], [sum(1 for r in records if k in r) for k in keys]],
+        dtype=torch.float64), group=group)
     updates = max(len(grad_norms), 1)
     out = {}
     for k, s, c in zip(keys, sums.tolist(), counts.tolist()):
@@ -188,9 +187,8 @@ def _assemble(pieces: list[tuple[torch.Tensor, torch.Tensor]], exp: Experience) 
     out = torch.zeros(tuple(mask.shape), dtype=torch.float32, device=mask.device)
     for rows, logp in pieces:
         out[rows.to(out.device)] = logp.float().to(out.device)
-    if ps.get_pipeline_model_parallel_world_size() > 1:
-        torch.distributed.broadcast(out, src=ps.get_pipeline_model_parallel_last_rank(),
-                                    group=ps.get_pipeline_model_parallel_group())
+    out = collectives.broadcast(out, src=ps.get_pipeline_model_parallel_last_rank(),
+                                group=ps.get_pipeline_model_parallel_group())
     return out * mask
 
 

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from trinity.config.roles import Role
+from trinity.distributed import collectives
 from trinity.errors import UserError
 from trinity.trainer.metrics import peak_memory_gib, sft_line
 from trinity.trainer.recipes import Recipe
@@ -131,7 +132,7 @@ def train_step(actor: Any, micro_batches: list[dict[str, Any]], *, loss_tokens: 
     local = torch.zeros(1, dtype=torch.float64, device=device)
     if ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0:
         local += sum(float(o["loss_sum"]) for o in result.outputs)
-    torch.distributed.all_reduce(local)
+    local = collectives.all_reduce(local)
     return float(local.item()) / max(loss_tokens, 1), result.grad_norm
 
 
