@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-LAYOUTS = {"1gpu": (1, 1), "dp2": (2, 1), "tp2": (2, 2)}  # name -> (processes, TP)
+LAYOUTS = {"1gpu": (1, 1), "dp2": (2, 1), "tp2": (2, 2), "dp4": (4, 1), "tp2dp2": (4, 2), "tp4": (4, 4)}  # name -> (processes, TP)
 
 
 def worker(args: argparse.Namespace) -> None:

@@ -4,6 +4,7 @@ metrics, next to `benchmarks/train_step.py`'s bare model step of the same shape.
     python benchmarks/sft_run.py --shape 0.5b --seq 4096 --mbs 2 --steps 8
     python benchmarks/sft_run.py --shape 0.5b --seq 4096 --mbs 2 --steps 8 --profile-step 6
     python benchmarks/sft_run.py --shape 0.5b --seq 4096 --mbs 2 --layouts 1gpu,dp2,tp2        # 2 GPUs
+    python benchmarks/sft_run.py --shape 1.5b --seq 4096 --mbs 2 --layouts 1gpu,dp2,tp2,dp4,tp2dp2   # 4 GPUs
     python benchmarks/sft_run.py --shape 0.5b --layouts 1gpu,dp2 --megatron overlap_grad_reduce=true
     python benchmarks/sft_run.py --shape tiny --device cpu --seq 256 --mbs 2 --steps 3    # CPU smoke
     python benchmarks/sft_run.py --shape 1.5b --seq 4096 --mbs 2 --optimizer-offload no,yes
@@ -72,7 +73,7 @@ def main() -> None:
     ap.add_argument("--mbs", type=int, default=2, help="rows per micro batch = per step and data-parallel rank")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--layouts", default="1gpu",
-                    help=f"comma list of {', '.join(LAYOUTS)}: one `trinity run` each (dp2 / tp2 need 2 GPUs)")
+                    help=f"comma list of {', '.join(LAYOUTS)}: one `trinity run` each (dp2 / tp2 need 2 GPUs, dp4 / tp2dp2 / tp4 need 4)")
     ap.add_argument("--megatron", action="append", default=[], metavar="KEY=VALUE",
                     help="a field of the actor's megatron: block (YAML value), e.g. overlap_grad_reduce=true; "
                          "repeatable")

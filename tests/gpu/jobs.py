@@ -21,7 +21,8 @@ from tests.conftest import trinity_run
 # steps; a wrong shard or layer order is off by >10% from step 1.
 REL = 2e-2
 RL_STEPS = 12
-PHASES = {"grpo": ("rollout", "reward", "ref", "old_logp", "update_actor"),
+# one on-policy update a step: its own forward gives the old log-probs (no old_logp phase)
+PHASES = {"grpo": ("rollout", "reward", "ref", "update_actor"),
           "ppo": ("rollout", "reward", "ref", "values", "update_critic", "update_actor")}
 
 
@@ -54,7 +55,7 @@ def make_assets(root: Path) -> dict[str, Path]:
 
 
 def trainer(out: Path, steps: int, **extra) -> dict:
-    return {"total_steps": steps, "output_dir": str(out), "save_interval": None, "log_interval": 1,
+    return {"total_steps": steps, "output_dir": str(out), "save_interval": None, "save_last": False, "log_interval": 1,
             "tensorboard": False, "export_hf": False, **extra}
 
 
@@ -133,7 +134,8 @@ def check_rl(rows: list[dict], algo: str, *, steps: int = RL_STEPS, dp: int = 1)
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
     for r in rows:
         for phase in PHASES.get(algo, PHASES["grpo"]):
-            assert r[f"time/{phase}_s"] > 0, (phase, r)
+            if not (phase == "update_actor" and algo == "ppo" and r["step"] == 1):  # the critic's warm-up step
+                assert r[f"time/{phase}_s"] > 0, (phase, r)
         assert all(v == v and abs(v) != float("inf") for v in r.values() if isinstance(v, float)), r
         # bf16: one answer's tokens through the KV-cache decode and through the whole-sequence pass
         assert r["rollout/logprob_diff_mean"] < 0.05, r
