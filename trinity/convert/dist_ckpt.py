@@ -469,8 +469,9 @@ def load_model_checkpoint(
     except (KeyError, ValueError, RuntimeError, OSError, EOFError, CheckpointException) as exc:
         failure = exc
     if failure is not None:  # outside the except block: the one-line error has no chained traceback
-        if isinstance(_first_failure(failure), UserError):  # a refused item, raised inside torch's reader
-            raise _first_failure(failure)
+        refusal = _first_failure(failure)
+        if isinstance(refusal, UserError):  # a refused item, raised inside torch's reader threads
+            raise UserError(str(refusal))
         _find_corrupt_file(path)  # raises UserError naming the file when its bytes are bad
         raise UserError(f"{path}: cannot load the dist checkpoint into this model ({_short(failure)})")
     for chunk, local_to_key in zip(models, back):
