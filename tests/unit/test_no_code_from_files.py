@@ -178,6 +178,22 @@ def test_a_real_index_loads_as_the_plain_pickle_reads_it(tiny, tmp_path):
     assert {m.properties.dtype for m in bf16.state_dict_metadata.values() if hasattr(m, "properties")} == {torch.bfloat16}
 
 
+@pytest.mark.parametrize("rel", ["../outside.distcp", "/etc/hostname", "sub/__0_1.distcp"])
+def test_an_index_naming_a_data_file_outside_the_folder_is_refused(tiny, tmp_path, rel):
+    import dataclasses
+
+    ckpt = _copy(tiny[1], tmp_path)
+    with open(ckpt / ".metadata", "rb") as f:
+        index = pickle.load(f)
+    key = next(iter(index.storage_data))
+    index.storage_data[key] = dataclasses.replace(index.storage_data[key], relative_path=rel)
+    (ckpt / ".metadata").write_bytes(pickle.dumps(index))
+    with pytest.raises(UserError) as exc:
+        check_readable(ckpt)
+    assert _one_line(exc) == (f"{ckpt}: the dist checkpoint index (.metadata) names data file {rel!r} outside the "
+                              "checkpoint folder; it was not written by megatron-core")
+
+
 def test_an_index_of_another_type_is_refused(tmp_path):
     (tmp_path / ".metadata").write_bytes(pickle.dumps({"storage_data": {}}))
     with pytest.raises(UserError, match=r"\.metadata: not a dist checkpoint index \(it holds a dict\)"):

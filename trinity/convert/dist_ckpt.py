@@ -347,7 +347,8 @@ def check_readable(ckpt_dir: str | Path) -> None:
     ends: dict[str, int] = {}
     for info in index.storage_data.values():
         ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
-    for rel, end in sorted(ends.items()):
+    for rel, end in sorted(ends.items(), key=lambda kv: str(kv[0])):
+        _check_data_file_name(path, rel)
         f = path / rel
         if not f.is_file():
             raise UserError(f"{path}: dist checkpoint file {rel} is missing")
@@ -355,6 +356,16 @@ def check_readable(ckpt_dir: str | Path) -> None:
         if size < end:
             raise UserError(f"{path}: dist checkpoint file {rel} is truncated ({size} bytes, its items need {end})")
     _check_zip(path, "common.pt", (path / "common.pt").read_bytes())
+
+
+def _check_data_file_name(path: Path, rel: object) -> None:
+    """The index is data: a data file it names must be a file name inside the checkpoint folder (torch
+    writes `__<rank>_<n>.distcp`), or loading would read any file the user can read into the weights."""
+    if not isinstance(rel, str) or Path(rel).name != rel or rel in ("", ".", ".."):
+        raise UserError(
+            f"{path}: the dist checkpoint index (.metadata) names data file {rel!r} outside the checkpoint "
+            "folder; it was not written by megatron-core"
+        )
 
 
 def _read_index(path: Path) -> Any:
