@@ -273,6 +273,31 @@ def test_a_real_checkpoint_loads_into_the_model(tiny, cpu_world):
         assert torch.equal(mine[name], p), name
 
 
+def test_a_critic_backbone_loads_through_the_same_readers(tiny, tmp_path, cpu_world):
+    """A critic started from an LM dist checkpoint (`load_backbone_from_dist_checkpoint`): a real
+    checkpoint gives every tensor but the value head; a planted common.pt is refused there too."""
+    from trinity.config.megatron import MegatronConfig
+    from trinity.models.build import build_model
+    from trinity.models.facts import ModelFacts
+    from trinity.trainer.engine.weights import load_backbone_from_dist_checkpoint
+
+    facts = ModelFacts.from_hf_dir(tiny[0])
+    critic = build_model(facts, MegatronConfig(), device="cpu", dtype=torch.float32, value_head=True)
+    load_backbone_from_dist_checkpoint(critic, str(tiny[1]))
+    lm = _build(tiny[0])
+    load_model_checkpoint(lm, tiny[1])
+    want = dict(lm[0].named_parameters())
+    for name, p in critic[0].named_parameters():
+        if name != "output_layer.weight":
+            assert torch.equal(p, want[name]), name
+    ckpt, marker = _copy(tiny[1], tmp_path), tmp_path / "ran"
+    torch.save({"extra": Payload(marker, "os.system")}, ckpt / "common.pt")
+    with pytest.raises(UserError) as exc:
+        load_backbone_from_dist_checkpoint(critic, str(ckpt))
+    assert _one_line(exc) == _refused(ckpt / "common.pt", "tensors and plain values", TORCH_PICKLED_AS["os.system"])
+    assert not marker.exists()
+
+
 # --- the RNG state of a training checkpoint -------------------------------------------------------------
 
 
