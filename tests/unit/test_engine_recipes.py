@@ -32,13 +32,13 @@ def test_rng_state_round_trips_through_a_weights_only_load(tmp_path):
     want = (random.random(), np.random.rand(), torch.rand(1).item())
     random.seed(9), np.random.seed(9), torch.manual_seed(9)
     torch.load(path, weights_only=True)  # no pickled objects beyond tensors and plain values
-    assert load_rng(path) is True
+    load_rng(path)
     assert (random.random(), np.random.rand(), torch.rand(1).item()) == want
 
 
 def test_an_earlier_versions_rng_file_still_loads_weights_only(tmp_path):
     """Checkpoints written before: random.getstate() / np.random.get_state() tuples, which torch's
-    weights-only loader accepts; anything else pickled is refused, never unpickled."""
+    weights-only loader accepts; anything else pickled is refused (one line naming the file), never unpickled."""
     import megatron.core.tensor_parallel as tp
 
     from trinity.trainer.checkpoint import load_rng
@@ -49,7 +49,7 @@ def test_an_earlier_versions_rng_file_still_loads_weights_only(tmp_path):
                 "tracker": tp.get_cuda_rng_tracker().get_states()}, path)
     want = (random.random(), np.random.rand(), torch.rand(1).item())
     random.seed(9), np.random.seed(9), torch.manual_seed(9)
-    assert load_rng(path) is True
+    load_rng(path)
     assert (random.random(), np.random.rand(), torch.rand(1).item()) == want
 
     class Evil:
@@ -57,7 +57,8 @@ def test_an_earlier_versions_rng_file_still_loads_weights_only(tmp_path):
             return (os.system, ("true",))
 
     torch.save({"python": Evil()}, path)
-    assert load_rng(path) is False
+    with pytest.raises(UserError, match=r"rank_0\.pt: refused to load: it holds Python objects other than tensors"):
+        load_rng(path)
 
 
 # --- resume with a changed config ------------------------------------------------------------------

@@ -21,8 +21,9 @@ import json
 import queue
 import shutil
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -90,7 +91,8 @@ def _save_strategy() -> Any:
 
 
 def _parallel_reader(checkpoint_dir: Any, cache_metadata: bool = False) -> Any:
-    """A torch_dist reader whose items are read by a pool of threads.
+    """A torch_dist reader whose items are read by a pool of threads, and whose index `.metadata` is
+    read by `_read_index` (allow-listed types only: torch's reader unpickles it with plain pickle).
 
     torch's FileSystemReader reads every item of the plan in one thread (a 15 GB 7B checkpoint loaded
     at 1.4 GB/s on the H100 machine, whose page cache reads at 16-20 GB/s with 8 streams). The pool runs
@@ -104,10 +106,21 @@ def _parallel_reader(checkpoint_dir: Any, cache_metadata: bool = False) -> Any:
     from megatron.core.dist_checkpointing.strategies.cached_metadata_filesystem_reader import (
         CachedMetadataFileSystemReader,
     )
+    from torch.distributed.checkpoint.metadata import StorageMeta
 
     from trinity.convert.parallel_io import io_workers
 
     class ParallelReader(CachedMetadataFileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            if self._cached_metadata is None:
+                index = _read_index(Path(self.path))
+                # What torch's FileSystemReader.read_metadata adds to the index it read.
+                if getattr(index, "storage_meta", None) is None:
+                    index.storage_meta = StorageMeta()
+                index.storage_meta.load_id = self.load_id
+                self._cached_metadata = index
+            return self._cached_metadata
+
         def read_data(self, plan: Any, planner: Any) -> Any:
             n = min(io_workers(), max(1, len(plan.items)))
             shares: list[list[Any]] = [[] for _ in range(n)]
@@ -127,21 +140,88 @@ def _parallel_reader(checkpoint_dir: Any, cache_metadata: bool = False) -> Any:
     return ParallelReader(checkpoint_dir)
 
 
+def _safe_planner(base: type, ckpt_dir: Path) -> type:
+    """megatron's load planner, with byte items (ShardedObjects megatron torch.save'd into a `.distcp`)
+    loaded weights-only: torch's DefaultLoadPlanner.load_bytes unpickles them with weights_only=False."""
+    from torch.distributed.checkpoint._traverse import set_element
+
+    from trinity.convert.safe_pickle import load_weights_only
+
+    class SafePlanner(base):  # type: ignore[misc, valid-type]
+        def load_bytes(self, read_item: Any, value: Any) -> None:
+            fqn = read_item.dest_index.fqn
+            info = self.metadata.storage_data.get(read_item.storage_index) if self.metadata else None
+            where = f"{ckpt_dir / info.relative_path} (item {fqn})" if info else f"{ckpt_dir} (item {fqn})"
+            obj = load_weights_only(value, where)
+            if self.flatten_state_dict:  # the same placement as torch's load_bytes
+                set_element(self.original_state_dict, self.mappings[fqn], obj)
+            else:
+                self.state_dict[fqn] = obj
+
+    return SafePlanner
+
+
+@contextmanager
+def _patched(module: Any, **values: Any) -> Iterator[None]:
+    """Module attributes replaced for the duration (megatron builds its reader and planner inside its
+    strategy's methods through module-level names)."""
+    saved = {name: getattr(module, name) for name in values}
+    for name, value in values.items():
+        setattr(module, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(module, name, value)
+
+
 def _load_strategy() -> Any:
-    """megatron-core's torch_dist loader, reading with `_parallel_reader`."""
+    """megatron-core's torch_dist loader, reading with `_parallel_reader` and `_safe_planner`."""
     from megatron.core.dist_checkpointing.strategies import torch as mtorch
 
     class Strategy(mtorch.TorchDistLoadShardedStrategy):
         def load(self, sharded_state_dict: Any, checkpoint_dir: Any) -> Any:
-            # megatron builds its reader inside load() through this module-level factory.
-            default = mtorch._get_filesystem_reader
-            mtorch._get_filesystem_reader = _parallel_reader
-            try:
+            planner = _safe_planner(mtorch.MCoreLoadPlanner, Path(checkpoint_dir))
+            with _patched(mtorch, _get_filesystem_reader=_parallel_reader, MCoreLoadPlanner=planner):
                 return super().load(sharded_state_dict, checkpoint_dir)
-            finally:
-                mtorch._get_filesystem_reader = default
+
+        def load_tensors_metadata(self, checkpoint_dir: Any, metadata: Any = None) -> Any:
+            with _patched(mtorch, _get_filesystem_reader=_parallel_reader):
+                return super().load_tensors_metadata(checkpoint_dir, metadata)
+
+        def load_sharded_metadata(self, checkpoint_dir: Any) -> Any:
+            with _patched(mtorch, _get_filesystem_reader=_parallel_reader):
+                return super().load_sharded_metadata(checkpoint_dir)
 
     return Strategy()
+
+
+def _common_strategy() -> Any:
+    """megatron-core's common.pt loader, weights-only whatever TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD says
+    (megatron's own calls torch.load without the argument)."""
+    from megatron.core.dist_checkpointing.strategies.common import TorchCommonLoadStrategy
+
+    class Common(TorchCommonLoadStrategy):
+        def load_common(self, checkpoint_dir: Any) -> Any:
+            return _read_common(Path(checkpoint_dir))
+
+    return Common()
+
+
+def _read_common(path: Path) -> dict[str, Any]:
+    from trinity.convert.safe_pickle import load_tensor_dict
+
+    return load_tensor_dict(path / "common.pt")
+
+
+def read_sharded(request: dict[str, Any], ckpt_dir: str | Path) -> dict[str, Any]:
+    """megatron-core's `dist_checkpointing.load` of `request` with trinity's readers: items read in
+    parallel, and nothing in the checkpoint unpickled beyond tensors, plain values and the index
+    (trinity.convert.safe_pickle)."""
+    from megatron.core import dist_checkpointing
+
+    return dict(dist_checkpointing.load(request, str(ckpt_dir), sharded_strategy=_load_strategy(),
+                                        common_strategy=_common_strategy()))
 
 
 def save_model_checkpoint(
@@ -263,7 +343,8 @@ def check_readable(ckpt_dir: str | Path) -> None:
     ends: dict[str, int] = {}
     for info in index.storage_data.values():
         ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
-    for rel, end in sorted(ends.items()):
+    for rel, end in sorted(ends.items(), key=lambda kv: str(kv[0])):
+        _check_data_file_name(path, rel)
         f = path / rel
         if not f.is_file():
             raise UserError(f"{path}: dist checkpoint file {rel} is missing")
@@ -273,14 +354,26 @@ def check_readable(ckpt_dir: str | Path) -> None:
     _check_zip(path, "common.pt", (path / "common.pt").read_bytes())
 
 
+def _check_data_file_name(path: Path, rel: object) -> None:
+    """The index is data: a data file it names must be a file name inside the checkpoint folder (torch
+    writes `__<rank>_<n>.distcp`), or loading would read any file the user can read into the weights."""
+    if not isinstance(rel, str) or Path(rel).name != rel or rel in ("", ".", ".."):
+        raise UserError(
+            f"{path}: the dist checkpoint index (.metadata) names data file {rel!r} outside the checkpoint "
+            "folder; it was not written by megatron-core"
+        )
+
+
 def _read_index(path: Path) -> Any:
-    """torch's checkpoint index (`.metadata`, a pickle of what each `*.distcp` file holds where)."""
-    import pickle
+    """torch's checkpoint index (`.metadata`, a pickle of what each `*.distcp` file holds where), built
+    from allow-listed types only (trinity.convert.safe_pickle)."""
+    from trinity.convert.safe_pickle import load_dcp_index
 
     try:
-        with open(path / ".metadata", "rb") as f:
-            index = pickle.load(f)
+        index = load_dcp_index(path / ".metadata")
         index.storage_data.items()
+    except UserError:
+        raise
     except Exception as exc:  # a cut pickle raises EOFError, UnpicklingError, AttributeError...
         raise UserError(f"{path}: corrupt or truncated dist checkpoint file .metadata ({type(exc).__name__}: {exc})") from None
     return index
@@ -330,12 +423,12 @@ def hf_dir_of(ckpt_dir: str | Path) -> Path:
 
 def read_extra(ckpt_dir: str | Path) -> dict[str, Any]:
     """The `extra_common` dict saved with the checkpoint (no model needed)."""
-    from megatron.core import dist_checkpointing
-
     failure: BaseException | None = None
     try:
-        return dict(dist_checkpointing.load_common_state_dict(str(ckpt_dir)).get("extra", {}))
-    except Exception as exc:  # a cut common.pt raises RuntimeError, EOFError, pickle errors...
+        return dict(_read_common(Path(ckpt_dir)).get("extra", {}))
+    except UserError:
+        raise
+    except Exception as exc:  # a cut common.pt raises RuntimeError, EOFError, zip errors...
         failure = exc
     check_readable(ckpt_dir)  # names the missing or damaged file
     raise UserError(f"{ckpt_dir}: cannot read the dist checkpoint's common.pt ({_short(failure)})")
@@ -360,7 +453,6 @@ def load_model_checkpoint(
     unexpected or mismatched keys). `exclude`: sharded keys not to load (a critic skips
     `output_layer.weight`).
     """
-    from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedObject
     from torch.distributed.checkpoint.api import CheckpointException
 
@@ -380,10 +472,13 @@ def load_model_checkpoint(
         request["optimizer"] = optimizer.sharded_state_dict(flat, is_loading=True)
     failure: BaseException | None = None
     try:
-        loaded = dist_checkpointing.load(request, str(path), sharded_strategy=_load_strategy())
+        loaded = read_sharded(request, path)
     except (KeyError, ValueError, RuntimeError, OSError, EOFError, CheckpointException) as exc:
         failure = exc
     if failure is not None:  # outside the except block: the one-line error has no chained traceback
+        refusal = _first_failure(failure)
+        if isinstance(refusal, UserError):  # a refused item, raised inside torch's reader threads
+            raise UserError(str(refusal))
         _find_corrupt_file(path)  # raises UserError naming the file when its bytes are bad
         raise UserError(f"{path}: cannot load the dist checkpoint into this model ({_short(failure)})")
     for chunk, local_to_key in zip(models, back):
@@ -404,8 +499,8 @@ def _excluded(chunk: torch.nn.Module, exclude: tuple[str, ...]) -> set[str]:
     return {local for local, v in unwrap(chunk).sharded_state_dict().items() if getattr(v, "key", None) in exclude}
 
 
-def _short(exc: BaseException) -> str:
-    """One line of an exception: torch's CheckpointException holds per-rank tracebacks."""
+def _first_failure(exc: BaseException) -> BaseException:
+    """The exception itself, or the first rank's failure that torch's CheckpointException wraps."""
     from torch.distributed.checkpoint.api import CheckpointException
 
     if isinstance(exc, CheckpointException):
@@ -413,7 +508,12 @@ def _short(exc: BaseException) -> str:
         exc = next(iter(failures.values()), exc)
         if isinstance(exc, tuple):  # (exception, traceback frames) in recent torch
             exc = exc[0]
-    text = " ".join(str(exc).split())
+    return exc
+
+
+def _short(exc: BaseException) -> str:
+    """One line of an exception: torch's CheckpointException holds per-rank tracebacks."""
+    text = " ".join(str(_first_failure(exc)).split())
     return text[:300] + ("..." if len(text) > 300 else "")
 
 
@@ -422,7 +522,9 @@ def _stored_metadata(path: Path) -> dict[str, Any]:
     from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
 
     try:
-        return dict(load_sharded_metadata(str(path)))
+        return dict(load_sharded_metadata(str(path), _load_strategy(), _common_strategy()))
+    except UserError:
+        raise
     except Exception as exc:  # megatron wraps reader errors in several types
         raise UserError(f"{path}: cannot read the dist checkpoint's metadata ({_short(exc)})") from None
 

@@ -4,9 +4,10 @@ Reading validates every shard header with `safe_open`, then preads each tensor i
 (no mmap, so shard pages never count against the process), or `read_rows_into` preads rows straight
 into a caller's tensor (a parameter: no buffer to allocate, touch and copy again); both are
 thread-safe, so a loader reads several tensors at once. `.bin` shards go through
-`torch.load(weights_only=True, mmap=True)`; nothing else is unpickled. Writing streams tensors into
-shards with our own safetensors writer (header, then each tensor's bytes pwritten straight from its
-storage in pieces, several at once), so no shard is ever built as one big buffer in memory.
+`torch.load(weights_only=True, mmap=True)` (trinity.convert.safe_pickle); nothing else is unpickled.
+Writing streams tensors into shards with our own safetensors writer (header, then each tensor's bytes
+pwritten straight from its storage in pieces, several at once), so no shard is ever built as one big
+buffer in memory.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Any, Iterable, Iterator
 import torch
 
 from trinity.convert.parallel_io import io_workers
+from trinity.convert.safe_pickle import load_tensor_dict
 from trinity.errors import UserError
 
 INDEX = "model.safetensors.index.json"
@@ -114,7 +116,7 @@ class HFCheckpoint:
                         # Bytes only size the read-ahead: an exotic dtype counts as 2 per element.
                         out[k] = (shape, math.prod(shape) * (dtype.itemsize if dtype else 2), dtype)
                     return out
-            sd = torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
+            sd = load_tensor_dict(path, mmap=True)
             return {k: (tuple(v.shape), v.numel() * v.element_size(), v.dtype) for k, v in sd.items()}
         except UserError:
             raise
@@ -189,7 +191,7 @@ class HFCheckpoint:
                     # A mapped .bin shard's pages count against the process while it is open: keep one.
                     for other in [f for f, h in self._files.items() if isinstance(h, dict)]:
                         del self._files[other]
-                    handle = torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
+                    handle = load_tensor_dict(path, mmap=True)
                 self._files[fname] = handle
         return handle
 

@@ -34,7 +34,7 @@ def make_bridge(hf_dir: str | Path, facts: ModelFacts, dtype: torch.dtype) -> An
     from mbridge import AutoBridge
     from transformers import AutoConfig
 
-    hf_config = AutoConfig.from_pretrained(str(hf_dir))
+    hf_config = AutoConfig.from_pretrained(str(hf_dir), trust_remote_code=False)
     if getattr(hf_config, "rope_theta", None) is None:
         hf_config.rope_theta = facts.rope_theta
     bridge = AutoBridge.from_config(hf_config, dtype=dtype)

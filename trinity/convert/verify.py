@@ -40,7 +40,7 @@ def hf_logits(hf_dir: str | Path, tokens: torch.Tensor, round_to: torch.dtype | 
     so that a bf16 conversion is compared with the same weights, not with rounding noise."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32, trust_remote_code=False)
     model.eval()
     if round_to is not None and round_to != torch.float32:
         with torch.no_grad():

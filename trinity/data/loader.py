@@ -213,15 +213,19 @@ def check_tokenizer_encodes(tokenizer: Any) -> None:
 def load_tokenizer(tokenizer: Any) -> Any:
     """A tokenizer object, loading it with AutoTokenizer when given a folder.
 
-    Refuses a folder without tokenizer files and a tokenizer that encodes text to nothing.
+    Refuses a folder without tokenizer files, one with its own tokenizer code (`auto_map`), and a
+    tokenizer that encodes text to nothing.
     """
     if isinstance(tokenizer, (str, Path)):
         from transformers import AutoTokenizer
 
+        from trinity.models.facts import refuse_custom_code
+
         check_tokenizer_folder(tokenizer)
+        refuse_custom_code(tokenizer)
         folder = tokenizer
         try:
-            tokenizer = AutoTokenizer.from_pretrained(str(folder))
+            tokenizer = AutoTokenizer.from_pretrained(str(folder), trust_remote_code=False)
         except (OSError, ValueError, KeyError, TypeError) as e:  # corrupt JSON is a ValueError
             first = str(e).strip().splitlines()[0] if str(e).strip() else ""
             raise UserError(

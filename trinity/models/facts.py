@@ -41,6 +41,31 @@ def supported_list() -> str:
     return ", ".join(sorted(SUPPORTED_ARCHITECTURES))
 
 
+# The files of a model or tokenizer folder whose top-level `auto_map` makes transformers import Python
+# files of the folder (and ask on a terminal whether to run them).
+CUSTOM_CODE_FILES = ("config.json", "tokenizer_config.json")
+
+
+def refuse_custom_code(folder: str | Path) -> None:
+    """UserError naming the file when `folder` carries its own modelling or tokenizer code (`auto_map`).
+
+    trinity never runs code from a model folder: every transformers load passes
+    trust_remote_code=False, and such a folder is refused here, where folders are first read, rather
+    than failing later inside transformers. A file that is not valid JSON is left to the readers that
+    name it as such."""
+    for name in CUSTOM_CODE_FILES:
+        path = Path(folder) / name
+        try:
+            raw = json.loads(path.read_text()) if path.is_file() else {}
+        except (OSError, ValueError):
+            continue
+        if isinstance(raw, dict) and "auto_map" in raw:
+            raise UserError(
+                f"{path} has auto_map (custom code); trinity never runs code from a model folder: "
+                "use a model whose architecture transformers ships"
+            )
+
+
 @dataclass(frozen=True)
 class ModelFacts:
     """The numbers trinity needs from an HF causal-LM config."""
@@ -88,6 +113,7 @@ class ModelFacts:
             raw = json.loads(cfg_path.read_text())
         except (OSError, json.JSONDecodeError) as exc:
             raise UserError(f"{cfg_path}: not valid JSON ({exc})") from None
+        refuse_custom_code(path)
         return cls.from_hf_dict(raw, source=str(cfg_path))
 
     @classmethod

@@ -86,10 +86,10 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
     src_dir, name = str(gguf_path.parent), gguf_path.name
-    tokenizer = AutoTokenizer.from_pretrained(src_dir, gguf_file=name)
-    loaded = AutoModelForCausalLM.from_pretrained(src_dir, gguf_file=name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(src_dir, gguf_file=name, trust_remote_code=False)
+    loaded = AutoModelForCausalLM.from_pretrained(src_dir, gguf_file=name, dtype=torch.float32, trust_remote_code=False)
     # save_pretrained refuses a model whose config names the GGUF quantisation: rebuild a plain model.
-    config = AutoConfig.from_pretrained(src_dir, gguf_file=name)
+    config = AutoConfig.from_pretrained(src_dir, gguf_file=name, trust_remote_code=False)
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     config.dtype = torch.float32
@@ -118,7 +118,7 @@ def check_chat_template(path: Path) -> None:
     """The saved tokenizer must render ChatML: the SFT data and `--chat` prompts go through it."""
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(path))
+    tok = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
     text = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
     if "<|im_start|>user\nhi<|im_end|>" not in text or not text.rstrip().endswith("<|im_start|>assistant"):
         raise UserError(f"{path}: the tokenizer's chat template does not render ChatML: {text!r}")

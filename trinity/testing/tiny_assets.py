@@ -126,7 +126,7 @@ def make_tiny_qwen2(
     import torch
     from transformers import AutoTokenizer, GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
-    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), trust_remote_code=False)
     im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     config = Qwen2Config(
         vocab_size=-(-len(tokenizer) // 64) * 64,  # rounded up so TP splits evenly

@@ -99,17 +99,17 @@ def save_rng(path: Path) -> None:
     torch.save(rng_state(), path)
 
 
-def load_rng(path: Path) -> bool:
-    """Restore this rank's RNG from `path`; False (RNG left as seeded) for a file that holds anything
-    beyond tensors and plain values, which is not unpickled: that could run code."""
-    import pickle
+def load_rng(path: Path) -> None:
+    """Restore this rank's RNG from `path`. A file that holds anything beyond tensors and plain values
+    is refused (one line naming it), never unpickled: that could run code."""
+    from trinity.convert.safe_pickle import load_tensor_dict
 
     try:
-        state = torch.load(path, weights_only=True)
-    except pickle.UnpicklingError:
-        return False
+        state = load_tensor_dict(path)
+    except (RuntimeError, EOFError, OSError, ValueError) as exc:  # a cut or garbled archive
+        raise UserError(f"{path}: corrupt or truncated RNG state file ({type(exc).__name__}: "
+                        f"{' '.join(str(exc).split())[:200]})") from None
     set_rng_state(state)
-    return True
 
 
 class CheckpointManager:

@@ -25,7 +25,7 @@ from trinity.config.rules.roles import (
 )
 from trinity.config.schema import JobConfig
 from trinity.errors import UserError
-from trinity.models.facts import ModelFacts
+from trinity.models.facts import ModelFacts, refuse_custom_code
 from trinity.models.hub import resolve_model_path
 
 # What other code may import from here: check_job, and the tables the rules decide with.
@@ -46,6 +46,7 @@ def check_job(cfg: JobConfig, *, check_paths: bool = True) -> tuple[ModelFacts |
     if cfg.model.tokenizer_path:
         try:
             cfg.model.tokenizer_path = resolve_model_path(cfg.model.tokenizer_path)
+            refuse_custom_code(cfg.model.tokenizer_path)
         except UserError as exc:
             problems.append(f"model.tokenizer_path: {exc}")
 

@@ -28,14 +28,13 @@ def load_weights(chunks: list[Any], source: WeightSource, facts: Any, *, value_h
 
 def load_backbone_from_dist_checkpoint(chunks: list[Any], ckpt_dir: str) -> None:
     """A critic from an LM dist checkpoint: every sharded tensor but the output layer."""
-    from megatron.core import dist_checkpointing
-
-    from trinity.convert.dist_ckpt import _flat_sharded, read_meta
+    from trinity.convert.dist_ckpt import _flat_sharded, check_readable, read_meta, read_sharded
 
     read_meta(ckpt_dir)
+    check_readable(ckpt_dir)
     flat, back = _flat_sharded(chunks)
     wanted = {k: v for k, v in flat.items() if not k.endswith("output_layer.weight")}
-    loaded = dist_checkpointing.load({"model": wanted}, str(ckpt_dir))["model"]
+    loaded = read_sharded({"model": wanted}, ckpt_dir)["model"]
     for chunk, local_to_key in zip(chunks, back):
         sd = {local: loaded[key] for local, key in local_to_key.items() if key in loaded}
         chunk.load_state_dict(sd, strict=False)
