@@ -439,6 +439,13 @@ def test_new_empty_and_trinity_folders_are_accepted(tmp_path):
     (legacy / "checkpoints" / "step_2").mkdir(parents=True)
     (legacy / "resolved_config.yaml").write_text("trainer: {}\n")
     check_ownership(legacy, force=False)
+    copied = tmp_path / "copied"  # a complete checkpoint copied in to resume from
+    (copied / "checkpoints" / "step_4").mkdir(parents=True)
+    (copied / "checkpoints" / "step_4" / "complete").write_text("{}")
+    check_ownership(copied, force=False)
+    (copied / "checkpoints" / "step_4" / "complete").unlink()  # an incomplete one says nothing
+    with pytest.raises(UserError, match=r"holds files no trinity run wrote \(checkpoints\)"):
+        check_ownership(copied, force=False)
     starting = tmp_path / "starting"  # a run that holds the lock, before its marker
     starting.mkdir()
     (starting / ".trinity.lock").write_text("{}")

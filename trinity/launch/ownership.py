@@ -3,10 +3,10 @@ that no trinity run wrote (a home folder, a data folder, another tool's results)
 `trinity run --force`.
 
 A trinity run's folder is told by the run marker (RUN_MARKER) that every run writes first, once it
-holds the folder's lock; by a lock file (a run starting there now, trinity.launch.lock); or by
-`resolved_config.yaml`, which runs of versions without the marker wrote first. A finished or
-interrupted run's folder therefore stays accepted, and `trainer.resume: auto` goes on from its
-checkpoints.
+holds the folder's lock; by a lock file (a run starting there now, trinity.launch.lock); by
+`resolved_config.yaml`, which runs of versions without the marker wrote first; or by complete trinity
+checkpoints under `checkpoints/` (copied there to resume from). A finished or interrupted run's
+folder therefore stays accepted, and `trainer.resume: auto` goes on from its checkpoints.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 from trinity import __version__
 from trinity.errors import UserError
 from trinity.launch.lock import LOCK_FILE
-from trinity.trainer.resume import CONFIG_FILE
+from trinity.trainer.resume import CONFIG_FILE, complete_checkpoints
 
 # Not hidden: a multi-node job's check for leftover temporary files (names starting with ".") must
 # not see it, and a user listing the folder should.
@@ -27,10 +27,11 @@ RUN_MARKER = "trinity_run.json"
 
 
 def is_trinity_folder(out: Path) -> bool:
-    """Whether `out` holds a trinity run's marker, lock file or resolved config (see the module doc)."""
+    """Whether `out` holds a trinity run's marker, lock file, resolved config or complete checkpoints
+    (see the module doc)."""
     if (out / RUN_MARKER).is_file() or (out / CONFIG_FILE).is_file():
         return True
-    return any(out.glob(LOCK_FILE + "*"))
+    return any(out.glob(LOCK_FILE + "*")) or bool(complete_checkpoints(out / "checkpoints"))
 
 
 def foreign_entries(out: Path) -> list[str]:
