@@ -84,6 +84,9 @@ def test_binary_training_file_is_refused_at_validate_naming_file_and_line(small_
     assert code == 2 and "Traceback" not in out
     [line] = _problem_lines(out)
     assert line.startswith(f"data.train_files.0: {bad}:2: not UTF-8 text (byte 0x80 at column 128);"), line
+    small_job["data"].update(train_files=[str(FIXTURES / "data" / "sft.jsonl")], val_files=[str(bad)])
+    code, out = _guarded(lambda: commands.validate(write_job(small_job), []), capsys)
+    assert code == 2 and _problem_lines(out) == [line.replace("data.train_files.0", "data.val_files.0")]
 
 
 @pytest.mark.parametrize("suffix", [".jsonl", ".json"])

@@ -44,7 +44,7 @@ def check_vocabulary(cfg: JobConfig, facts: ModelFacts, problems: list[str]) -> 
         )
 
 
-def _check_text(key: str, path: str, problems: list[str]) -> None:
+def check_text_file(key: str, path: str, problems: list[str]) -> None:
     """A binary file under a text name (.jsonl, .json, .txt), found from its start before any process."""
     from trinity.data.readers import sniff_text
 
@@ -89,7 +89,7 @@ def check_data(cfg: JobConfig, problems: list[str], check_paths: bool) -> None:
         elif check_paths and not Path(f).is_file():
             problems.append(f"data.train_files.{i}: {f} does not exist")
         elif check_paths and not f.endswith(".parquet"):
-            _check_text(f"data.train_files.{i}", f, problems)
+            check_text_file(f"data.train_files.{i}", f, problems)
     tok = cfg.model.tokenizer_path
     if tok and check_paths and not Path(tok).is_dir():
         what = "is a file, not a folder" if Path(tok).is_file() else "does not exist"
