@@ -326,7 +326,7 @@ def test_config_naming_a_folder_says_so(tmp_path, capsys):
     (tmp_path / "sft.yaml").write_text("model: {}\n")
     code, out = _guarded(lambda: commands.validate(tmp_path, []), capsys)
     assert code == 2
-    assert out.strip() == f"error: {tmp_path}: is a folder, not a config file; pass the job's YAML file (it holds sft.yaml)"
+    assert out.strip() == f"error: --config: {tmp_path} is a folder, not a config file; pass the job's YAML file (it holds sft.yaml)"
 
 
 def test_override_errors_blame_the_override(small_job, write_job):

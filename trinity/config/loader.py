@@ -58,6 +58,10 @@ class _StrictLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
+# A job config nests a few levels (section, role, megatron, ...); far deeper is a broken file.
+MAX_DEPTH = 64
+
+
 class TooDeepError(yaml.YAMLError):
     """Mappings and lists nested deeper than any job config: PyYAML's composer would recurse until
     Python's recursion limit and fail without naming the file."""
@@ -65,10 +69,6 @@ class TooDeepError(yaml.YAMLError):
     def __init__(self, line: int):
         super().__init__(f"mappings and lists nest more than {MAX_DEPTH} levels deep")
         self.line = line
-
-
-# A job config nests a few levels (section, role, megatron, ...); far deeper is a broken file.
-MAX_DEPTH = 64
 
 
 def _check_depth(text: str) -> None:
@@ -94,7 +94,7 @@ def read_yaml(path: str | Path) -> tuple[dict[str, Any], dict[str, int]]:
     """Parse a YAML job file; return the mapping and a `dotted.path -> line` index."""
     p = Path(path)
     if p.is_dir():
-        raise UserError(f"{p}: is a folder, not a config file; pass the job's YAML file{_yaml_files_in(p)}")
+        raise UserError(f"--config: {p} is a folder, not a config file; pass the job's YAML file{_yaml_files_in(p)}")
     if not p.is_file():
         raise UserError(f"{p}: config file not found")
     try:
