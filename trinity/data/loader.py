@@ -198,7 +198,7 @@ def tokenizer_size(folder: str | Path) -> int | None:
         spec = _read_json_file(p / "tokenizer.json")
         model = spec.get("model")
         ids += _vocab_ids(model.get("vocab") if isinstance(model, dict) else None)
-        ids += [t.get("id") for t in spec.get("added_tokens") or [] if isinstance(t, dict)]
+        ids += [t["id"] for t in spec.get("added_tokens") or [] if isinstance(t, dict) and isinstance(t.get("id"), int)]
     elif (p / "vocab.json").is_file():
         ids += _vocab_ids(_read_json_file(p / "vocab.json"))
     if not ids:
@@ -206,7 +206,7 @@ def tokenizer_size(folder: str | Path) -> int | None:
     added = _read_json_file(p / "tokenizer_config.json").get("added_tokens_decoder") or {}
     ids += [int(k) for k in added if str(k).isdigit()]
     ids += [v for v in _read_json_file(p / "added_tokens.json").values() if isinstance(v, int)]
-    return max(i for i in ids if isinstance(i, int)) + 1
+    return max(ids) + 1
 
 
 def _vocab_ids(vocab: Any) -> list[int]:
