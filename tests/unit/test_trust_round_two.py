@@ -235,6 +235,18 @@ def test_run_on_a_full_disk_fails_in_conversion_with_one_line(tiny_model, tmp_pa
     assert line.endswith("; free space on that disk or write to a folder on another one"), line
 
 
+def test_convert_onto_a_full_disk_is_one_line(tiny_model, tmp_path):
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    proc = _unshare_sh(f"mount -t tmpfs -o size=16k none {disk} && exec {sys.executable} -m trinity.cli.main convert "
+                       f"hf-to-mcore --hf-path {tiny_model} --output {disk / 'out'}")
+    _skip_unless_mounted(proc)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr and "internal error" not in proc.stderr
+    [line] = [x for x in proc.stderr.splitlines() if x.startswith("error")]
+    assert line.startswith("error: ENOSPC: no space left on device: ") and str(disk) in line, line
+
+
 # --- 3: a read-only output folder ----------------------------------------------------------------
 
 

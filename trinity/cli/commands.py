@@ -183,8 +183,11 @@ def convert_hf_to_mcore(hf_path: Path, output: Path, *, debug: bool = False, **k
     quiet.install(debug)  # before megatron-core is imported
     from trinity.convert.api import hf_to_mcore
 
+    from trinity.launch.failures import disk_errors
+
     _require_dir(hf_path, "--hf-path")
-    report = hf_to_mcore(str(hf_path), str(output), **kwargs)
+    with disk_errors(output):
+        report = hf_to_mcore(str(hf_path), str(output), **kwargs)
     print(report)
     return 0
 
@@ -195,8 +198,11 @@ def convert_mcore_to_hf(mcore_path: Path, output: Path, *, debug: bool = False, 
     quiet.install(debug)  # before megatron-core is imported
     from trinity.convert.api import mcore_to_hf
 
+    from trinity.launch.failures import disk_errors
+
     _require_dir(mcore_path, "--mcore-path")
-    report = mcore_to_hf(str(mcore_path), str(output), **kwargs)
+    with disk_errors(output):
+        report = mcore_to_hf(str(mcore_path), str(output), **kwargs)
     print(report)
     return 0
 
