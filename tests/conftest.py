@@ -153,7 +153,10 @@ def seed_conversion(cfg: dict) -> Path | None:
     stored = Path(os.environ[CONVERSIONS_ENV]) / key
     cache = Path(cfg["trainer"]["output_dir"]) / "mcore_cache"
     if (stored / "ckpt" / "trinity_meta.json").is_file() and not cache.exists():
+        from trinity.launch.ownership import mark_run
+
         shutil.copytree(stored / "ckpt", cache / (stored / "name").read_text())
+        mark_run(cache.parent)  # as the earlier run in this folder that converted would have
     return stored
 
 

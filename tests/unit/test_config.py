@@ -53,7 +53,7 @@ def test_precedence_defaults_yaml_overrides(write_job, small_job):
 
 def test_bad_override_syntax(write_job, small_job):
     assert problems_of(write_job(small_job), ["trainer.total_steps"]) == [
-        "trainer.total_steps: an override must look like dotted.key=value"
+        "override 'trainer.total_steps': must look like dotted.key=value"
     ]
 
 

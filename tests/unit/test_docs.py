@@ -69,7 +69,7 @@ def error_messages() -> list[tuple[str, str]]:
 def test_extraction_finds_the_known_messages():
     texts = [text for _, text in error_messages()]
     assert len(texts) > 100
-    assert ": an override must look like dotted.key=value" in texts
+    assert ": must look like dotted.key=value" in texts
     assert "data.train_files: no training files given" in texts
     assert "data.train_files: SFT needs at least one training file" in texts
 

@@ -40,9 +40,14 @@ def schema() -> str:
     return json.dumps(JobConfig.model_json_schema(), indent=2)
 
 
-def run(config: Path, overrides: list[str], *, dry_run: bool = False, debug: bool = False) -> int:
+def run(config: Path, overrides: list[str], *, dry_run: bool = False, debug: bool = False, force: bool = False) -> int:
+    """`force`: write into an output folder that holds files no trinity run wrote (trinity.launch.ownership)."""
+    import time
+
     from trinity.launch import quiet
+    from trinity.launch.failures import disk_errors, job_failure_line
     from trinity.launch.lock import acquire, lock_name, prepare_output_dir
+    from trinity.launch.ownership import check_ownership, mark_run
     from trinity.launch.torchrun import launch_command, preflight, supervise, worker_env
 
     quiet.install(debug)  # before anything imports megatron-core (weight conversion below)
@@ -50,6 +55,7 @@ def run(config: Path, overrides: list[str], *, dry_run: bool = False, debug: boo
     cfg = loaded.config
     print(render_plan(build_plan(cfg, loaded.facts, loaded.warnings)))
     out = Path(cfg.trainer.output_dir)
+    check_ownership(out, force=force)
     resolved = out / "resolved_config.yaml"
     cmd = launch_command(cfg, resolved)
     if dry_run:
@@ -62,10 +68,13 @@ def run(config: Path, overrides: list[str], *, dry_run: bool = False, debug: boo
     prepare_output_dir(out)
     name = lock_name(cfg.cluster)
     lock = acquire(out, name) if name else None
+    started = time.time()
     try:
-        prepare_weights(loaded, out)
-        before = _run_record(out)
-        write_resolved(cfg, resolved)
+        with disk_errors(out):
+            mark_run(out)
+            prepare_weights(loaded, out)
+            before = _run_record(out)
+            write_resolved(cfg, resolved)
         print("command: " + shlex.join(cmd), flush=True)
         stopped: dict[str, int | None] = {}
         code = supervise(cmd, env=worker_env(os.environ, sys.stdout, debug=debug), debug=debug,
@@ -83,7 +92,7 @@ def run(config: Path, overrides: list[str], *, dry_run: bool = False, debug: boo
         except OSError:  # SIGHUP: the terminal is gone, and with it the reader of this line
             pass
     elif code != 0:
-        print(f"job failed with exit code {code}; every rank's log is under {out / 'logs'}")
+        print(job_failure_line(out, code, since=started), flush=True)
     return code
 
 
@@ -174,8 +183,11 @@ def convert_hf_to_mcore(hf_path: Path, output: Path, *, debug: bool = False, **k
     quiet.install(debug)  # before megatron-core is imported
     from trinity.convert.api import hf_to_mcore
 
+    from trinity.launch.failures import disk_errors
+
     _require_dir(hf_path, "--hf-path")
-    report = hf_to_mcore(str(hf_path), str(output), **kwargs)
+    with disk_errors(output):
+        report = hf_to_mcore(str(hf_path), str(output), **kwargs)
     print(report)
     return 0
 
@@ -186,8 +198,11 @@ def convert_mcore_to_hf(mcore_path: Path, output: Path, *, debug: bool = False, 
     quiet.install(debug)  # before megatron-core is imported
     from trinity.convert.api import mcore_to_hf
 
+    from trinity.launch.failures import disk_errors
+
     _require_dir(mcore_path, "--mcore-path")
-    report = mcore_to_hf(str(mcore_path), str(output), **kwargs)
+    with disk_errors(output):
+        report = mcore_to_hf(str(mcore_path), str(output), **kwargs)
     print(report)
     return 0
 

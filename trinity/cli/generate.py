@@ -94,6 +94,37 @@ def _device(device: str) -> str:
     return device
 
 
+TRUNCATE_SIDES = ("left", "right")  # left drops the prompt's start (keeps its end), right its end
+
+
+def fit_prompts(
+    ids: Sequence[list[int]], *, context: int, max_new_tokens: int, truncate: str | None, source: str
+) -> list[list[int]]:
+    """The prompts' token ids, each leaving room for `max_new_tokens` in the model's `context`
+    (max_position_embeddings, from `source`): past it the positions were never trained, so the model
+    decodes noise, slowly. A longer prompt is refused, or cut from the `truncate` side."""
+    room = context - max_new_tokens
+    if room < 1:
+        raise UserError(
+            f"--max-new-tokens: {max_new_tokens} new tokens leave no room for a prompt in the model's context of "
+            f"{context} tokens (max_position_embeddings in {source}); lower it below {context}"
+        )
+    fitted = []
+    for n, p in enumerate(ids, start=1):
+        if len(p) <= room:
+            fitted.append(list(p))
+        elif truncate is None:
+            raise UserError(
+                f"--prompt: prompt {n} is {len(p)} tokens, but the model's context is {context} tokens "
+                f"(max_position_embeddings in {source}) and --max-new-tokens {max_new_tokens} leaves {room} for the "
+                "prompt; shorten it, lower --max-new-tokens, or pass --truncate-prompt left (keep its end) or right "
+                "(keep its start)"
+            )
+        else:
+            fitted.append(list(p[-room:] if truncate == "left" else p[:room]))
+    return fitted
+
+
 def generate_answers(
     model: Path,
     prompts: Sequence[str],
@@ -104,12 +135,16 @@ def generate_answers(
     top_p: float = 1.0,
     seed: int = 0,
     device: str = "auto",
+    truncate_prompt: str | None = None,
 ) -> list[str]:
     """One answer per prompt (the decoded response without its EOS). `chat=True` renders each prompt as
     one user turn with the tokenizer's chat template (as the RL data does); otherwise the text is the
-    prompt as is. temperature 0 is greedy."""
+    prompt as is. temperature 0 is greedy. A prompt that does not fit the model's context with
+    `max_new_tokens` is refused, or cut from the `truncate_prompt` side (`fit_prompts`)."""
     if not prompts:
         raise UserError("--prompt: give at least one prompt")
+    if truncate_prompt is not None and truncate_prompt not in TRUNCATE_SIDES:
+        raise UserError(f"--truncate-prompt: {truncate_prompt!r} is not one of {', '.join(TRUNCATE_SIDES)}")
     if max_new_tokens < 1:
         raise UserError(f"--max-new-tokens: must be at least 1, got {max_new_tokens}")
     if temperature < 0:
@@ -140,6 +175,8 @@ def generate_answers(
     if any(not p for p in ids):
         raise UserError("--prompt: a prompt encodes to no tokens; give some text")
     facts = ModelFacts.from_hf_dir(source.hf_dir)
+    ids = fit_prompts(ids, context=facts.max_position_embeddings, max_new_tokens=max_new_tokens,
+                      truncate=truncate_prompt, source=facts.source)
     # megatron-core computes in fp32 on CPU; bf16 is what the GPU rollout runs in.
     dtype = torch.float32 if dev == "cpu" else torch.bfloat16
     megatron = MegatronConfig()
@@ -194,6 +231,7 @@ def run(
     json_out: bool = False,
     debug: bool = False,
     out: TextIO | None = None,
+    truncate_prompt: str | None = None,
 ) -> int:
     """The command: prints each prompt's answer (or one JSON line per prompt with --json)."""
     from trinity.launch import quiet
@@ -201,7 +239,7 @@ def run(
     quiet.install(debug)  # before megatron-core is imported: its known harmless warnings stay hidden
     stream = out or sys.stdout
     answers = generate_answers(model, prompts, chat=chat, max_new_tokens=max_new_tokens, temperature=temperature,
-                               top_p=top_p, seed=seed, device=device)
+                               top_p=top_p, seed=seed, device=device, truncate_prompt=truncate_prompt)
     for i, (prompt, answer) in enumerate(zip(prompts, answers)):
         if json_out:
             print(json.dumps({"prompt": prompt, "answer": answer}), file=stream)

@@ -67,12 +67,13 @@ def run(
     config: Path = ConfigOpt,
     overrides: Optional[list[str]] = OverridesArg,
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan and the torchrun command, start nothing."),
+    force: bool = typer.Option(False, "--force", help="Write into a trainer.output_dir that holds files no trinity run wrote."),
     debug: bool = DebugOpt,
 ) -> None:
     """Validate, convert weights if needed, and launch the job with torchrun."""
     from trinity.cli import commands
 
-    _guard(lambda: commands.run(config, overrides or [], dry_run=dry_run, debug=debug), debug)
+    _guard(lambda: commands.run(config, overrides or [], dry_run=dry_run, debug=debug, force=force), debug)
 
 
 @app.command()
@@ -105,13 +106,18 @@ def generate(
     seed: int = typer.Option(0, "--seed", help="Seed of the sampling generator."),
     device: str = typer.Option("auto", "--device", help="auto, cpu or cuda."),
     json_out: bool = typer.Option(False, "--json", help="One JSON line {prompt, answer} per prompt."),
+    truncate_prompt: Optional[str] = typer.Option(
+        None, "--truncate-prompt", show_default=False,
+        help="left (keep the end) or right (keep the start): cut a prompt too long for the model's context "
+             "with --max-new-tokens, instead of refusing it."),
     debug: bool = DebugOpt,
 ) -> None:
     """Answer prompts with a model (before or after training), with the rollout's generation engine."""
     from trinity.cli import generate as gen
 
     _guard(lambda: gen.run(model, prompt, chat=chat, max_new_tokens=max_new_tokens, temperature=temperature,
-                           top_p=top_p, seed=seed, device=device, json_out=json_out, debug=debug), debug)
+                           top_p=top_p, seed=seed, device=device, json_out=json_out, debug=debug,
+                           truncate_prompt=truncate_prompt), debug)
 
 
 @convert_app.command("hf-to-mcore")

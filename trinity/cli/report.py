@@ -29,9 +29,18 @@ def run_guarded(fn: Callable[[], int | None], debug: bool) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-    except Exception as exc:  # a bug: never hide it, but keep the default output short
-        if debug:
+    except BaseException as exc:  # torch's CheckpointException (a full disk under it) is a BaseException
+        from trinity.launch.failures import disk_error, disk_error_message
+
+        err = disk_error(exc)
+        if err is not None:  # a full or read-only disk: the user's to fix, one line naming the file
+            if debug:
+                raise
+            print(f"error: {disk_error_message(err)}", file=sys.stderr)
+            return UserError.exit_code
+        if debug or isinstance(exc, (SystemExit, GeneratorExit)):
             raise
+        # a bug: never hide it, but keep the default output short
         message = " ".join(str(exc).split())  # one line even when the exception's text has several
         print(
             f"internal error: {type(exc).__name__}: {message} (re-run with --debug for the traceback)",

@@ -58,14 +58,43 @@ class _StrictLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
+# A job config nests a few levels (section, role, megatron, ...); far deeper is a broken file.
+MAX_DEPTH = 64
+
+
+class TooDeepError(yaml.YAMLError):
+    """Mappings and lists nested deeper than any job config: PyYAML's composer would recurse until
+    Python's recursion limit and fail without naming the file."""
+
+    def __init__(self, line: int):
+        super().__init__(f"mappings and lists nest more than {MAX_DEPTH} levels deep")
+        self.line = line
+
+
+def _check_depth(text: str) -> None:
+    """TooDeepError at the first collection nested deeper than MAX_DEPTH, found from the parser's
+    event stream, which (unlike the composer) does not recurse."""
+    depth = 0
+    for event in yaml.parse(text, Loader=_StrictLoader):
+        if isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
+            depth += 1
+            if depth > MAX_DEPTH:
+                raise TooDeepError(event.start_mark.line + 1)
+        elif isinstance(event, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):
+            depth -= 1
+
+
 def parse_yaml(text: str) -> Any:
-    """yaml.safe_load that refuses duplicate keys (DuplicateKeyError)."""
+    """yaml.safe_load that refuses duplicate keys (DuplicateKeyError) and absurd nesting (TooDeepError)."""
+    _check_depth(text)
     return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
 
 
 def read_yaml(path: str | Path) -> tuple[dict[str, Any], dict[str, int]]:
     """Parse a YAML job file; return the mapping and a `dotted.path -> line` index."""
     p = Path(path)
+    if p.is_dir():
+        raise UserError(f"--config: {p} is a folder, not a config file; pass the job's YAML file{_yaml_files_in(p)}")
     if not p.is_file():
         raise UserError(f"{p}: config file not found")
     try:
@@ -87,18 +116,32 @@ def read_yaml(path: str | Path) -> tuple[dict[str, Any], dict[str, int]]:
             f"{p}:{exc.second_line}: key {exc.key!r} appears twice in one mapping (lines {exc.first_line} and "
             f"{exc.second_line}); keep one"
         ) from None
+    except TooDeepError as exc:
+        raise UserError(f"{p}:{exc.line}: {exc}; a job config is a few levels deep: look for unclosed brackets") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"{p}:{mark.line + 1}:{mark.column + 1}" if mark else str(p)
         problem = getattr(exc, "problem", None) or str(exc)
         raise UserError(f"{where}: YAML syntax error: {problem}") from None
     if data is None:
-        data = {}
+        raise UserError(f"{p}: the config file is empty; write the job's sections (model:, data:, trainer:, ...), "
+                        "e.g. starting from configs/quickstart.yaml")
     if not isinstance(data, dict):
         raise UserError(f"{p}: the top level must be a mapping of sections (algorithm:, model:, ...)")
     lines: dict[str, int] = {}
     _index_lines(node, "", lines)
     return data, lines
+
+
+def _yaml_files_in(folder: Path) -> str:
+    """` (it holds a.yaml, b.yaml)` naming a few of the YAML files in `folder`, or nothing."""
+    try:
+        names = sorted(f.name for f in folder.iterdir() if f.suffix in (".yaml", ".yml"))
+    except OSError:
+        return ""
+    if not names:
+        return ""
+    return f" (it holds {', '.join(names[:3])}{', ...' if len(names) > 3 else ''})"
 
 
 def _index_lines(node: Any, prefix: str, out: dict[str, int]) -> None:
@@ -120,12 +163,15 @@ def apply_overrides(data: dict[str, Any], overrides: list[str], origins: dict[st
         key, sep, raw = item.partition("=")
         key = key.strip()
         if not sep or not key or any(not part for part in key.split(".")):
-            problems.append(f"{item}: an override must look like dotted.key=value")
+            problems.append(f"override {item!r}: must look like dotted.key=value")
             continue
         try:
             value = parse_yaml(raw) if raw.strip() else None
         except DuplicateKeyError as exc:
             problems.append(f"{key}: {exc}; keep one (<override {n}>: {item})")
+            continue
+        except TooDeepError as exc:
+            problems.append(f"override {item!r}: {exc}; give a plain value")
             continue
         except yaml.YAMLError:
             value = raw
@@ -143,11 +189,16 @@ def apply_overrides(data: dict[str, Any], overrides: list[str], origins: dict[st
 
 
 def _override_of(path: str, origins: dict[str, int]) -> int | None:
-    """The override that set `path` or one of its parents (the last one wins, as when applied)."""
+    """The override that set `path`, one of its parents (the last one wins, as when applied) or,
+    failing those, a key under it: `a.b.c=1` turns a scalar `a.b` of the YAML into a mapping, and the
+    problem with `a.b` is then the override's, not the YAML line's."""
     found = None
     for key, n in origins.items():
         if path == key or path.startswith(key + "."):
             found = n if found is None else max(found, n)
+    if found is None:
+        under = [n for key, n in origins.items() if key.startswith(path + ".")]
+        found = max(under) if under else None
     return found
 
 

@@ -187,6 +187,49 @@ def missing_tokenizer_files(folder: str | Path) -> str | None:
     return f"tokenizer files ({TOKENIZER_FILES_HINT})"
 
 
+def tokenizer_size(folder: str | Path) -> int | None:
+    """How many token ids the tokenizer in `folder` can produce (its largest id + 1, added tokens
+    included), read from its JSON files without transformers, for `trinity validate`; None when the
+    folder's vocabulary is not in JSON (a sentencepiece tokenizer.model) or cannot be read (its
+    loader says why)."""
+    p = Path(folder)
+    ids: list[int] = []
+    if (p / "tokenizer.json").is_file():
+        spec = _read_json_file(p / "tokenizer.json")
+        model = spec.get("model")
+        ids += _vocab_ids(model.get("vocab") if isinstance(model, dict) else None)
+        ids += [t["id"] for t in spec.get("added_tokens") or [] if isinstance(t, dict) and isinstance(t.get("id"), int)]
+    elif (p / "vocab.json").is_file():
+        ids += _vocab_ids(_read_json_file(p / "vocab.json"))
+    if not ids:
+        return None
+    added = _read_json_file(p / "tokenizer_config.json").get("added_tokens_decoder") or {}
+    ids += [int(k) for k in added if str(k).isdigit()]
+    ids += [v for v in _read_json_file(p / "added_tokens.json").values() if isinstance(v, int)]
+    return max(ids) + 1
+
+
+def _vocab_ids(vocab: Any) -> list[int]:
+    """Token ids of a `tokenizers` vocabulary: {token: id} (BPE, WordPiece) or [[piece, score], ...]
+    (Unigram, ids by position)."""
+    if isinstance(vocab, dict):
+        return [v for v in vocab.values() if isinstance(v, int)]
+    if isinstance(vocab, list):
+        return [len(vocab) - 1] if vocab else []
+    return []
+
+
+def _read_json_file(path: Path) -> dict[str, Any]:
+    """The JSON object in `path`; {} when it is missing or not a readable object."""
+    import json
+
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
 def check_tokenizer_folder(folder: str | Path) -> None:
     """UserError naming `folder` and the files it lacks, before AutoTokenizer would load an empty tokenizer."""
     if not Path(folder).is_dir():

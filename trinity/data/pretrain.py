@@ -35,6 +35,7 @@ trinity.data.loader.RowSampler, whose (epoch, position) state makes resume exact
 from __future__ import annotations
 
 import enum
+import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -89,8 +90,18 @@ def source_problems(files: Sequence[str], weights: Sequence[float] | None, *, ch
                     f"data.train_files.{i}: {f} is not a readable file or a Megatron indexed dataset ({what}); "
                     "give a .jsonl/.json/.parquet/.txt file or the prefix of a .bin + .idx pair"
                 )
+            elif check_paths:
+                problem = indexed_size_problem(f)
+                if problem:
+                    problems.append(f"data.train_files.{i}: {problem}")
         elif check_paths and not Path(f).exists():
             problems.append(f"data.train_files.{i}: {f} does not exist")
+        elif check_paths and Path(f).is_file() and Path(f).suffix != ".parquet":
+            from trinity.data.readers import sniff_text
+
+            problem = sniff_text(Path(f))
+            if problem:
+                problems.append(f"data.train_files.{i}: {problem}")
     if weights is not None:
         if len(weights) != len(files):
             problems.append(
@@ -99,6 +110,45 @@ def source_problems(files: Sequence[str], weights: Sequence[float] | None, *, ch
         if any(w < 0 for w in weights) or not sum(weights) > 0:
             problems.append("data.train_weights: weights must be >= 0 with a positive sum")
     return problems
+
+
+# Megatron-LM's .idx layout (megatron.core.datasets.indexed_dataset._IndexWriter): a 9-byte magic,
+# version <Q, dtype code <B, sequence count <Q, document count <Q, then int32 sequence lengths and
+# int64 sequence pointers (byte offsets into the .bin).
+_IDX_MAGIC = b"MMIDIDX\x00\x00"
+_IDX_HEAD = struct.Struct("<9sQBQQ")
+_IDX_ITEM_SIZES = {1: 1, 2: 1, 3: 2, 4: 4, 5: 8, 6: 8, 7: 4, 8: 2}  # megatron's DType code -> bytes per token
+
+
+def indexed_size_problem(prefix: str) -> str | None:
+    """Why `<prefix>.bin` cannot hold what `<prefix>.idx` indexes (a copy cut short: megatron-core would
+    fail on it minutes into the job, or read past its end), from the index's header and last entry: a
+    few bytes read, whatever the dataset's size. None when the sizes agree; a header megatron cannot
+    read is left to its reader's own message."""
+    idx, bin_ = Path(prefix + ".idx"), Path(prefix + ".bin")
+    try:
+        with idx.open("rb") as f:
+            head = f.read(_IDX_HEAD.size)
+            if len(head) < _IDX_HEAD.size:
+                return f"{idx} is truncated: {len(head)} bytes, shorter than the index header; preprocess the dataset again"
+            magic, _version, code, sequences, _documents = _IDX_HEAD.unpack(head)
+            if magic != _IDX_MAGIC or code not in _IDX_ITEM_SIZES or sequences == 0:
+                return None
+            f.seek(_IDX_HEAD.size + 4 * (sequences - 1))
+            last_length = np.frombuffer(f.read(4), dtype="<i4")
+            f.seek(_IDX_HEAD.size + 4 * sequences + 8 * (sequences - 1))
+            last_pointer = np.frombuffer(f.read(8), dtype="<i8")
+        actual = bin_.stat().st_size
+    except OSError as exc:
+        return f"{prefix}: cannot read the indexed dataset: {exc.strerror} ({exc.filename})"
+    if len(last_length) < 1 or len(last_pointer) < 1:
+        return (f"{idx} is truncated: it lists {sequences} sequences but ends before their offsets; "
+                "copy it again or preprocess the dataset again")
+    expected = int(last_pointer[0]) + int(last_length[0]) * _IDX_ITEM_SIZES[code]
+    if actual < expected:
+        return (f"{bin_} is truncated: its index {idx} needs {expected} bytes, the file has {actual}; copy it "
+                "again (a transfer cut short?) or preprocess the dataset again")
+    return None
 
 
 # ---------------------------------------------------------------------------------------------- sources
@@ -139,7 +189,9 @@ def _stream(docs: Sequence[Sequence[int]], eos: int) -> tuple[np.ndarray, np.nda
 
 def _text_documents(path: str, kind: SourceKind, text_key: str) -> tuple[list[str], int]:
     if kind is SourceKind.text:
-        text = Path(path).read_text(encoding="utf-8")
+        from trinity.data.readers import read_text
+
+        text = read_text(Path(path))
         return ([text] if text else []), (0 if text else 1)
     from trinity.data.readers import read_records
 
@@ -163,6 +215,9 @@ def read_indexed(path: str, eos: int, vocab_size: int | None) -> Source:
     """
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
+    problem = indexed_size_problem(path)  # megatron maps a short .bin without a word
+    if problem:
+        raise UserError(problem)
     try:
         ds = IndexedDataset(path)
     except (AssertionError, ValueError, OSError) as exc:  # megatron asserts on a bad header / version

@@ -128,9 +128,65 @@ def _line_of(text: str, pos: int) -> int:
     return text.count("\n", 0, pos) + 1
 
 
+def not_utf8(path: Path, raw: bytes, exc: UnicodeDecodeError, first_line: int = 1) -> UserError:
+    """The one line for bytes of `path` that are not UTF-8 (a binary file, or text saved in another
+    encoding): the file, the line (`raw` starts at `first_line`), the byte and the fix."""
+    newline = b"\n"
+    line = first_line + raw.count(newline, 0, exc.start)
+    column = exc.start - raw.rfind(newline, 0, exc.start)
+    return UserError(
+        f"{path}:{line}: not UTF-8 text (byte 0x{raw[exc.start]:02x} at column {column}); the file is binary "
+        "or in another encoding: save it as UTF-8 text (e.g. iconv -f latin1 -t utf-8)"
+    )
+
+
+def read_bytes(path: Path) -> bytes:
+    """The whole of `path`; an unreadable file (permissions, a folder) is one line naming it."""
+    try:
+        return path.read_bytes()
+    except OSError as exc:
+        raise UserError(f"{path}: cannot read the file: {exc.strerror}") from None
+
+
+def read_text(path: Path) -> str:
+    """The whole of `path` as UTF-8 text, or one line naming the file and line that is not UTF-8."""
+    raw = read_bytes(path)
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise not_utf8(path, raw, exc) from None
+
+
+# How much of a text data file `trinity validate` reads to tell text from a binary file.
+SNIFF_BYTES = 1 << 16
+
+
+def sniff_text(path: Path) -> str | None:
+    """Why `path` is not a UTF-8 text file, judged on its first SNIFF_BYTES (a binary file saved
+    under a .jsonl name fails there); None when that start is text or the file cannot be opened (its
+    reader says why). Instant whatever the file's size, for `trinity validate`."""
+    try:
+        with path.open("rb") as f:
+            head = f.read(SNIFF_BYTES + 1)
+    except OSError:
+        return None
+    cut = len(head) > SNIFF_BYTES
+    head = head[:SNIFF_BYTES]
+    try:
+        text = head.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        if not (cut and exc.reason == "unexpected end of data"):  # a character cut by the sniff's end is fine
+            return str(not_utf8(path, head, exc))
+        text = head[: exc.start].decode("utf-8")
+    nul = text.find("\0")
+    if nul >= 0:
+        return f"{path}:{_line_of(text, nul)}: not text (a NUL byte); the file is binary: give a UTF-8 text file"
+    return None
+
+
 def _read_json(path: Path) -> Iterator[Record]:
     """A JSON array of objects; a file whose first value is an object is read as JSON Lines."""
-    text = path.read_text(encoding="utf-8")
+    text = read_text(path)
     start = len(text) - len(text.lstrip())
     if text[start:start + 1] != "[":
         yield from _read_jsonl(path)
@@ -182,7 +238,7 @@ def _read_hf_dataset(path: Path) -> Iterator[Record]:
     try:
         data = datasets.load_from_disk(str(path))
     except Exception as e:  # datasets raises several types for a damaged folder
-        raise UserError(f"{path}: not a readable datasets folder ({type(e).__name__}: {e})") from None
+        raise UserError(f"{path}: not a readable datasets folder ({type(e).__name__}: {_one_line(e)})") from None
     if isinstance(data, datasets.DatasetDict):
         if "train" not in data:
             raise UserError(
@@ -194,9 +250,22 @@ def _read_hf_dataset(path: Path) -> Iterator[Record]:
         yield Record(path, i, dict(row))
 
 
+def _one_line(exc: BaseException) -> str:
+    """A third-party exception's text on one line (pyarrow's span several)."""
+    return " ".join(str(exc).split())
+
+
 def _read_jsonl(path: Path) -> Iterator[Record]:
-    with path.open("r", encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
+    try:
+        f = path.open("rb")
+    except OSError as exc:
+        raise UserError(f"{path}: cannot read the file: {exc.strerror}") from None
+    with f:
+        for line_no, raw in enumerate(f, start=1):
+            try:  # line by line: a multi-gigabyte file is never held whole
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise not_utf8(path, raw, exc, first_line=line_no) from None
             if not line.strip():
                 continue  # blank lines (often a trailing newline) are not samples
             try:
@@ -219,7 +288,7 @@ def _read_parquet(path: Path) -> Iterator[Record]:
     try:
         table = pq.read_table(path)
     except Exception as e:  # pyarrow raises several unrelated types for corrupt files
-        raise UserError(f"{path}: not a readable parquet file ({e})") from None
+        raise UserError(f"{path}: not a readable parquet file ({_one_line(e)})") from None
     for i, row in enumerate(table.to_pylist(), start=1):
         yield Record(path, i, row)
 

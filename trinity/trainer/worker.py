@@ -64,6 +64,21 @@ def main(argv: list[str] | None = None) -> int:
         # Every rank prints its own (its log keeps it); the console shows rank 0's.
         print(f"error (rank {_rank()}): {exc}", file=sys.stderr, flush=True)
         return exc.exit_code
+    except BaseException as exc:  # torch's CheckpointException is a BaseException
+        from trinity.launch.failures import disk_error, disk_error_message
+
+        out = Path(args[0]).parent  # the resolved config lives in the output_dir
+        err = disk_error(exc, out)
+        if err is None:
+            raise
+        if os.environ.get(child.DEBUG_ENV) == "1":
+            import traceback
+
+            traceback.print_exc()
+        # A full or read-only disk is the user's to fix: one line (trinity run finds it in this rank's
+        # log), the resolved config's folder (the output_dir) when the file is not known.
+        print(f"error (rank {_rank()}): {disk_error_message(err, out)}", file=sys.stderr, flush=True)
+        return UserError.exit_code
     return 0
 
 

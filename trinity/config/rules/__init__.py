@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from trinity.config.rules.algorithms import DPO_REFUSED, check_dapo, check_dpo, check_lora, check_lora_ref, check_reward
 from trinity.config.rules.batches import GROUP_ALGORITHMS, check_batches, check_kv_budget, check_sequence_length
-from trinity.config.rules.data import check_data
+from trinity.config.rules.data import check_data, check_vocabulary
 from trinity.config.rules.evaluation import check_evaluation
 from trinity.config.rules.megatron import check_megatron, transformer_config_fields
 from trinity.config.rules.profile import check_profile
@@ -60,6 +60,8 @@ def check_job(cfg: JobConfig, *, check_paths: bool = True) -> tuple[ModelFacts |
     check_data(cfg, problems, check_paths)
     if facts is not None:
         check_sequence_length(cfg, facts, problems)
+        if check_paths:
+            check_vocabulary(cfg, facts, problems)
     if cfg.is_rl:
         check_reward(cfg, problems, check_paths)
         if facts is not None:

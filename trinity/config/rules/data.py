@@ -6,6 +6,7 @@ import importlib.util
 from pathlib import Path
 
 from trinity.config.schema import AlgorithmName, JobConfig
+from trinity.models.facts import ModelFacts
 
 
 def _check_tokenizer_files(cfg: JobConfig, problems: list[str]) -> None:
@@ -23,6 +24,33 @@ def _check_tokenizer_files(cfg: JobConfig, problems: list[str]) -> None:
             f"{key}: {folder} has no {missing}; copy them from the original model folder"
             + ("" if cfg.model.tokenizer_path else ", or set model.tokenizer_path to a folder that has them")
         )
+
+
+def check_vocabulary(cfg: JobConfig, facts: ModelFacts, problems: list[str]) -> None:
+    """The tokenizer's ids must fit the model's embedding: an id >= vocab_size indexes past it, which
+    megatron-core does not check (garbage on CPU, a device-side assert or silent corruption on GPU)."""
+    from trinity.data.loader import missing_tokenizer_files, tokenizer_size
+
+    folder = cfg.model.tokenizer_path or cfg.model.path
+    if not Path(folder).is_dir() or missing_tokenizer_files(folder):
+        return  # reported as a missing folder or missing files
+    size = tokenizer_size(folder)
+    if size is not None and size > facts.vocab_size:
+        where = "its tokenizer" if not cfg.model.tokenizer_path else f"the tokenizer in {folder} (model.tokenizer_path)"
+        problems.append(
+            f"model.path: {cfg.model.path} has vocab_size {facts.vocab_size} (config.json), but {where} has "
+            f"{size} tokens, so ids {facts.vocab_size}..{size - 1} would index past the embedding; use the "
+            "tokenizer the model was made with, or a model whose vocab_size is at least the tokenizer's"
+        )
+
+
+def check_text_file(key: str, path: str, problems: list[str]) -> None:
+    """A binary file under a text name (.jsonl, .json, .txt), found from its start before any process."""
+    from trinity.data.readers import sniff_text
+
+    problem = sniff_text(Path(path))
+    if problem:
+        problems.append(f"{key}: {problem}")
 
 
 def check_data(cfg: JobConfig, problems: list[str], check_paths: bool) -> None:
@@ -60,6 +88,8 @@ def check_data(cfg: JobConfig, problems: list[str], check_paths: bool) -> None:
             problems.append(f"data.train_files.{i}: {f} is not a .jsonl, .json or .parquet file or a datasets folder")
         elif check_paths and not Path(f).is_file():
             problems.append(f"data.train_files.{i}: {f} does not exist")
+        elif check_paths and not f.endswith(".parquet"):
+            check_text_file(f"data.train_files.{i}", f, problems)
     tok = cfg.model.tokenizer_path
     if tok and check_paths and not Path(tok).is_dir():
         what = "is a file, not a folder" if Path(tok).is_file() else "does not exist"

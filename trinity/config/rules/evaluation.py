@@ -7,6 +7,7 @@ import importlib.util
 import os
 from pathlib import Path
 
+from trinity.config.rules.data import check_text_file
 from trinity.config.schema import JobConfig
 
 # tracker -> (module that must import, pip command that installs it)
@@ -24,6 +25,8 @@ def check_evaluation(cfg: JobConfig, problems: list[str], check_paths: bool) -> 
             problems.append(f"data.val_files.{i}: {f} is neither .jsonl, .json nor .parquet")
         elif check_paths and not Path(f).is_file():
             problems.append(f"data.val_files.{i}: {f} does not exist")
+        elif check_paths and not f.endswith(".parquet"):
+            check_text_file(f"data.val_files.{i}", f, problems)
     # (rules on values, not on which keys were written: `trinity run` hands workers a full resolved config)
     if not data.val_files and trainer.val_interval is not None:
         problems.append("trainer.val_interval: there is nothing to evaluate without data.val_files; "
