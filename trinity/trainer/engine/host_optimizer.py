@@ -118,7 +118,7 @@ def _entries(inner: Any) -> list[_Entry]:
 
 class HostOptimizer:
     """Keeps a megatron-core optimizer's master weights and Adam states in host memory and steps it
-    there. `step()` replaces the optimizer's own `step()` (same return value); call `relocate()`
+    there. `grad_norm()` then `apply(norm)` replace the optimizer's own `step()`; call `relocate()`
     after anything that may have put optimizer tensors on the device (a checkpoint load)."""
 
     def __init__(self, optimizer: Any, bucket_bytes: int | None = None):
@@ -144,7 +144,7 @@ class HostOptimizer:
         self._grad_stage = torch.empty(largest, dtype=torch.float32, pin_memory=self.pin)
         dtypes = {e.target.dtype for e in self.entries}
         self._param_stage = {d: torch.empty(largest, dtype=d, pin_memory=self.pin) for d in dtypes}
-        self.last_step_s = 0.0  # wall time of the last step() (the SFT metrics row shows it)
+        self.last_step_s = 0.0  # wall time of the last step, both halves (the SFT metrics row shows it)
         self._t0 = 0.0  # when the last grad_norm() began: a step's time spans both halves
         self.relocate()
 
@@ -181,17 +181,9 @@ class HostOptimizer:
     # ------------------------------------------------------------------ the step
 
     @torch.no_grad()
-    def step(self) -> tuple[bool, float, None]:
-        """megatron-core's `optimizer.step()` with the Adam update on the host: returns (True, global
-        grad norm before clipping, None)."""
-        norm = self.grad_norm()
-        self.apply(norm)
-        return True, norm, None
-
-    @torch.no_grad()
     def grad_norm(self) -> float:
-        """The first half of `step()` (as `trinity.trainer.engine.optimizer_step.grad_norm`): the global
-        norm of the gradients, the same on every rank."""
+        """The first half of megatron-core's `optimizer.step()` (as `trinity.trainer.engine.optimizer_step`):
+        the global norm of the gradients, the same on every rank."""
         from megatron.core import tensor_parallel
         from megatron.core.optimizer import clip_grads
         from megatron.core.transformer.module import param_is_not_shared
@@ -218,7 +210,8 @@ class HostOptimizer:
 
     @torch.no_grad()
     def apply(self, norm: float) -> None:
-        """The second half of `step()`: clip by `norm` and step every bucket on the host."""
+        """The second half: clip by `norm` and step every bucket on the host (the engine calls it only for
+        a finite update)."""
         clip = self.inners[0].config.clip_grad
         coeff = clip / (norm + 1.0e-6) if clip > 0.0 else 1.0  # as clip_grad_by_total_norm_fp32
         for bucket in self.buckets:
