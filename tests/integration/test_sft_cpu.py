@@ -332,7 +332,7 @@ def test_nonfinite_loss_skips_then_stops_before_saving_or_exporting(assets, tmp_
     text = (tmp_path / "job.out").read_text()
     found = re.search(r"error \(rank 0\): step 3, update_actor: the (loss|gradient norm) is (nan|inf) after 1 skipped "
                       r"steps \(trainer.skip_nonfinite_steps = 1\); nothing was saved past step 2. Lower "
-                      r"actor_rollout_ref.actor.optim.lr, check this step's data", text)
+                      r"actor_rollout_ref.actor.optim.lr, check this step's data, or raise trainer.skip_nonfinite_steps", text)
     assert found, text[-3000:]
     assert re.search(r"step 2, update_actor: the (loss|gradient norm) is (nan|inf); the update was skipped \(1 of "
                      r"trainer.skip_nonfinite_steps = 1 steps\)", text), text[-3000:]

@@ -45,13 +45,17 @@ def problem(code: int, grad_norm: float) -> str | None:
     return None
 
 
+def _any_nonfinite(engine: Any) -> torch.Tensor:
+    """Whether any of this rank's parameters of `engine` holds an inf or nan (a tensor, not read)."""
+    return torch.stack([p.detach().isfinite().all() for m in engine.modules for p in m.parameters()]).all().logical_not()
+
+
 def nonfinite_roles(engines: dict[str, Any], device: torch.device) -> list[str]:
     """The trained roles among `engines` whose weights hold an inf or nan on any rank (one all-reduce)."""
     trained = {name: e for name, e in engines.items() if e.trained}
-    bad = torch.stack([
-        torch.stack([p.detach().isfinite().all() for m in e.modules for p in m.parameters()]).all().logical_not()
-        for e in trained.values()
-    ]).to(device, torch.int32) if trained else torch.zeros(0, dtype=torch.int32, device=device)
+    if not trained:
+        return []
+    bad = torch.stack([_any_nonfinite(e) for e in trained.values()]).to(device, torch.int32)
     if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
         torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX)
     return [name for name, flag in zip(trained, bad.tolist()) if flag]
@@ -80,7 +84,9 @@ class NonFiniteGuard:
         the step. `lr_key`: the learning rate of the role whose update it was (the first thing to lower)."""
         if self.step != self._counted:
             if self.skipped >= self.budget:
-                raise UserError(self.stop_line(phase, what, lr_key))
+                more = "raise" if self.budget else "set"
+                raise UserError(self.stop_line(phase, what, f"Lower {lr_key}, check this step's data, or {more} "
+                                                            "trainer.skip_nonfinite_steps to skip such steps"))
             self.skipped, self._counted = self.skipped + 1, self.step
         self.log(f"step {self.step}, {phase}: {what}; the update was skipped ({self.skipped} of "
                  f"trainer.skip_nonfinite_steps = {self.budget} steps)")
@@ -90,14 +96,14 @@ class NonFiniteGuard:
         not finite, which a finite loss and grad norm cannot promise (an lr so large the update overflows)."""
         bad = nonfinite_roles(engines, device)
         if bad:
-            keys = " or ".join(f"{e.role.config_path}.optim.lr" for name, e in engines.items() if name in bad)
-            raise UserError(self.stop_line(write, f"the {' and '.join(bad)} weights are not finite", keys))
+            keys = " or ".join(f"{engines[name].role.config_path}.optim.lr" for name in bad)
+            raise UserError(self.stop_line(write, f"the {' and '.join(bad)} weights are not finite", f"Lower {keys}"))
 
-    def stop_line(self, phase: str, what: str, lr_key: str) -> str:
+    def stop_line(self, phase: str, what: str, fix: str) -> str:
+        """`step <n>, <phase>: <what>; nothing was saved past step <m>. <fix>`: the one form of every stop."""
         saved = f"nothing was saved past step {self.saved}" if self.saved else "nothing was saved"
         skipped = f" after {self.skipped} skipped steps (trainer.skip_nonfinite_steps = {self.budget})" if self.budget else ""
-        return (f"step {self.step}, {phase}: {what}{skipped}; {saved}. Lower {lr_key}, check this step's data, or "
-                "set trainer.skip_nonfinite_steps to skip up to that many such steps")
+        return f"step {self.step}, {phase}: {what}{skipped}; {saved}. {fix}"
 
     def metrics(self) -> dict[str, int]:
         """The step row's count of skipped steps (only when skipping is on)."""
