@@ -156,6 +156,27 @@ def test_ppo_with_critic_warmup_resumes_exactly(assets, tmp_path):
     assert_same_step(r3, again[2], RESUME_KEYS + ("critic/vf_loss", "critic/grad_norm", "critic/vpred_mean"))
 
 
+@pytest.mark.slow
+def test_ppo_saves_during_critic_warmup_and_resumes_exactly(assets, tmp_path):
+    """A checkpoint written while only the critic trains holds an actor optimizer that has never stepped:
+    it saves, and a run resumed from it trains the actor's first step exactly as the uninterrupted run did."""
+    out = tmp_path / "ppo"
+    cfg = job(assets, out, "ppo", 2)
+    cfg["trainer"]["save_interval"] = 1
+    run_job(cfg, tmp_path / "p.yaml")
+    r1, r2 = rows(out)
+    assert r1["actor/warmup"] is True and r2["actor/warmup"] is False
+    step1 = out / "checkpoints" / "step_1"
+    assert (step1 / "complete").is_file() and (step1 / "actor" / "trinity_meta.json").is_file()
+
+    resumed = dict(cfg, trainer={**cfg["trainer"], "resume": str(step1)})
+    log = run_job(resumed, tmp_path / "q.yaml")
+    assert f"resumed from {step1} at step 1" in log
+    again = rows(out)
+    assert [r["step"] for r in again] == [1, 2] and again[0] == r1
+    assert_same_step(r2, again[1], RESUME_KEYS + ("critic/vf_loss", "critic/grad_norm"))
+
+
 FAILING_REWARD = '''
 def score(prompts, responses, answers):
     out = []

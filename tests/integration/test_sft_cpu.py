@@ -8,7 +8,9 @@ torchrun, worker, megatron-core schedules, dist checkpoints, HF export.
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 import signal
 import subprocess
 import time
@@ -316,6 +318,29 @@ def test_mbridge_weights_give_the_baseline_loss(assets, baseline, tmp_path):
     b = losses(tmp_path / "run")
     assert sorted(b) == [1, 2]
     assert b[1] == pytest.approx(baseline[1], rel=1e-5), (b, baseline)
+
+
+def test_nonfinite_loss_skips_then_stops_before_saving_or_exporting(assets, tmp_path):
+    """A learning rate of 1e30 (finite, so validation lets it through) blows the weights up at step 1: from
+    step 2 on the loss is not finite. trainer.skip_nonfinite_steps: 1 skips step 2's update (its checkpoint
+    holds step 1's weights), step 3 stops the run with the line naming the step and the phase; no later
+    checkpoint, no HF export."""
+    out = tmp_path / "run"
+    cfg = job(assets, out, trainer={"total_steps": 4, "save_interval": 1, "export_hf": True, "skip_nonfinite_steps": 1},
+              optim={"lr": 1e30, "lr_warmup_steps": 0})
+    assert run_job(cfg, tmp_path / "job.yaml", reuse_conversion=True) == 2
+    text = (tmp_path / "job.out").read_text()
+    found = re.search(r"error \(rank 0\): step 3, update_actor: the (loss|gradient norm) is (nan|inf) after 1 skipped "
+                      r"steps \(trainer.skip_nonfinite_steps = 1\); nothing was saved past step 2. Lower "
+                      r"actor_rollout_ref.actor.optim.lr, check this step's data, or raise trainer.skip_nonfinite_steps", text)
+    assert found, text[-3000:]
+    assert re.search(r"step 2, update_actor: the (loss|gradient norm) is (nan|inf); the update was skipped \(1 of "
+                     r"trainer.skip_nonfinite_steps = 1 steps\)", text), text[-3000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["skipped_nonfinite_steps"]) for r in rows] == [(1, 0), (2, 1)]
+    assert math.isfinite(rows[0]["loss"]) and not math.isfinite(rows[1]["loss"] * rows[1]["grad_norm"])
+    saved = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert saved == ["step_1", "step_2"] and not (out / "hf").exists()
 
 
 def test_malformed_data_line_is_a_clean_error(assets, tmp_path):

@@ -238,6 +238,24 @@ def test_sequence_parallel_at_tp1_warns_and_disables(write_job, small_job):
     assert any(w.startswith(f"{ACTOR}.sequence_parallel:") for w in loaded.warnings)
 
 
+def test_warmups_longer_than_the_run(write_job, small_job):
+    """A critic warm-up covering every step (the actor would never train) is refused; an lr warm-up as long as
+    the run is stated: the schedule cuts it to total_steps - 1."""
+    ppo = with_keys(small_job, algorithm__name="ppo", data__train_batch_size=8, cluster__nproc_per_node=1,
+                    data__train_files=[str(FIXTURES / "data" / "prompts.jsonl")],
+                    actor_rollout_ref__actor__ppo_mini_batch_size=8, critic={"warmup_steps": 3})
+    probs = problems_of(write_job(ppo), ["trainer.total_steps=3"])
+    assert "critic.warmup_steps: 3 warm-up steps cover all 3 steps of the run (trainer.total_steps), so the actor " \
+           "would never train; set it below 3 or raise trainer.total_steps" in probs
+    loaded = load_config(write_job(ppo), ["trainer.total_steps=4", "critic.optim.lr_warmup_steps=6"])
+    assert loaded.warnings == [
+        "critic.optim.lr_warmup_steps: 6 warm-up steps are not fewer than the 4 steps of the run (trainer.total_steps); "
+        "the schedule cuts the warm-up to total_steps - 1 = 3, so the lr peaks at step 3"]
+    short = load_config(write_job(small_job), ["trainer.total_steps=2", "actor_rollout_ref.actor.optim.lr_warmup_steps=2"])
+    assert [w.split(":")[0] for w in short.warnings] == ["actor_rollout_ref.actor.optim.lr_warmup_steps"]
+    assert not load_config(write_job(small_job), ["trainer.total_steps=3", "actor_rollout_ref.actor.optim.lr_warmup_steps=2"]).warnings
+
+
 def test_moe_rules(write_job, small_job):
     job = with_keys(small_job, model__path=str(HF_CONFIGS / "qwen3_30b_a3b"))
     path = write_job(job)

@@ -227,6 +227,14 @@ def _unwrap_model(annotation: Any) -> type[BaseModel] | None:
     return None
 
 
+def _finite_fix(loc: tuple[Any, ...]) -> str:
+    """The fix of an inf / nan value: a finite number, the field's default when it has one."""
+    owner = _model_at(loc[:-1])
+    info = owner.model_fields.get(str(loc[-1])) if owner is not None else None
+    default = None if info is None or info.is_required() else info.get_default(call_default_factory=True)
+    return f"write a finite number (the default is {default})" if isinstance(default, (int, float)) else "write a finite number"
+
+
 def format_validation_error(
     exc: ValidationError, lines: dict[str, int], source: str, origins: dict[str, int] | None = None,
     overrides: list[str] | None = None,
@@ -253,6 +261,8 @@ def format_validation_error(
             problems.append(f"{path}: unknown key{where}; {hint}")
         elif err["type"] == "missing":
             problems.append(f"{path}: required field is missing{where}; add it to the config")
+        elif err["type"] == "finite_number":
+            problems.append(f"{path}: {err.get('input')!r} is not a finite number{where}; {_finite_fix(loc)}")
         else:
             got = err.get("input")
             shown = "" if isinstance(got, (dict, list)) else f" (got {got!r})"

@@ -16,9 +16,12 @@ from trinity.distributed.layout import ParallelLayout
 
 
 class StrictModel(BaseModel):
-    """Base of every config section: unknown keys are errors (with a did-you-mean in the loader)."""
+    """Base of every config section: unknown keys are errors (with a did-you-mean in the loader), and so
+    are inf and nan in every float field: YAML reads `.inf` / `.nan` as numbers, and an infinite lr (or
+    any other non-finite setting) would train NaN weights, save and export them, and exit 0."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True,
+                              allow_inf_nan=False)
 
 
 class RecomputeGranularity(str, enum.Enum):
@@ -51,7 +54,8 @@ class OverrideTransformerConfig(BaseModel):
     validation does not import it).
     """
 
-    model_config = ConfigDict(extra="allow", validate_assignment=True, use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="allow", validate_assignment=True, use_attribute_docstrings=True,
+                              allow_inf_nan=False)
 
     recompute_granularity: RecomputeGranularity | None = None
     """Activation recompute: `full` (whole layers) or `selective` (the modules in recompute_modules)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,14 @@ class WorkerContext:
     def is_rank0(self) -> bool:
         return self.rank == 0
 
+    @cached_property
+    def nonfinite(self) -> Any:
+        """The run's one NonFiniteGuard (trinity.trainer.nonfinite): every engine reports to it, the loop
+        tells it the step and the last checkpoint."""
+        from trinity.trainer.nonfinite import NonFiniteGuard
+
+        return NonFiniteGuard(self.config.trainer.skip_nonfinite_steps, log=self.log)
+
     def log(self, text: str) -> None:
         """Print on rank 0 only (torchrun shows rank 0; every rank's output is in logs/)."""
         if self.is_rank0:
@@ -53,7 +62,7 @@ class WorkerContext:
         engine = RoleEngine.build(
             role, self.facts, role.megatron(cfg), role.optim(cfg), weight_source(cfg, role),
             device=cfg.cluster.device, dtype=self.dtype, total_steps=total_steps, optimizer_on_host=optimizer_on_host,
-            lora=lora,
+            lora=lora, nonfinite=self.nonfinite,
         )
         if engine.lora_loaded:
             self.log(f"LoRA: adapters of {engine.lora_loaded} linears loaded from {lora.adapter_path}")

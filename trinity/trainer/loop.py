@@ -32,6 +32,8 @@ def run(ctx: WorkerContext, recipe_cls: type[Recipe]) -> None:
             ctx.log(line)
         start = ckpt.load(resume_from)
         ctx.log(f"resumed from {resume_from} at step {start}")
+    guard = ctx.nonfinite
+    guard.saved_at(start)
     trackers = cfg.trainer.trackers()
     metrics = MetricsLogger(
         ctx.output_dir, enabled=ctx.is_rank0, total_steps=recipe.total_steps, start_step=start,
@@ -51,9 +53,10 @@ def run(ctx: WorkerContext, recipe_cls: type[Recipe]) -> None:
         if evaluator is not None and cfg.trainer.val_before_train:
             evaluate(start)
         for step in range(start + 1, recipe.total_steps + 1):
+            guard.start(step)
             with profiler.step(step, recipe.profile_lines) as profiled:
                 recipe.profiling(profiled)
-                row = recipe.step(step)
+                row = {**recipe.step(step), **guard.metrics()}
             profiler.log(metrics, row)
             samples.write(step, getattr(recipe, "last_samples", None), metrics,
                           show=step % cfg.trainer.log_interval == 0 or step == recipe.total_steps)
@@ -61,7 +64,9 @@ def run(ctx: WorkerContext, recipe_cls: type[Recipe]) -> None:
                 evaluate(step)
             if (save_every and step % save_every == 0) or (step == recipe.total_steps and cfg.trainer.save_last):
                 recipe.all_resident()
+                guard.check_weights(recipe.engines, "save", ctx.device)
                 metrics.print(f"saved checkpoint {ckpt.save(step)}")
+                guard.saved_at(step)
         if metrics.first is not None:
             metrics.print(recipe.summary(metrics.first, metrics.last))
         if evaluator is not None and evaluator.summary():
@@ -72,5 +77,6 @@ def run(ctx: WorkerContext, recipe_cls: type[Recipe]) -> None:
         from trinity.trainer.export import export_hf
 
         recipe.all_resident()
+        guard.check_weights(recipe.engines, "export", ctx.device)
         ctx.log(f"exported HF model to {export_hf(ctx, recipe.actor.modules)}")
 

@@ -4,7 +4,8 @@ Every rule appends `path.to.key: what is wrong; how to fix it` to one list so th
 all problems at once. Rules that megatron-core would otherwise hit minutes into start-up (layout,
 heads, layers, experts, recompute) are mirrored here from its asserts. One module per concern:
 `roles`, `megatron` (a role's parallel layout and model options), `batches` (sizes and lengths),
-`algorithms` (DAPO, DPO, LoRA, reward), `data`, `profile`, `evaluation`; `check_job` runs them in order.
+`algorithms` (DAPO, DPO, LoRA, reward), `data`, `profile`, `schedule` (warm-ups), `evaluation`; `check_job` runs
+them in order.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from trinity.config.rules.roles import (
     check_sft_offload,
     check_strategy,
 )
+from trinity.config.rules.schedule import check_warmups
 from trinity.config.schema import JobConfig
 from trinity.errors import UserError
 from trinity.models.facts import ModelFacts, refuse_custom_code
@@ -71,5 +73,6 @@ def check_job(cfg: JobConfig, *, check_paths: bool = True) -> tuple[ModelFacts |
     check_lora(cfg, facts, problems, check_paths)
     check_lora_ref(cfg, problems)
     check_profile(cfg, problems)
+    check_warmups(cfg, problems, warnings)
     check_evaluation(cfg, problems, check_paths)
     return facts, problems, warnings

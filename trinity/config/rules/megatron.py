@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 import functools
 import importlib.util
+import math
 from pathlib import Path
 
 from trinity.config.megatron import MegatronConfig, RecomputeGranularity, RecomputeMethod, RecomputeModule
@@ -141,9 +142,25 @@ def _check_transformer_overrides(p: str, m: MegatronConfig, problems: list[str])
     import difflib
 
     extra = m.override_transformer_config.extra_fields()
+    for name, value in extra.items():
+        # untyped (passed to TransformerConfig as they are): the schema's finite-number check misses them
+        if not _finite(value):
+            problems.append(f"{p}.override_transformer_config.{name}: {value!r} is not a finite number; "
+                            "write a finite number")
     known = transformer_config_fields() if extra else None
     for name in extra if known else ():
         if name not in known:
             close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.6)
             hint = f"did you mean '{close[0]}'?" if close else "see megatron-core's TransformerConfig for the field names"
             problems.append(f"{p}.override_transformer_config.{name}: not a TransformerConfig field; {hint}")
+
+
+def _finite(value: object) -> bool:
+    """Whether an override value holds no inf or nan (in a list or mapping too)."""
+    if isinstance(value, float):
+        return math.isfinite(value)
+    if isinstance(value, (list, tuple)):
+        return all(_finite(v) for v in value)
+    if isinstance(value, dict):
+        return all(_finite(v) for v in value.values())
+    return True

@@ -30,3 +30,8 @@ class OptimConfig(StrictModel):
     """Adam epsilon."""
     clip_grad: float = Field(default=1.0, ge=0)
     """Clip the global gradient norm to this value (0 disables)."""
+
+    def warmup_within(self, total_steps: int) -> int:
+        """The warm-up steps the schedule runs in a job of `total_steps`: lr_warmup_steps, cut so that the
+        last step trains at the peak lr (none in a job of one step)."""
+        return min(self.lr_warmup_steps, total_steps - 1) if total_steps > 1 else 0

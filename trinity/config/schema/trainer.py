@@ -35,6 +35,13 @@ class TrainerConfig(StrictModel):
     """`auto` (newest complete checkpoint in output_dir), `disable`, or a checkpoint folder."""
     export_hf: bool = True
     """Export HF safetensors of the trained actor at the end (<output_dir>/hf)."""
+    skip_nonfinite_steps: int = Field(default=0, ge=0)
+    """Steps whose loss or gradient norm is inf or nan that the run skips before it stops. Such an update is
+    never applied (the weights stay those of the last finite one) and, by default (0), the first one stops
+    the run with one line naming the step and the phase (`step 7, update_actor: the loss is nan; ...`),
+    before anything of it is saved or exported. N > 0: the optimizer step of up to N such steps is skipped
+    (a line says so; metrics.jsonl counts them as `skipped_nonfinite_steps`) and the next one stops the run.
+    Counted per run: a resumed run starts from 0."""
     log_interval: int = Field(default=1, ge=1)
     """Print a step line every N steps (metrics.jsonl gets every step)."""
     seed: int = 1234

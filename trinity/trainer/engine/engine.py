@@ -5,7 +5,8 @@ head or not). A trained engine wraps its chunks in megatron-core DDP and owns th
 schedule and the offloader; a frozen one (the ref) owns bare chunks, forward only. Recipes see only:
 
 - `train_batch(micro_batches, loss_fn)`: THE training step of every algorithm (zero the grads, run
-  megatron's pipeline schedule over the micro batches, step the optimizer);
+  megatron's pipeline schedule over the micro batches, step the optimizer unless the loss or the grad
+  norm is not finite: trinity.trainer.nonfinite);
 - `infer_batch(micro_batches, forward, reduce_fn, result_shape)`: forward only, micro batch by micro
   batch, through the pipeline schedule at PP>1 with the result broadcast to every stage;
 - `need(params=, grads=, optim=)`: what the next phase needs resident (offload);
@@ -26,6 +27,7 @@ from trinity.config.weights import WeightSource
 from trinity.distributed import collectives
 from trinity.errors import UserError
 from trinity.trainer.engine.offload import RoleOffloader
+from trinity.trainer.nonfinite import NonFiniteGuard, loss_code, problem
 
 
 class LossFn(Protocol):
@@ -42,24 +44,29 @@ class LossFn(Protocol):
 @dataclass
 class StepResult:
     """What one `train_batch` gives back: the last stage's per-micro-batch metric dicts (empty on other
-    stages) and the global grad norm (every rank)."""
+    stages), the global grad norm (every rank), and whether the update was skipped (a non-finite loss or
+    grad norm under trainer.skip_nonfinite_steps: the weights are unchanged)."""
 
     outputs: list[dict[str, Any]]
     grad_norm: float
+    skipped: bool = False
 
 
 class RoleEngine:
     def __init__(
         self, role: Role, chunks: list[Any], megatron: Any, optim: Any | None, *, dtype: torch.dtype, total_steps: int,
-        optimizer_on_host: bool = False, lora: Any = None, facts: Any = None,
+        optimizer_on_host: bool = False, lora: Any = None, facts: Any = None, nonfinite: NonFiniteGuard | None = None,
     ):
         """`optimizer_on_host`: `megatron.optimizer_offload` keeps the optimizer in host memory and steps it
         there (single-phase recipes: `trinity.trainer.engine.host_optimizer`) instead of moving it
         between phases (RL: `trinity.trainer.engine.offload`). `lora` (actor.lora with rank >= 1, trained
         roles only): adapters are added to the loaded chunks and only they are trained (trinity.models.lora);
         DDP buffers, optimizer and checkpoints then hold the adapters only; with `lora.adapter_path` they
-        start as that PEFT folder's adapters (`facts`: the model's, to map its names)."""
+        start as that PEFT folder's adapters (`facts`: the model's, to map its names). `nonfinite`: the run's
+        decisions on non-finite updates (trinity.trainer.nonfinite); unset, the first one stops."""
         self.role, self.megatron = role, megatron
+        self.nonfinite = nonfinite if nonfinite is not None else NonFiniteGuard()
+        self.device = next(p.device for chunk in chunks for p in chunk.parameters())  # before any offload
         self.optimizer = self.scheduler = self.host = None
         self.lora = lora if optim is not None and lora is not None and lora.rank > 0 else None
         self.lora_params = self.lora_loaded = 0  # adapter parameters; linears loaded from lora.adapter_path
@@ -95,7 +102,7 @@ class RoleEngine:
     def build(
         cls, role: Role, facts: Any, megatron: Any, optim: Any | None, source: WeightSource, *,
         device: str, dtype: torch.dtype, total_steps: int, chunks: list[Any] | None = None,
-        optimizer_on_host: bool = False, lora: Any = None,
+        optimizer_on_host: bool = False, lora: Any = None, nonfinite: NonFiniteGuard | None = None,
     ) -> "RoleEngine":
         """Build the role's GPTModel chunks (value head for the critic), load `source` into them and wrap
         them; `chunks` are already built and loaded ones (the worker's actor)."""
@@ -106,7 +113,7 @@ class RoleEngine:
             chunks = build_model(facts, megatron, device=device, dtype=dtype, value_head=role.value_head)
             load_weights(chunks, source, facts, value_head=role.value_head)
         return cls(role, chunks, megatron, optim, dtype=dtype, total_steps=total_steps, optimizer_on_host=optimizer_on_host,
-                   lora=lora, facts=facts)
+                   lora=lora, facts=facts, nonfinite=nonfinite)
 
     # ------------------------------------------------------------------ what recipes read
 
@@ -141,7 +148,8 @@ class RoleEngine:
         """One optimizer step over this rank's micro batches (every micro batch has `tokens` [b, s], or a
         `rollout` whose tokens are). Their number may differ between DP ranks (RL's packed micro batches:
         each rank's loss scale cancels its own count); at PP>1 the RL recipes give all of one call one
-        shape, as SFT's fixed-length rows have (the schedule is told the first one's)."""
+        shape, as SFT's fixed-length rows have (the schedule is told the first one's). An update whose loss
+        or grad norm is not finite is not applied; the run's guard stops the job or counts it."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         for chunk in self.model:
@@ -159,17 +167,19 @@ class RoleEngine:
         real = len(micro_batches)
         run = list(enumerate(micro_batches + micro_batches[-1:] * (-real % group)))
         fix = len(run) / real
+        losses: list[torch.Tensor] = []  # the real micro batches' losses (last stage): the non-finite check
 
         def scaled(micro: Any, weight: float, output: torch.Tensor) -> tuple[torch.Tensor, Any]:
             loss, metrics = loss_fn(micro, output)
-            return loss * weight, metrics if weight else {}
+            if not weight:
+                return loss * weight, {}
+            losses.append(loss.detach())
+            return (loss if weight == 1.0 else loss * weight), metrics
 
         def forward_step(data_iterator: Any, chunk: Any) -> tuple[torch.Tensor, Callable]:
             i, micro = next(data_iterator)
             output = loss_fn.forward(chunk, micro)
-            if len(run) == real:
-                return output, partial(loss_fn, micro)
-            return output, partial(scaled, micro, fix if i < real else 0.0)
+            return output, partial(scaled, micro, 1.0 if len(run) == real else fix if i < real else 0.0)
 
         # One iterator per VPP chunk: the interleaved schedule runs every micro batch through each chunk.
         iterators = [iter(run) for _ in self.model]
@@ -182,10 +192,25 @@ class RoleEngine:
             micro_batch_size=b,
             forward_only=False,
         )
-        ok, grad_norm, _ = (self.host or self.optimizer).step()
-        if not ok:
-            raise RuntimeError("optimizer step skipped (non-finite gradients)")
-        return StepResult(list(outputs)[:real], float(grad_norm if grad_norm is not None else float("nan")))
+        norm, skipped = self._step(loss_code(losses, self.device))
+        return StepResult(list(outputs)[:real], norm, skipped)
+
+    def _step(self, code: torch.Tensor) -> tuple[float, bool]:
+        """The optimizer step when the loss (`code`, trinity.trainer.nonfinite) and the grad norm are finite;
+        returns (grad norm, whether the update was skipped). Every rank decides alike: both are global."""
+        from trinity.trainer.engine import optimizer_step
+
+        host = self.host
+        norm = host.grad_norm() if host is not None else optimizer_step.grad_norm(self.optimizer)
+        what = problem(int(code.item()), norm)  # read after the norm's own host sync: it waits for nothing
+        if what is None:
+            if host is not None:
+                host.apply(norm)
+            else:
+                optimizer_step.apply(self.optimizer, norm)
+            return norm, False
+        self.nonfinite.update(f"update_{self.role.value}", what, f"{self.role.config_path}.optim.lr")
+        return norm, True
 
     @torch.no_grad()
     def infer_batch(

@@ -118,7 +118,7 @@ def _entries(inner: Any) -> list[_Entry]:
 
 class HostOptimizer:
     """Keeps a megatron-core optimizer's master weights and Adam states in host memory and steps it
-    there. `step()` replaces the optimizer's own `step()` (same return value); call `relocate()`
+    there. `grad_norm()` then `apply(norm)` replace the optimizer's own `step()`; call `relocate()`
     after anything that may have put optimizer tensors on the device (a checkpoint load)."""
 
     def __init__(self, optimizer: Any, bucket_bytes: int | None = None):
@@ -144,7 +144,8 @@ class HostOptimizer:
         self._grad_stage = torch.empty(largest, dtype=torch.float32, pin_memory=self.pin)
         dtypes = {e.target.dtype for e in self.entries}
         self._param_stage = {d: torch.empty(largest, dtype=d, pin_memory=self.pin) for d in dtypes}
-        self.last_step_s = 0.0  # wall time of the last step() (the SFT metrics row shows it)
+        self.last_step_s = 0.0  # wall time of the last step, both halves (the SFT metrics row shows it)
+        self._t0 = 0.0  # when the last grad_norm() began: a step's time spans both halves
         self.relocate()
 
     # ------------------------------------------------------------------ where the tensors live
@@ -180,14 +181,14 @@ class HostOptimizer:
     # ------------------------------------------------------------------ the step
 
     @torch.no_grad()
-    def step(self) -> tuple[bool, float, None]:
-        """megatron-core's `optimizer.step()` with the Adam update on the host: returns (True, global
-        grad norm before clipping, None)."""
+    def grad_norm(self) -> float:
+        """The first half of megatron-core's `optimizer.step()` (as `trinity.trainer.engine.optimizer_step`):
+        the global norm of the gradients, the same on every rank."""
         from megatron.core import tensor_parallel
         from megatron.core.optimizer import clip_grads
         from megatron.core.transformer.module import param_is_not_shared
 
-        t0 = time.perf_counter()
+        self._t0 = time.perf_counter()
 
         def for_norm(inner: Any) -> list[torch.Tensor]:
             tp_group = getattr(inner, "tp_group", None) or getattr(self.optimizer, "tp_group", None)
@@ -202,11 +203,15 @@ class HostOptimizer:
         groups = [inner.get_grad_stats_parallel_group() for inner in self.inners]
         if all(g is groups[0] for g in groups):
             grads = [g for inner in self.inners for g in for_norm(inner)]
-            norm = clip_grads.get_grad_norm_fp32(grads, grad_stats_parallel_group=groups[0])
-        else:
-            norms = [clip_grads.get_grad_norm_fp32(for_norm(inner), grad_stats_parallel_group=group)
-                     for inner, group in zip(self.inners, groups)]
-            norm = math.sqrt(sum(n**2 for n in norms if n))
+            return float(clip_grads.get_grad_norm_fp32(grads, grad_stats_parallel_group=groups[0]))
+        norms = [clip_grads.get_grad_norm_fp32(for_norm(inner), grad_stats_parallel_group=group)
+                 for inner, group in zip(self.inners, groups)]
+        return math.sqrt(sum(n**2 for n in norms if n))
+
+    @torch.no_grad()
+    def apply(self, norm: float) -> None:
+        """The second half: clip by `norm` and step every bucket on the host (the engine calls it only for
+        a finite update)."""
         clip = self.inners[0].config.clip_grad
         coeff = clip / (norm + 1.0e-6) if clip > 0.0 else 1.0  # as clip_grad_by_total_norm_fp32
         for bucket in self.buckets:
@@ -216,8 +221,7 @@ class HostOptimizer:
                 for chunk in inner.model_chunks:
                     chunk.start_param_sync()
         self._sync()
-        self.last_step_s = time.perf_counter() - t0
-        return True, norm, None
+        self.last_step_s = time.perf_counter() - self._t0
 
     def _step_bucket(self, bucket: list[_Entry], coeff: float | None) -> None:
         grads, offset = [], 0

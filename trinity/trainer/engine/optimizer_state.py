@@ -48,8 +48,10 @@ class ReshardableOptimizer:
         self.optimizer = optimizer
 
     def sharded_state_dict(self, model_sharded_state_dict: Any, is_loading: bool = False) -> Any:
-        if is_loading:
-            _init_empty_adam_states(self.optimizer)
+        # An optimizer that has never stepped (a save during PPO's critic warm-up, when only the critic has
+        # trained) has no Adam states, and megatron-core's state_dict asserts one common `step` among them;
+        # a load needs them as targets. Adam's starting states are what it saves and what a load fills.
+        _init_empty_adam_states(self.optimizer)
         alone = [o for o in _distributed(self.optimizer) if o.data_parallel_group.size() == 1]
         with _instance_methods(alone, "optimizer_state (checkpoint at DP=1)", "sharded_param_state_fully_reshardable",
                                lambda opt: _own_model_space_state.__get__(opt),
@@ -164,11 +166,12 @@ def _keep_step(opt: Any, original: Any) -> Any:
 
 
 def _init_empty_adam_states(optimizer: Any) -> None:
-    """Give a fresh torch Adam(W) zero states, `step` included, before a checkpoint is loaded into it.
+    """Give every param of a torch Adam(W) that has no state yet the states its first step would create:
+    zero moments and `step` 0 (so a first step after them is a first step), before a save or a load.
 
     Without apex/TE, megatron-core's DistributedOptimizer.state_dict() reads `step` from every
-    param's state, but its init_state_fn only creates exp_avg/exp_avg_sq; the loaded checkpoint
-    overwrites all of these values.
+    param's state, but its init_state_fn only creates exp_avg/exp_avg_sq; a loaded checkpoint
+    overwrites all of these values. Params that have stepped keep their states.
     """
     for opt in _chain(optimizer):
         inner = getattr(opt, "optimizer", None)

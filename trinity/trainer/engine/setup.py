@@ -107,7 +107,7 @@ def build_scheduler(optimizer: Any, optim: OptimConfig, total_steps: int) -> Any
     """Linear warm-up from 0 to lr, then cosine to min_lr at total_steps (or constant lr)."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    warmup = min(optim.lr_warmup_steps, total_steps - 1) if total_steps > 1 else 0
+    warmup = optim.warmup_within(total_steps)
     return OptimizerParamScheduler(
         optimizer,
         init_lr=0.0,
