@@ -20,6 +20,21 @@ _pin_lane()
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+# TRINITY_GPU_LOG=<file>: each test's outcome, duration and (on failure) report, appended as it ends, and
+# whatever the tests `note()` (tests/gpu/jobs.py): a device call cut off at its time limit still says
+# what ran. Written by the controller only (xdist workers relay their reports to it).
+GPU_LOG = os.environ.get("TRINITY_GPU_LOG")
+
+
+def pytest_runtest_logreport(report):
+    if not GPU_LOG or os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    if report.when == "call" or report.outcome == "failed":
+        with open(GPU_LOG, "a") as f:
+            f.write(f"{report.outcome.upper()} {report.nodeid} ({report.when}, {report.duration:.0f} s)\n")
+            if report.failed:
+                f.write(str(report.longrepr)[-3000:] + "\n")
+
 
 @pytest.fixture(scope="module")
 def qwen2_small_cuda(tmp_path_factory):

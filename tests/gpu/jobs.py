@@ -114,6 +114,16 @@ def rl_job(assets: dict[str, Path], algo: str, out: Path, nproc: int, megatron: 
     return cfg
 
 
+def note(text: str) -> None:
+    """Print `text` and append it to $TRINITY_GPU_LOG (tests/gpu/conftest.py), which xdist workers share."""
+    import os
+
+    print(text)
+    if os.environ.get("TRINITY_GPU_LOG"):
+        with open(os.environ["TRINITY_GPU_LOG"], "a") as f:
+            f.write(text + "\n")
+
+
 def metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
@@ -141,8 +151,9 @@ def check_rl(rows: list[dict], algo: str, *, steps: int = RL_STEPS, dp: int = 1)
         assert r["rollout/logprob_diff_mean"] < 0.05, r
     first = sum(r["reward/mean"] for r in rows[:3]) / 3
     last = sum(r["reward/mean"] for r in rows[-3:]) / 3
-    print(f"{algo}: reward {first:.3f} (steps 1-3) -> {last:.3f} (last 3);",
-          "logprob gap", [round(r["rollout/logprob_diff_mean"], 4) for r in rows])
+    note(f"  {algo}: reward {first:.3f} (steps 1-3) -> {last:.3f} (last 3); rewards "
+         f"{[round(r['reward/mean'], 3) for r in rows]}; logprob gap {[round(r['rollout/logprob_diff_mean'], 4) for r in rows]}; "
+         f"step s {[round(r.get('step_time_s', 0), 2) for r in rows]}")
     assert last > first + 0.05, [round(r["reward/mean"], 3) for r in rows]
 
 
@@ -160,6 +171,6 @@ def check_ranks_differ(out: Path, dp: int, step: int = 1) -> None:
 
 
 def assert_losses_match(got: list[float], want: list[float], label: str) -> None:
-    print(f"{label}\n  1 GPU: {[round(x, 4) for x in want]}\n  here:  {[round(x, 4) for x in got]}")
+    note(f"  {label}: 1 GPU {[round(x, 4) for x in want]}\n    here  {[round(x, 4) for x in got]}")
     assert len(got) == len(want)
     assert got == pytest.approx(want, rel=REL)

@@ -27,7 +27,8 @@ import yaml
 
 from tests.conftest import REPO, trinity_run_argv
 from tests.gpu.jobs import (
-    assert_losses_match, check_ranks_differ, check_rl, losses, make_assets, metrics, rl_job, run_job, supervised_job,
+    assert_losses_match, check_ranks_differ, check_rl, losses, make_assets, metrics, note, rl_job, run_job,
+    supervised_job,
 )
 
 torch = pytest.importorskip("torch")
@@ -82,7 +83,7 @@ def test_lora_sft_and_grpo_dp2(assets, tmp_path):
     cfg["actor_rollout_ref"]["actor"].update(lora)
     cfg["actor_rollout_ref"]["actor"]["optim"]["lr"] = 1e-2
     sft = losses(run_job(cfg, tmp_path / "sft.yaml"))
-    print("LoRA SFT DP=2:", [round(x, 4) for x in sft])
+    note(f"  LoRA SFT DP=2: {[round(x, 4) for x in sft]}")
     assert sft[-1] < 0.9 * sft[0]
     cfg = rl_job(assets, "grpo", tmp_path / "grpo", 2)
     cfg["actor_rollout_ref"]["actor"].update(lora)
@@ -120,7 +121,7 @@ def test_grpo_dp2_killed_after_a_checkpoint_resumes_to_the_uninterrupted_metrics
     assert {3, 4} <= set(rows), sorted(rows)
     for step in (3, 4):
         a, b = whole[step], rows[step]
-        print(step, {k: (round(a[k], 5), round(b[k], 5)) for k in ("reward/mean", "actor/pg_loss", "actor/grad_norm")})
+        note(f"  resume step {step}: " + str({k: (round(a[k], 5), round(b[k], 5)) for k in ("reward/mean", "actor/pg_loss", "actor/grad_norm")}))
         # step 3 samples with the checkpoint's weights and RNG streams: the same answers and rewards; the
         # update's bf16 backward (atomics in attention) may differ in the last bits from there on
         assert b["reward/mean"] == pytest.approx(a["reward/mean"], abs=1e-6 if step == 3 else 0.05), step
@@ -137,12 +138,27 @@ LAYOUTS_4 = {
 }
 
 
+@pytest.fixture(scope="module")
+def one_gpu_sft(assets, tmp_path_factory):
+    """The one-GPU SFT losses of the dense and the MoE model, each run once for the module's 4-GPU cases."""
+    runs: dict[str, list[float]] = {}
+
+    def losses_of(model: str) -> list[float]:
+        if model not in runs:
+            tmp = tmp_path_factory.mktemp(f"one_{model}")
+            megatron = {"moe_token_dispatcher_type": "alltoall"} if model == "moe" else {}
+            runs[model] = losses(run_job(supervised_job(assets, "sft", tmp / "run", 1, megatron, model=model),
+                                         tmp / "job.yaml"))
+        return runs[model]
+
+    return losses_of
+
+
 @four
 @pytest.mark.parametrize("layout", sorted(LAYOUTS_4))
-def test_sft_and_grpo_on_four_gpus(assets, tmp_path, layout):
-    one = run_job(supervised_job(assets, "sft", tmp_path / "one", 1, {}), tmp_path / "one.yaml")
+def test_sft_and_grpo_on_four_gpus(assets, one_gpu_sft, tmp_path, layout):
     four_ = run_job(supervised_job(assets, "sft", tmp_path / "four", 4, LAYOUTS_4[layout]), tmp_path / "four.yaml")
-    assert_losses_match(losses(four_), losses(one), f"SFT {layout}")
+    assert_losses_match(losses(four_), one_gpu_sft("dense"), f"SFT {layout}")
     rows = run_job(rl_job(assets, "grpo", tmp_path / "grpo", 4, LAYOUTS_4[layout]), tmp_path / "grpo.yaml")
     check_rl(rows, "grpo", dp=2)
     check_ranks_differ(tmp_path / "grpo", dp=2)
@@ -155,12 +171,10 @@ MOE = {"moe_token_dispatcher_type": "alltoall", "use_distributed_optimizer": Tru
 @pytest.mark.parametrize("layout", [{"tensor_model_parallel_size": 2, "expert_model_parallel_size": 2,
                                      "sequence_parallel": True},
                                     {"expert_model_parallel_size": 4}], ids=["tp2_ep2", "ep4"])
-def test_moe_sft_and_grpo_on_four_gpus(assets, tmp_path, layout):
-    one = run_job(supervised_job(assets, "sft", tmp_path / "one", 1, {"moe_token_dispatcher_type": "alltoall"},
-                                 model="moe"), tmp_path / "one.yaml")
+def test_moe_sft_and_grpo_on_four_gpus(assets, one_gpu_sft, tmp_path, layout):
     got = run_job(supervised_job(assets, "sft", tmp_path / "four", 4, {**MOE, **layout}, model="moe"),
                   tmp_path / "four.yaml")
-    assert_losses_match(losses(got), losses(one), f"MoE SFT {layout}")
+    assert_losses_match(losses(got), one_gpu_sft("moe"), f"MoE SFT {layout}")
     rows = run_job(rl_job(assets, "grpo", tmp_path / "grpo", 4, {**MOE, **layout}, model="moe"), tmp_path / "grpo.yaml")
     check_rl(rows, "grpo")
 
