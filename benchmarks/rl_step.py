@@ -3,6 +3,8 @@
 
     python benchmarks/rl_step.py --shape 0.5b --gpus 1,2 --algos grpo,ppo --offload no,yes
     python benchmarks/rl_step.py --shape 1.5b --gpus 1 --algos grpo --offload no --lora-rank 0,16
+    python benchmarks/rl_step.py --shape 7b --gpus 4 --layout tp --algos grpo --offload yes --prompts 16 --n 8 \
+        --response-length 3072 --lengths lognormal --steps 3                  # NeMo-RL's GRPO setting, 4 GPUs
 
 Each case is a real `trinity run` (config validation, HF -> dist checkpoint cache, torchrun, the RL loop)
 on a random-weight Qwen2 of the chosen shape with the tiny local tokenizer (sampled ids beyond its
@@ -13,11 +15,14 @@ benchmark-only EOS schedule of `trinity.rollout.bench_lengths`, through TRINITY_
 lognormal: mean 30% of `--response-length`), so the rollout and the training phases see real length
 variation; `fixed:N` ends every response after N tokens under the same `--response-length` (the same
 token budgets): a fixed-length run with the real tokens of a lognormal one. A comma list runs one case
-each. tokens/s are real (response) tokens, and any `padding/...` metric the phases log is shown.
+each. tokens/s are real (response) tokens, and any `padding/...` metric the phases log is shown. "step
+tokens/s/GPU" counts every token of the step (prompts and responses, through rollout, ref and update) per
+GPU, as NeMo-RL's tables do; the phases' shares of the step follow the table.
 `--token-budget` sets the packed micro batches' tokens (`ppo_max_token_len_per_gpu`,
 `log_prob_max_token_len_per_gpu`; 0: the config's default): N for every role, or A/R for the actor's
 update and the forward-only passes (ref, critic); a comma list, one case each. On 2 GPUs the layout is DP=2 (`--layout tp` for TP=2). The decode floor is
 the bytes of the weights read once per decode step over the copy bandwidth measured in this run; tokens/s are rank 0's.
+With several GPUs `--layout dp` makes every GPU a data-parallel rank and `--layout tp` pairs them (TP=2).
 """
 
 from __future__ import annotations
@@ -45,7 +50,7 @@ def job(model: Path, prompts: Path, out: Path, *, algo: str, gpus: int, layout: 
         lora: int = 0, budget: str = "0") -> dict:
     """`lora` > 0: LoRA adapters of that rank on every linear; the ref is then the actor with its adapters off
     (no ref block, no second model: docs/lora.md)."""
-    par = {"tensor_model_parallel_size": 2} if gpus == 2 and layout == "tp" else {}
+    par = {"tensor_model_parallel_size": 2} if gpus >= 2 and layout == "tp" else {}
     flags = {"param_offload": offload, "grad_offload": offload, "optimizer_offload": offload}
     cfg = {
         "algorithm": {"name": algo, "use_kl_in_reward": algo == "ppo"},
@@ -132,7 +137,8 @@ def main() -> None:
     ap.add_argument("--gpus", default="1,2", help="processes per case (GPUs on cuda)")
     ap.add_argument("--algos", default="grpo,ppo")
     ap.add_argument("--offload", default="no,yes")
-    ap.add_argument("--layout", choices=["dp", "tp"], default="dp", help="2-GPU layout")
+    ap.add_argument("--layout", choices=["dp", "tp"], default="dp",
+                    help="several GPUs: dp (DP = GPUs) or tp (TP=2, DP = GPUs / 2)")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--prompts", type=int, default=16, help="prompts per GPU per step")
     ap.add_argument("--n", type=int, default=4, help="responses per prompt")
@@ -162,7 +168,7 @@ def main() -> None:
         floor_ms = weight_bytes / bw * 1e3  # one decode step reads every weight once
         print(f"lengths {args.lengths}; token budgets {args.token_budget}; shape {args.shape}: {weight_bytes / 2**30:.2f} GiB bf16 weights, copy bandwidth {bw / 1e9:.0f} GB/s, "
               f"decode floor {floor_ms:.3f} ms/step; {args.prompts} prompts x n={args.n} per GPU, "
-              f"{args.response_length} new tokens, {args.layout.upper()} on 2 GPUs", flush=True)
+              f"{args.response_length} new tokens, {args.layout.upper()} on several GPUs", flush=True)
         results = []
         for algo in args.algos.split(","):
             for gpus in (int(g) for g in args.gpus.split(",")):
@@ -188,10 +194,15 @@ def main() -> None:
                         print(summary_path(root / name, args.profile_step, 0).read_text(), flush=True)
                     # Per rank, as the metrics are: DP ranks each decode their prompts with every weight;
                     # TP ranks decode all prompts with half the weights each.
-                    tp = 2 if gpus == 2 and args.layout == "tp" else 1
+                    tp = 2 if gpus >= 2 and args.layout == "tp" else 1
                     floor_tok_s = args.prompts * args.n * tp / (floor_ms / tp / 1e3)
+                    # the whole step's throughput as NeMo-RL reports it: every token of every sequence
+                    # (prompt and response), all phases, per GPU
+                    seqs = args.prompts * gpus * args.n
+                    all_tokens = seqs * (med.get("prompt_length/mean", 0.0) + med.get("response_length/mean", 0.0))
                     results.append({"case": name, "algo": algo, "gpus": gpus, "offload": off, **med,
-                                    "floor_tokens_per_s": floor_tok_s})
+                                    "floor_tokens_per_s": floor_tok_s,
+                                    "step_tokens_per_s_per_gpu": all_tokens / med["step_time_s"] / gpus})
                     print(f"{name}: step {med['step_time_s']:.2f} s, response length mean "
                           f"{med.get('response_length/mean', float('nan')):.0f} max {med.get('response_length/max', float('nan')):.0f}; "
                           f"rollout: {med.get('rollout/decode_steps', 0):.0f} decode steps, "
@@ -201,14 +212,18 @@ def main() -> None:
         if args.json:
             args.json.write_text(json.dumps(results, indent=1))
         print()
-        print("| case | step s | rollout s | ref s | old_logp s | update_actor s | response mean / max | rollout tokens/s | decode-floor tokens/s | % of floor |")
-        print("|---|---|---|---|---|---|---|---|---|---|")
+        print("| case | step s | rollout s | ref s | old_logp s | update_actor s | response mean / max | rollout tokens/s | decode-floor tokens/s | % of floor | step tokens/s/GPU |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
         for r in results:
             tps = r["tokens_per_s/rollout"]
             t = {ph: (f"{r[f'time/{ph}_s']:.2f}" if f"time/{ph}_s" in r else "-") for ph in PHASES}
             print(f"| {r['case']} | {r['step_time_s']:.2f} | {t['rollout']} | {t['ref']} | {t['old_logp']} | {t['update_actor']} | "
                   f"{r.get('response_length/mean', float('nan')):.0f} / {r.get('response_length/max', float('nan')):.0f} | "
-                  f"{tps:.0f} | {r['floor_tokens_per_s']:.0f} | {100 * tps / r['floor_tokens_per_s']:.1f} |")
+                  f"{tps:.0f} | {r['floor_tokens_per_s']:.0f} | {100 * tps / r['floor_tokens_per_s']:.1f} | "
+                  f"{r['step_tokens_per_s_per_gpu']:.0f} |")
+        print("\nShare of the step per phase (medians): " + "; ".join(
+            f"{r['case']}: " + ", ".join(f"{ph} {100 * r[f'time/{ph}_s'] / r['step_time_s']:.0f}%"
+                                         for ph in PHASES if f"time/{ph}_s" in r) for r in results))
 
 
 if __name__ == "__main__":

@@ -334,12 +334,14 @@ class RLRecipe(Recipe):
 
         reward_mean, reward_std = _dp_stats(scores)
         len_mean, _ = _dp_stats(lengths.float())
+        prompt_mean, _ = _dp_stats(ro.prompt_mask.sum(-1).float())
+        len_max = int(collectives.all_reduce(lengths.max().reshape(1), "max", group=_dp_info()[2]).item())
         # verl's name: the share of responses that reached rollout.response_length (cut there unless their
         # last token was an EOS), over all DP ranks
         clipped, _ = _dp_stats((lengths >= cfg.actor_rollout_ref.rollout.response_length).float())
         out.update({
             "reward/mean": reward_mean, "reward/std": reward_std, "response_length/mean": len_mean,
-            "response_length/max": int(lengths.max()), "response_length/clip_ratio": clipped,
+            "response_length/max": len_max, "response_length/clip_ratio": clipped, "prompt_length/mean": prompt_mean,
             "actor/lr": actor.lr(), "actor/warmup": warmup,
         })
         out.update(_logprob_gap(ro.logprobs, old_logp, mask))
