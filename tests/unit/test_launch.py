@@ -45,7 +45,7 @@ def test_run_refuses_more_processes_than_visible_gpus(write_job, small_job, tmp_
     code = run_guarded(lambda: commands.run(path, [f"trainer.output_dir={out}"]), debug=False)
     assert code == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: cluster.nproc_per_node: 2 processes need 2 GPUs, but 1 are visible; lower it to 1"), err
+    assert err.startswith("error: cluster.nproc_per_node: 2 processes need 2 GPUs, but 1 are visible (CUDA_VISIBLE_DEVICES); lower it to 1"), err
     assert not out.exists()  # refused before converting weights or starting a process
 
 
