@@ -26,9 +26,11 @@ def run_guarded(fn: Callable[[], int | None], debug: bool) -> int:
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM / SIGHUP (trinity.launch.stop.interruptible)
+        from trinity.launch.stop import exit_code
+
         print("interrupted", file=sys.stderr)
-        return 130
+        return exit_code(exc)
     except Exception as exc:  # a bug: never hide it, but keep the default output short
         if debug:
             raise

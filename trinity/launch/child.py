@@ -200,29 +200,23 @@ def die_with_parent() -> Any:
     return preexec
 
 
-# Whether a fork of this process now is one of `forks_die_with_this_process`'s (set in its block only).
+# The process that `forks_die_with_this_process` guards now (None outside its block; forks check it).
 _guarded_forks: dict[str, Any] = {"parent": None, "prctl": None, "hooked": False}
 
 
 def _guard_forked_child() -> None:
-    parent = _guarded_forks["parent"]
-    if parent is None:
-        return
-    arm_parent_death(parent, _guarded_forks["prctl"])
-    for s in FORWARDED:  # the parent decides when its writers stop (a terminal's Ctrl-C reaches them too)
-        signal.signal(s, signal.SIG_IGN)
+    if _guarded_forks["parent"] is not None:
+        arm_parent_death(_guarded_forks["parent"], _guarded_forks["prctl"])
 
 
 @contextlib.contextmanager
 def forks_die_with_this_process() -> Iterator[None]:
     """Children forked inside the block (megatron-core's dist-checkpoint writer processes, one per file)
-    die with this process, kill -9 included (`arm_parent_death`), ignore Ctrl-C, SIGTERM and SIGHUP, and
-    are killed when the block ends with an exception (a stop, a failed save).
+    die with this process, kill -9 included (`arm_parent_death`), and are killed when the block ends
+    with an exception (a stop, a failed save).
 
-    Why: a writer killed by the terminal's Ctrl-C never reports to its parent, which then waits on it
-    forever (megatron's write_preloaded_data_multiproc joins a queue only the writers complete): the
-    interrupt that should stop a conversion hung it. And a `trinity convert` killed with -9 mid-save
-    left writers running under PID 1."""
+    Why: a `trinity convert` killed with -9 mid-save left writers running under PID 1, and a save
+    interrupted in this process left its writers to finish files nobody would read."""
     import multiprocessing
 
     if not _guarded_forks["hooked"]:
