@@ -52,7 +52,7 @@ def run(config: Path, overrides: list[str], *, dry_run: bool = False, debug: boo
 def _run(config: Path, overrides: list[str], *, dry_run: bool, debug: bool) -> int:
     from trinity.launch import quiet
     from trinity.launch.lock import acquire, lock_name, prepare_output_dir
-    from trinity.launch.stop import exit_code
+    from trinity.launch.stop import signal_of
     from trinity.launch.torchrun import launch_command, preflight
 
     quiet.install(debug)  # before anything imports megatron-core (weight conversion below)
@@ -77,7 +77,8 @@ def _run(config: Path, overrides: list[str], *, dry_run: bool, debug: bool) -> i
         remove_job_temps(out)  # what a job killed with -9 left
         code = _launch(loaded, out, resolved, cmd, debug, stopped, (lock.fd,) if lock else ())
     except KeyboardInterrupt as exc:  # trinity.launch.stop.Interrupted: before or after the job ran
-        stopped["sig"], code = exit_code(exc) - 128, exit_code(exc)
+        stopped["sig"] = signal_of(exc)
+        code = 128 + stopped["sig"]
     finally:
         # Every process of the job has ended (supervise() waits for its process group): what they
         # were writing when they were stopped is stale. Only with the folder's lock held.

@@ -27,10 +27,10 @@ def run_guarded(fn: Callable[[], int | None], debug: bool) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM / SIGHUP (trinity.launch.stop.interruptible)
-        from trinity.launch.stop import exit_code
+        from trinity.launch.stop import signal_of
 
         print("interrupted", file=sys.stderr)
-        return exit_code(exc)
+        return 128 + signal_of(exc)
     except Exception as exc:  # a bug: never hide it, but keep the default output short
         if debug:
             raise

@@ -27,9 +27,9 @@ class Interrupted(KeyboardInterrupt):
         self.signum = signum
 
 
-def exit_code(exc: KeyboardInterrupt) -> int:
-    """128 + the signal that stopped the process (a plain KeyboardInterrupt: SIGINT)."""
-    return 128 + getattr(exc, "signum", int(signal.SIGINT))
+def signal_of(exc: KeyboardInterrupt) -> int:
+    """The signal that stopped the process (a plain KeyboardInterrupt: SIGINT); it exits with 128 + it."""
+    return getattr(exc, "signum", int(signal.SIGINT))
 
 
 @contextlib.contextmanager
