@@ -149,32 +149,61 @@ def test_a_signal_stops_every_stage(workdir, stage, sig):
         assert "exported HF model" not in text and not (out / "hf").exists(), text[-3000:]
 
 
+def _threads(pid: int) -> int:
+    import psutil
+
+    try:
+        return psutil.Process(pid).num_threads()
+    except psutil.Error:
+        return 0
+
+
+def _writers(cli: int) -> list[int]:
+    """The conversion process below the CLI and the checkpoint writers it forked, once there are writers."""
+    import psutil
+
+    for p in psutil.Process(cli).children(recursive=True):
+        try:
+            if "-m trinity.convert.worker " in " ".join(p.cmdline()):
+                writers = p.children()
+                return [p.pid, *(w.pid for w in writers)] if writers else []
+        except psutil.Error:
+            pass
+    return []
+
+
 def test_a_killed_convert_takes_its_processes_along_and_its_folder_goes_at_the_next_start(workdir):
-    """kill -9 of `trinity convert` while it writes: its conversion process and megatron-core's writer
-    processes die with it (parent-death signals); the `.<output>.tmp-*` folder it leaves is removed when
-    the next `trinity convert` into that output starts."""
+    """kill -9 of `trinity convert` while megatron-core's writer processes write: the conversion process
+    and the writers die with it (parent-death signals; they are stopped with SIGSTOP first, so only a
+    SIGKILL ends them), and the `.<output>.tmp-*` folder left is removed when the next `trinity convert`
+    into that output starts."""
     out = workdir / "converted"
     argv = [sys.executable, "-m", "trinity.cli.main", "convert", "hf-to-mcore", "--hf-path", str(workdir / "model"),
             "-o", str(out), "--dtype", "fp32"]
     log = workdir / "convert_kill9.out"
     with log.open("w") as console:
         cli = subprocess.Popen(argv, cwd=REPO, stdin=subprocess.DEVNULL, stdout=console, stderr=subprocess.STDOUT)
-    procs: dict[int, int] = {}
+    procs: list[int] = []
     try:
-        _wait(lambda: any(p.name.startswith(".converted.tmp-") for p in workdir.iterdir()), "the temporary folder",
-              cli, log)
-        procs = _job_processes(cli.pid)
+        _wait(lambda: bool(_writers(cli.pid)), "the checkpoint writer processes", cli, log, poll_s=0.002)
+        procs = _writers(cli.pid)
+        # A writer arms its parent-death signal in its at-fork hooks, right after the one that starts its
+        # watchdog thread: stopped before, it could never be killed by it (the real one runs on at once).
+        _wait(lambda: all(_threads(pid) != 1 for pid in procs[1:]), "the writers' at-fork hooks", cli, log)
+        time.sleep(0.05)
+        for pid in procs:
+            os.kill(pid, signal.SIGSTOP)
         cli.kill()
         cli.wait(timeout=30)
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 10
         while any(_alive(p) for p in procs) and time.monotonic() < deadline:
             time.sleep(0.05)
+        left = [pid for pid in procs if _alive(pid)]
     finally:
         for pid in procs:
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
-    left = [pid for pid in procs if _alive(pid)]
-    assert not left, f"processes outlived the killed convert: {_describe(left)}"
+    assert len(procs) >= 2 and not left, f"processes outlived the killed convert: {_describe(left)}"
     stale = [p for p in workdir.iterdir() if p.name.startswith(".converted.tmp-")]
     assert len(stale) == 1 and not out.exists(), (stale, log.read_text()[-3000:])
 
