@@ -200,11 +200,11 @@ def test_cli_api_tp2_writes_per_rank_shards(tmp_path, capfd):
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_failed_torchrun_job_quotes_the_other_ranks_logs(tmp_path):
-    from trinity.convert.api import _torchrun
+    from trinity.convert.api import conversion_job
 
     # Arguments the worker cannot take: every rank dies with a TypeError (an internal error).
     with pytest.raises(RuntimeError, match=r"(?s)conversion job failed.*--- rank 1 stderr ---.*TypeError.*bogus"):
-        _torchrun(2, {"bogus": 1})
+        conversion_job(2, {"bogus": 1, "output": str(tmp_path / "out")})
 
 
 if __name__ == "__main__":  # torchrun entry; the dist-checkpoint writer re-imports __main__

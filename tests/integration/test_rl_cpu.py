@@ -210,8 +210,8 @@ def test_failing_user_reward_is_a_clean_error_naming_the_sample(assets, tmp_path
 
     code, text = trinity_run()
     assert code == 2, (code, text[-3000:])
-    found = re.search(rf"reward function {re.escape(str(reward))}:score failed on sample (\d+) \(response '.*'\): "
-                      rf"ValueError: cannot score answer {re.escape(bad)}", text)
+    found = re.search(rf"reward function {re.escape(str(reward))}:score failed on sample (\d+) \(prompt '.*', "
+                      rf"response '.*'\): ValueError: cannot score answer {re.escape(bad)}", text)
     assert found and 0 <= int(found.group(1)) < 8, text[-3000:]
     assert "error (rank 0)" in text
     assert "Traceback" not in text and "ChildFailedError" not in text, text[-3000:]
@@ -221,3 +221,12 @@ def test_failing_user_reward_is_a_clean_error_naming_the_sample(assets, tmp_path
     # and the worker's line stay the same
     code, text = trinity_run("--debug")
     assert code == 2 and "Traceback" in text and found.group(0) in text, (code, text[-3000:])
+    # reward.on_error: zero: the job trains; the bad prompt's 2 samples score 0 in each step, counted in
+    # reward/errors, with one warning per step
+    code, text = trinity_run("reward.on_error=zero")
+    assert code == 0, text[-3000:]
+    assert [r["reward/errors"] for r in rows(tmp_path / "run")] == [2, 2]
+    warnings = re.findall(rf"warning: reward function {re.escape(str(reward))}:score failed on 2 of 8 samples this "
+                          rf"step, scored 0 \(reward.on_error: zero\); the first: reward function .* failed on sample "
+                          rf"\d+ \(prompt .*\): ValueError: cannot score answer {re.escape(bad)}", text)
+    assert len(warnings) == 2, text[-3000:]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -18,6 +19,7 @@ from trinity.rollout.rewards import (
     normalize_answer,
     reward_fn_from_config,
 )
+from trinity.rollout.reward_process import RewardResult
 
 
 def test_extractors():
@@ -113,17 +115,118 @@ def test_user_function_loads_and_scores(user_module):
     assert by_path(["p"], ["ab"], [None]) == [0.2]
 
 
-def test_user_function_error_names_sample(user_module):
-    fn = load_reward_fn("my_rewards:fragile")
-    with pytest.raises(UserError, match=r"my_rewards:fragile failed on sample 1 \(response 'abc'\): ZeroDivisionError"):
-        fn(["p"] * 3, ["abcdef", "abc", "abcd"], [None] * 3)
+# --- the job's rewards: a worker process with a deadline (trinity.rollout.reward_process) ---
+
+MIXED = """
+import math, time
+
+def mixed(prompts, responses, answers):
+    out = []
+    for r in responses:
+        if r == "hang":
+            while True:
+                time.sleep(0.01)
+        if r == "raise":
+            raise ValueError("cannot score " + r)
+        out.append({"abc": "abc", "nan": math.nan, "inf": math.inf}.get(r, len(r)))
+    return out
+"""
+
+
+def _guard(user_module, on_error: str):
+    from trinity.rollout.reward_process import GuardedReward
+
+    (user_module / "mixed_rewards.py").write_text(MIXED)
+    return GuardedReward(RewardConfig(function="mixed_rewards:mixed", timeout_s=0.5, on_error=on_error))
+
+
+def _line(what: str, i: int, response: str, detail: str = "") -> str:
+    line = f"reward function mixed_rewards:mixed {what} sample {i} (prompt 'p{i}', response {response!r})"
+    return line + (f": {detail}" if detail else "")
+
+
+def test_failing_samples_stop_the_job_with_one_line(user_module):
+    """on_error: fail (the default): a reward that never returns is cut at its deadline (timeout_s per
+    sample, then the samples alone), one that raises or returns no finite number is named at once."""
+    guard = _guard(user_module, "fail")
+    try:
+        cases = [
+            (["ok", "hang", "abcd"], _line("took longer than 0.5 s (reward.timeout_s: 0.5 per sample) on", 1, "hang")),
+            (["ok", "ok", "raise"], _line("failed on", 2, "raise", "ValueError: cannot score raise")),
+            (["abc", "ok"], _line("returned a non-number ('abc') for", 0, "abc")),
+            (["ok", "nan"], _line("returned nan for", 1, "nan")),
+            (["inf"], _line("returned inf for", 0, "inf")),
+        ]
+        for responses, line in cases:
+            prompts = [f"p{i}" for i in range(len(responses))]
+            with pytest.raises(UserError) as caught:
+                guard.score(prompts, responses, [None] * len(responses))
+            assert str(caught.value) == line
+        # the worker stuck in the endless loop was replaced: the next batch scores as usual
+        assert guard.score(["p0", "p1"], ["ab", "abcd"], [None, None]).scores == [2.0, 4.0]
+    finally:
+        guard.close()
+
+
+def test_failing_samples_score_zero_with_their_lines(user_module):
+    """on_error: zero: exactly one score per sample, 0 for each failing one, whose line is returned."""
+    guard = _guard(user_module, "zero")
+    try:
+        responses = ["ab", "hang", "raise", "abc", "nan", "abcd"]
+        started = time.monotonic()
+        result = guard.score([f"p{i}" for i in range(6)], responses, [None] * 6)
+        took = time.monotonic() - started
+    finally:
+        guard.close()
+    assert result.scores == [2.0, 0.0, 0.0, 0.0, 0.0, 4.0]
+    assert result.errors == [
+        _line("took longer than 0.5 s (reward.timeout_s: 0.5 per sample) on", 1, "hang"),
+        _line("failed on", 2, "raise", "ValueError: cannot score raise"),
+        _line("returned a non-number ('abc') for", 3, "abc"),
+        _line("returned nan for", 4, "nan"),
+    ]
+    assert took < 60, took  # the batch's 6 x 0.5 s, the sample's 0.5 s, and restarts: not a hang
+
+
+def test_guarded_scores_are_the_functions_own(user_module):
+    """The normal path: the same scores as the function called in this process, also for a built-in."""
+    from trinity.rollout.reward_process import GuardedReward
+
+    responses, answers = [r"\boxed{19.0}", "18", "so 19", "19 then 20"], ["19"] * 4
+    spec = RewardConfig(function="math_exact_match", extractor="boxed")
+    builtin = GuardedReward(spec)
+    user = GuardedReward(RewardConfig(function="my_rewards:length_reward"))
+    try:
+        assert builtin.score(["p"] * 4, responses, answers).scores == load_reward_fn(
+            "math_exact_match", extractor="boxed")(["p"] * 4, responses, answers) == [1.0, 0.0, 0.0, 0.0]
+        assert user.score(["p", "q"], ["abcde", ""], ["x", None]) == RewardResult([0.5, 0.0], [])
+        # a built-in's UserError is the data's problem, never a sample to score 0
+        with pytest.raises(UserError, match="sample 1 has no reference answer"):
+            GuardedReward(spec.model_copy(update={"on_error": "zero"}))(["p", "q"], ["1", "2"], ["1", None])
+    finally:
+        builtin.close()
+        user.close()
 
 
 def test_user_function_bad_outputs(user_module):
-    with pytest.raises(UserError, match="must return a list of 2 floats, got 1 values"):
-        load_reward_fn("my_rewards:wrong_count")(["p"] * 2, ["a", "b"], [None] * 2)
-    with pytest.raises(UserError, match="non-number for sample 0: 'high'"):
-        load_reward_fn("my_rewards:not_numbers")(["p"], ["a"], [None])
+    from trinity.rollout.reward_process import GuardedReward
+
+    guard = GuardedReward(RewardConfig(function="my_rewards:wrong_count"))
+    try:
+        with pytest.raises(UserError, match="must return a list of 2 floats, got 1 values"):
+            guard(["p"] * 2, ["a", "b"], [None] * 2)
+    finally:
+        guard.close()
+    with pytest.raises(UserError, match="reward function my_rewards:missing: module my_rewards has no attribute"):
+        GuardedReward(RewardConfig(function="my_rewards:missing"))
+
+
+@pytest.mark.parametrize("value", [0, -1, float("inf"), float("nan")])
+def test_timeout_must_be_positive_and_finite(value):
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="timeout_s"):
+        RewardConfig(timeout_s=value)
 
 
 @pytest.mark.parametrize(

@@ -42,13 +42,23 @@ def schema() -> str:
 
 def run(config: Path, overrides: list[str], *, dry_run: bool = False, debug: bool = False, force: bool = False) -> int:
     """`force`: write into an output folder that holds files no trinity run wrote (trinity.launch.ownership)."""
+    from trinity.launch.stop import interruptible
+
+    # Ctrl-C, SIGTERM and SIGHUP stop every stage the same way: the conversion and the launch's
+    # preparations here, the job itself through supervise(), which forwards them.
+    with interruptible():
+        return _run(config, overrides, dry_run=dry_run, debug=debug, force=force)
+
+
+def _run(config: Path, overrides: list[str], *, dry_run: bool, debug: bool, force: bool) -> int:
     import time
 
     from trinity.launch import quiet
-    from trinity.launch.failures import disk_errors, job_failure_line
+    from trinity.launch.failures import job_failure_line
     from trinity.launch.lock import acquire, lock_name, prepare_output_dir
-    from trinity.launch.ownership import check_ownership, mark_run
-    from trinity.launch.torchrun import launch_command, preflight, supervise, worker_env
+    from trinity.launch.ownership import check_ownership
+    from trinity.launch.stop import signal_of
+    from trinity.launch.torchrun import launch_command, preflight
 
     quiet.install(debug)  # before anything imports megatron-core (weight conversion below)
     loaded = load_config(config, overrides)
@@ -69,24 +79,20 @@ def run(config: Path, overrides: list[str], *, dry_run: bool = False, debug: boo
     name = lock_name(cfg.cluster)
     lock = acquire(out, name) if name else None
     started = time.time()
+    stopped: dict[str, int | None] = {"sig": None}
     try:
-        with disk_errors(out):
-            mark_run(out)
-            prepare_weights(loaded, out)
-            before = _run_record(out)
-            write_resolved(cfg, resolved)
-        print("command: " + shlex.join(cmd), flush=True)
-        stopped: dict[str, int | None] = {}
-        code = supervise(cmd, env=worker_env(os.environ, sys.stdout, debug=debug), debug=debug,
-                         pass_fds=(lock.fd,) if lock else (), stopped=stopped)
-        if code == UserError.exit_code and before["config"] is not None and _run_record(out)["trained"] == before["trained"]:
-            # The workers refused the job (e.g. its checkpoint to resume from) before it trained a
-            # step: the folder's record stays the previous job's, not the config of a job that never ran.
-            resolved.write_bytes(before["config"])
+        remove_job_temps(out)  # what a job killed with -9 left
+        code = _launch(loaded, out, resolved, cmd, debug, stopped, (lock.fd,) if lock else ())
+    except KeyboardInterrupt as exc:  # trinity.launch.stop.Interrupted: before or after the job ran
+        stopped["sig"] = signal_of(exc)
+        code = 128 + stopped["sig"]
     finally:
+        # Every process of the job has ended (supervise() waits for its process group): what they
+        # were writing when they were stopped is stale. Only with the folder's lock held.
+        remove_job_temps(out)
         if lock is not None:
             lock.release()
-    if stopped.get("sig") is not None:
+    if stopped["sig"] is not None:
         try:
             print(interrupted_message(out), flush=True)
         except OSError:  # SIGHUP: the terminal is gone, and with it the reader of this line
@@ -94,6 +100,38 @@ def run(config: Path, overrides: list[str], *, dry_run: bool = False, debug: boo
     elif code != 0:
         print(job_failure_line(out, code, since=started), flush=True)
     return code
+
+
+def _launch(loaded: LoadedConfig, out: Path, resolved: Path, cmd: list[str], debug: bool,
+            stopped: dict[str, int | None], pass_fds: tuple[int, ...]) -> int:
+    """Convert the weights if needed, write the resolved config and run the job (`pass_fds`: the output
+    folder's lock, held by the job's processes too); its exit code."""
+    from trinity.launch.failures import disk_errors
+    from trinity.launch.ownership import mark_run
+    from trinity.launch.torchrun import supervise, worker_env
+
+    with disk_errors(out):
+        mark_run(out)
+        prepare_weights(loaded, out, debug=debug)
+        before = _run_record(out)
+        write_resolved(loaded.config, resolved)
+    print("command: " + shlex.join(cmd), flush=True)
+    code = supervise(cmd, env=worker_env(os.environ, sys.stdout, debug=debug), debug=debug,
+                     pass_fds=pass_fds, stopped=stopped)
+    if code == UserError.exit_code and before["config"] is not None and _run_record(out)["trained"] == before["trained"]:
+        # The workers refused the job (e.g. its checkpoint to resume from) before it trained a
+        # step: the folder's record stays the previous job's, not the config of a job that never ran.
+        resolved.write_bytes(before["config"])
+    return code
+
+
+def remove_job_temps(out: Path) -> list[Path]:
+    """Remove the temporary folders that stopped or killed processes of this host left in the output
+    folder: checkpoints (`checkpoints/`), the HF export, the weight conversion (`mcore_cache/`)."""
+    from trinity.convert.outdir import remove_temps, stale_temps
+
+    folders = [out, *(p for p in out.iterdir() if p.is_dir() and not p.name.startswith("."))] if out.is_dir() else []
+    return remove_temps([t for folder in folders for t in stale_temps(folder)])
 
 
 def _run_record(out: Path) -> dict:
@@ -127,7 +165,7 @@ def write_resolved(cfg: JobConfig, path: Path) -> None:
     tmp.replace(path)
 
 
-def prepare_weights(loaded: LoadedConfig, out: Path) -> None:
+def prepare_weights(loaded: LoadedConfig, out: Path, *, debug: bool = False) -> None:
     """The seeds' convert-then-launch flow: roles whose weight source is the HF folder
     (`trinity.config.weights.weight_source`) get a dist checkpoint converted from it, cached under <output_dir>/mcore_cache/<fingerprint>
     and reused while the source is unchanged."""
@@ -143,19 +181,22 @@ def prepare_weights(loaded: LoadedConfig, out: Path) -> None:
     cache = out / "mcore_cache" / source_fingerprint(src)
     if not (cache / "trinity_meta.json").is_file():
         from trinity.convert.api import hf_to_mcore
+        from trinity.convert.outdir import temp_sibling
 
         dtype = cfg.model.dtype if cfg.model.dtype != "auto" else ("fp32" if cfg.cluster.device == "cpu" else "bf16")
         print(f"converting {src} to a megatron-core checkpoint in {cache} (cached for later runs)", flush=True)
         # Each node converts into its own folder and renames it into place: on a shared output_dir the
         # first node to finish wins and the others drop their copy (a rename never replaces a non-empty
         # folder), so no node reads a checkpoint another is still writing or replacing.
-        build = cache.with_name(f".{cache.name}.build-{socket.gethostname()}-{os.getpid()}")
-        hf_to_mcore(str(src), str(build), dtype=dtype, force=True)
+        # One killed with -9 leaves its build folder to the next run's `remove_job_temps`.
+        build = temp_sibling(cache, "build")
         try:
+            hf_to_mcore(str(src), str(build), dtype=dtype, force=True, isolate=True, debug=debug)
             os.rename(build, cache)
         except OSError:
             if not (cache / "trinity_meta.json").is_file():
                 raise
+        finally:
             shutil.rmtree(build, ignore_errors=True)
     else:
         print(f"using the cached megatron-core checkpoint {cache}", flush=True)
@@ -182,12 +223,13 @@ def convert_hf_to_mcore(hf_path: Path, output: Path, *, debug: bool = False, **k
 
     quiet.install(debug)  # before megatron-core is imported
     from trinity.convert.api import hf_to_mcore
-
     from trinity.launch.failures import disk_errors
+    from trinity.launch.stop import interruptible
 
     _require_dir(hf_path, "--hf-path")
-    with disk_errors(output):
-        report = hf_to_mcore(str(hf_path), str(output), **kwargs)
+    # the conversion's child processes are stopped as a job's (conversion_job)
+    with interruptible(), disk_errors(output):
+        report = hf_to_mcore(str(hf_path), str(output), isolate=True, debug=debug, **kwargs)
     print(report)
     return 0
 
@@ -197,11 +239,11 @@ def convert_mcore_to_hf(mcore_path: Path, output: Path, *, debug: bool = False, 
 
     quiet.install(debug)  # before megatron-core is imported
     from trinity.convert.api import mcore_to_hf
-
     from trinity.launch.failures import disk_errors
+    from trinity.launch.stop import interruptible
 
     _require_dir(mcore_path, "--mcore-path")
-    with disk_errors(output):
+    with interruptible(), disk_errors(output):  # SIGTERM and SIGHUP too unwind: the temporary folder goes
         report = mcore_to_hf(str(mcore_path), str(output), **kwargs)
     print(report)
     return 0

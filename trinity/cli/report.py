@@ -26,9 +26,11 @@ def run_guarded(fn: Callable[[], int | None], debug: bool) -> int:
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM / SIGHUP (trinity.launch.stop.interruptible)
+        from trinity.launch.stop import signal_of
+
         print("interrupted", file=sys.stderr)
-        return 130
+        return 128 + signal_of(exc)
     except BaseException as exc:  # torch's CheckpointException (a full disk under it) is a BaseException
         from trinity.launch.failures import disk_error, disk_error_message
 

@@ -1,7 +1,8 @@
 """`trinity convert` as plain functions: HF -> megatron-core dist checkpoint and back.
 
-World size 1 runs in this process; `tp * pp * ep > 1` runs the same code as a torchrun job (gloo on
-CPU, nccl on GPU) in which every rank loads only its slice and writes its own shards.
+World size 1 runs in this process (in a child process for the CLI); `tp * pp * ep > 1` runs the same
+code as a torchrun job (gloo on CPU, nccl on GPU) in which every rank loads only its slice and writes
+its own shards.
 """
 
 from __future__ import annotations
@@ -10,7 +11,6 @@ import json
 import math
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -146,8 +146,14 @@ def hf_to_mcore(
     verify: bool = False,
     force: bool = False,
     device: str = "auto",
+    isolate: bool = False,
+    debug: bool = False,
 ) -> ConvertReport:
-    """Convert an HF folder into a megatron-core dist checkpoint (loadable by any TP/PP/VPP/EP)."""
+    """Convert an HF folder into a megatron-core dist checkpoint (loadable by any TP/PP/VPP/EP).
+
+    World size 1 runs in this process, unless `isolate`: the CLI's conversions run in a child process
+    (`conversion_job`), which a Ctrl-C, SIGTERM or SIGHUP stops at once (`Interrupted` raised here);
+    `debug` keeps the third-party warnings there (trinity.launch.quiet)."""
     if backend not in BACKENDS:
         raise UserError(f"--backend: {backend!r} is not one of {', '.join(BACKENDS)}")
     torch_dtype(dtype)
@@ -163,12 +169,12 @@ def hf_to_mcore(
                 vpp=vpp, ep=ep, backend=backend, dtype=dtype, force=force, device=device)
     start = time.perf_counter()
     world = tp * pp * ep
-    if world == 1:
+    if world == 1 and not isolate:
         from trinity.convert.jobs import run_hf_to_mcore
 
         report = run_hf_to_mcore(**args)
     else:
-        report = _torchrun(world, args)
+        report = conversion_job(world, args, debug=debug)
     report.seconds = time.perf_counter() - start
     if verify:
         from trinity.convert.jobs import verify_mcore_against_hf
@@ -207,13 +213,24 @@ def mcore_to_hf(
     )
 
 
-def _torchrun(world: int, args: dict[str, Any]) -> ConvertReport:
-    """Run the conversion as `world` ranks; rank 0 leaves its report (or the user error) in a file.
+def conversion_job(world: int, args: dict[str, Any], *, debug: bool = False) -> ConvertReport:
+    """Run the conversion in child processes (`trinity.convert.worker`): one for world size 1, else
+    `world` ranks under torchrun; rank 0 leaves its report (or the user error) in a file.
+
+    The children are supervised as a training job is (trinity.launch.torchrun.supervise): Ctrl-C,
+    SIGTERM and SIGHUP stop them (this process then raises `Interrupted`), and they die with this
+    process, kill -9 included. In this process the interrupt would have to land in Python code, and
+    while megatron-core forks its checkpoint writers it lands in an at-fork hook, where Python drops it:
+    a Ctrl-C during `converting ...` let the job train to the end. Whatever the stopped children were
+    writing (the output's temporary sibling) is removed once they are gone.
 
     Rank 0 (and the launcher) write straight to this process's stdout/stderr, so its progress shows in
     the user's terminal; the other ranks' output goes to log files whose ends the error message quotes.
     """
     import trinity
+    from trinity.convert.outdir import remove_stale_siblings
+    from trinity.launch.stop import Interrupted
+    from trinity.launch.torchrun import supervise
 
     with tempfile.TemporaryDirectory(prefix="trinity-convert-") as tmp:
         args_path = Path(tmp) / "args.json"
@@ -224,18 +241,27 @@ def _torchrun(world: int, args: dict[str, Any]) -> ConvertReport:
         root = str(Path(trinity.__file__).resolve().parent.parent)
         env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
         env.setdefault("OMP_NUM_THREADS", "1")
-        redirects = ",".join(f"{r}:3" for r in range(1, world))  # 3 = stdout and stderr; rank 0 not redirected
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
-               f"--log-dir={log_dir}", f"--redirects={redirects}", "-m", "trinity.convert.worker", str(args_path)]
+        env["TRINITY_DEBUG"] = "1" if debug else "0"
+        cmd = [sys.executable, "-m", "trinity.convert.worker", str(args_path)]
+        if world > 1:
+            redirects = ",".join(f"{r}:3" for r in range(1, world))  # 3 = stdout and stderr; rank 0 not redirected
+            cmd[1:2] = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
+                        f"--log-dir={log_dir}", f"--redirects={redirects}", "-m"]
         sys.stdout.flush()
         sys.stderr.flush()
-        proc = subprocess.run(cmd, env=env)
+        stopped: dict[str, Any] = {}
+        try:
+            code = supervise(cmd, env=env, debug=True, stopped=stopped)  # debug: stderr passed on whole
+        finally:
+            remove_stale_siblings(args["output"])  # the stopped children's temporary folder
+        if stopped.get("sig") is not None:
+            raise Interrupted(stopped["sig"])
         result = json.loads(report_path.read_text()) if report_path.is_file() else {}
         if "error" in result:
             raise UserError(result["error"])
-        if proc.returncode != 0 or "report" not in result:
+        if code != 0 or "report" not in result:
             raise RuntimeError(
-                f"conversion job failed (exit {proc.returncode}; rank 0's output is above)\n{rank_logs(log_dir)}"
+                f"conversion job failed (exit {code}; rank 0's output is above)\n{rank_logs(log_dir)}"
             )
         return ConvertReport(**result["report"])
 

@@ -32,6 +32,7 @@ from trinity.convert.hf_io import copy_side_files
 from trinity.convert.outdir import check_output, publish, temp_sibling
 from trinity.distributed import collectives
 from trinity.errors import UserError
+from trinity.launch.child import forks_die_with_this_process
 from trinity.models.build import unwrap
 
 META = "trinity_meta.json"
@@ -261,7 +262,8 @@ def save_model_checkpoint(
         state: dict[str, Any] = {"model": flat, "extra": dict(extra_common or {})}
         if optimizer is not None:
             state["optimizer"] = optimizer.sharded_state_dict(flat)
-        dist_checkpointing.save(state, str(tmp), sharded_strategy=_save_strategy())
+        with forks_die_with_this_process():  # megatron's writer processes: none may outlive a stop
+            dist_checkpointing.save(state, str(tmp), sharded_strategy=_save_strategy())
         _barrier()
         if _rank() == 0:
             _write_meta(tmp, models, hf_dir, meta, has_optimizer=optimizer is not None)

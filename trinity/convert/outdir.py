@@ -1,10 +1,11 @@
 """Atomic output folders: write into a temporary sibling, rename at the end, leave nothing on failure.
 
 Temporary siblings are named `.<name>.tmp-<host>-<pid>-<random>` (and `.<name>.old-<host>-<pid>-<random>`
-for a folder being replaced), so that a conversion killed before it could clean up (kill -9, OOM, a
-lost node) is recognised later: `check_output` removes the siblings of the same output that this host
-made from processes that no longer exist. Other hosts' siblings (shared filesystems) and live
-processes' are never touched.
+for a folder being replaced, `.<name>.build-...` for `trinity run`'s conversion), so that a conversion
+killed before it could clean up (kill -9, OOM, a lost node) is recognised later: `check_output` removes
+the siblings of the same output that this host made from processes that no longer exist, and
+`trinity run` those in its output folder (`stale_temps`). Other hosts' siblings (shared filesystems)
+and live processes' are never touched.
 """
 
 from __future__ import annotations
@@ -31,40 +32,52 @@ def temp_sibling(out: Path, kind: str = "tmp") -> Path:
     return out.parent / f".{out.name}.{kind}-{_host()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, owned by someone else
-        return True
-    return True
+# `.<name>.<kind>-<host>-<pid>-<8 hex>`; <name> may itself be a temporary's (a conversion into a build folder)
+_TEMP = re.compile(r"^\.(?P<name>.+)\.(?:tmp|old|build)-(?P<host>[A-Za-z0-9_.]+)-(?P<pid>\d+)-[0-9a-f]{8}$")
 
 
-def stale_siblings(out: str | Path) -> list[Path]:
-    """Temporary siblings of `out` left by dead processes of this host (our naming pattern only)."""
-    out = Path(out).resolve()
-    if not out.parent.is_dir():
+def _owner_alive(pid: int) -> bool:
+    from trinity.launch.child import alive
+
+    return pid == os.getpid() or alive(pid)
+
+
+def stale_temps(folder: str | Path) -> list[Path]:
+    """Temporary folders (our naming pattern only) in `folder` left by dead processes of this host.
+    Other hosts' (a shared filesystem) and live processes' are never included: a conversion running
+    beside us may be writing them."""
+    folder = Path(folder)
+    if not folder.is_dir():
         return []
-    pattern = re.compile(rf"^\.{re.escape(out.name)}\.(?:tmp|old)-(?P<host>[A-Za-z0-9_.]+)-(?P<pid>\d+)-[0-9a-f]{{8}}$")
     stale = []
-    for p in out.parent.iterdir():
-        m = pattern.match(p.name)
-        if m and m["host"] == _host() and int(m["pid"]) != os.getpid() and not _pid_alive(int(m["pid"])):
+    for p in folder.iterdir():
+        m = _TEMP.match(p.name)
+        if m and m["host"] == _host() and not _owner_alive(int(m["pid"])):
             stale.append(p)
     return sorted(stale)
 
 
-def remove_stale_siblings(out: str | Path) -> list[Path]:
-    """Remove what `stale_siblings` finds; returns the removed paths."""
+def stale_siblings(out: str | Path) -> list[Path]:
+    """The `stale_temps` of the output `out` itself (`.<out name>.tmp-...`), beside it."""
+    out = Path(out).resolve()
+    return [p for p in stale_temps(out.parent) if _TEMP.match(p.name)["name"] == out.name]  # type: ignore[index]
+
+
+def remove_temps(paths: Iterable[Path]) -> list[Path]:
+    """Remove `paths` (folders or files); returns them."""
     removed = []
-    for p in stale_siblings(out):
+    for p in paths:
         if p.is_dir() and not p.is_symlink():
             shutil.rmtree(p, ignore_errors=True)
         else:
             p.unlink(missing_ok=True)
         removed.append(p)
     return removed
+
+
+def remove_stale_siblings(out: str | Path) -> list[Path]:
+    """Remove what `stale_siblings` finds; returns the removed paths."""
+    return remove_temps(stale_siblings(out))
 
 
 def check_not_overlapping(output: str | Path, sources: Iterable[str | Path], *, inside_ok: bool = False) -> None:

@@ -1,7 +1,8 @@
-"""torchrun entry of a multi-rank conversion: `python -m trinity.convert.worker ARGS.json`.
+"""A conversion's child process, `python -m trinity.convert.worker ARGS.json`: each rank of a multi-rank
+conversion under torchrun, or the one process of the CLI's conversions (`trinity.convert.api.conversion_job`).
 
 Rank 0's output reaches the user's terminal (progress bar included); the other ranks' goes to
-torchrun's log files (see `trinity.convert.api._torchrun`). Rank 0 writes `{"report": ...}` or
+torchrun's log files. Rank 0 writes `{"report": ...}` or
 `{"error": "<user error>"}` to the report path named in ARGS.json; the parent
 (`trinity.convert.api`) turns it back into a ConvertReport or a UserError.
 """
@@ -15,6 +16,11 @@ from pathlib import Path
 
 
 def main(argv: list[str]) -> int:
+    from trinity.launch import child
+
+    # the known third-party warnings hidden (unless --debug); ranks under torchrun end when the CLI that
+    # started them is gone (kill -9)
+    child.setup()
     spec = json.loads(Path(argv[0]).read_text())
     report_path = Path(spec["report"])
     rank = int(os.environ.get("RANK", "0"))
@@ -22,7 +28,7 @@ def main(argv: list[str]) -> int:
     from trinity.convert.jobs import run_hf_to_mcore
     from trinity.errors import UserError
 
-    if rank == 0:
+    if rank == 0 and spec.get("world", 1) > 1:
         a = spec["args"]
         print(
             f"rank 0 of {spec.get('world', '?')}: converting {a.get('hf_path')} with TP={a.get('tp')} PP={a.get('pp')} "

@@ -10,12 +10,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
 import threading
 import time
-from typing import Any
+from typing import Any, Iterator
 
 from trinity.launch import quiet
 
@@ -48,6 +49,36 @@ def _identity(pid: int) -> str | None:
     if fields[0] in ("Z", "X"):
         return None
     return fields[19]  # field 22 of stat: starttime
+
+
+def alive(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie does not: it writes and holds nothing any more)."""
+    return _identity(pid) is not None
+
+
+def group_alive(pgid: int) -> bool:
+    """Whether a process of process group `pgid` runs, zombies aside (Linux /proc; elsewhere: any member)."""
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass
+        return True
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", encoding="ascii", errors="replace") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[2] == str(pgid) and fields[0] not in ("Z", "X"):  # fields 3 and 5 of stat: state, pgrp
+            return True
+    return False
 
 
 def start_watchdog(environ: dict[str, str] | None = None) -> threading.Thread | None:
@@ -123,30 +154,85 @@ FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _PR_SET_PDEATHSIG = 1
 
 
-def die_with_parent() -> Any:
-    """A preexec_fn that has the kernel send SIGKILL to the child when its parent dies, even by kill -9
-    (Linux prctl PR_SET_PDEATHSIG); None where that does not exist. `trinity run` gives it to the
-    launcher (trinity.launch.torchrun.supervise), trinity.launch.single to its worker.
-
-    The signal fires when the *thread* that forked the child ends, not the process: supervise() and
-    trinity.launch.single run in the main thread (signal handlers need it), which only ends with the process. SIGKILL, not
-    SIGTERM: torchrun's SIGTERM path (stop the workers, wait for them, write to a stderr nobody reads
-    any more) was seen to outlive the CLI by over 30 s under load, while a SIGKILL cannot be caught or
-    hang. The workers then stop by themselves: trinity.launch.child's watchdog in every worker ends it
-    within a second of `trinity run`'s death."""
+def _prctl() -> Any:
+    """Linux's prctl through ctypes, None elsewhere. Resolved before a fork: nothing to load after it."""
     if not sys.platform.startswith("linux"):
         return None
     try:
         import ctypes
 
-        prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved here: nothing to load after fork
+        return ctypes.CDLL(None, use_errno=True).prctl
     except (OSError, AttributeError):
+        return None
+
+
+def arm_parent_death(parent: int, prctl: Any = None) -> None:
+    """In a child of `parent`: have the kernel SIGKILL this process when its parent dies, even by kill -9
+    (Linux prctl PR_SET_PDEATHSIG; nothing elsewhere), and exit now if the parent is already gone.
+
+    The signal fires when the parent's *thread* that forked this process ends, not the process: the
+    callers fork from their main thread, which only ends with the process."""
+    prctl = prctl if prctl is not None else _prctl()
+    if prctl is None:
+        return
+    prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    if os.getppid() != parent:  # the parent died before the signal was armed
+        os._exit(128 + int(signal.SIGKILL))
+
+
+def die_with_parent() -> Any:
+    """A preexec_fn that arms `arm_parent_death` in the child; None where that does not exist. `trinity run`
+    gives it to the launcher (trinity.launch.torchrun.supervise), trinity.launch.single to its worker.
+
+    supervise() and trinity.launch.single run in the main thread (signal handlers need it). SIGKILL, not
+    SIGTERM: torchrun's SIGTERM path (stop the workers, wait for them, write to a stderr nobody reads
+    any more) was seen to outlive the CLI by over 30 s under load, while a SIGKILL cannot be caught or
+    hang. The workers then stop by themselves: trinity.launch.child's watchdog in every worker ends it
+    within a second of `trinity run`'s death."""
+    prctl = _prctl()
+    if prctl is None:
         return None
     parent = os.getpid()
 
     def preexec() -> None:
-        prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
-        if os.getppid() != parent:  # the parent died before the signal was armed
-            os._exit(128 + int(signal.SIGKILL))
+        arm_parent_death(parent, prctl)
 
     return preexec
+
+
+# The process that `forks_die_with_this_process` guards now (None outside its block; forks check it).
+_guarded_forks: dict[str, Any] = {"parent": None, "prctl": None, "hooked": False}
+
+
+def _guard_forked_child() -> None:
+    if _guarded_forks["parent"] is not None:
+        arm_parent_death(_guarded_forks["parent"], _guarded_forks["prctl"])
+
+
+@contextlib.contextmanager
+def forks_die_with_this_process() -> Iterator[None]:
+    """Children forked inside the block (megatron-core's dist-checkpoint writer processes, one per file)
+    die with this process, kill -9 included (`arm_parent_death`), and are killed when the block ends
+    with an exception (a stop, a failed save).
+
+    Why: a `trinity convert` killed with -9 mid-save left writers running under PID 1, and a save
+    interrupted in this process left its writers to finish files nobody would read."""
+    import multiprocessing
+
+    if not _guarded_forks["hooked"]:
+        os.register_at_fork(after_in_child=_guard_forked_child)
+        _guarded_forks["hooked"] = True
+    before = set(multiprocessing.active_children())
+    outer = _guarded_forks["parent"], _guarded_forks["prctl"]
+    _guarded_forks["parent"], _guarded_forks["prctl"] = os.getpid(), _prctl()
+    try:
+        yield
+    except BaseException:
+        started = set(multiprocessing.active_children()) - before
+        for p in started:
+            p.kill()
+        for p in started:
+            p.join(timeout=5)
+        raise
+    finally:
+        _guarded_forks["parent"], _guarded_forks["prctl"] = outer

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from trinity.errors import UserError
+from trinity.launch.child import alive
 
 LOCK_FILE = ".trinity.lock"
 _NO_FLOCK = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}
@@ -126,16 +127,6 @@ def acquire(out: Path, name: str = LOCK_FILE, key: str = "trainer.output_dir") -
     raise UserError(f"{key}: could not lock {path}: it keeps being replaced; is another job starting there?")
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _acquire_exclusive(out: Path, path: Path, key: str) -> OutputDirLock:
     """The fallback without flock: the file's existence is the lock."""
     for _ in range(3):
@@ -144,7 +135,7 @@ def _acquire_exclusive(out: Path, path: Path, key: str) -> OutputDirLock:
         except FileExistsError:
             holder = _read_holder(path)
             pid, host = holder.get("pid"), holder.get("host")
-            if host == socket.gethostname() and isinstance(pid, int) and not _pid_alive(pid):
+            if host == socket.gethostname() and isinstance(pid, int) and not alive(pid):
                 try:  # a dead job of this machine: its lock is stale
                     os.unlink(path)
                 except FileNotFoundError:

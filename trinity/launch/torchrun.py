@@ -16,7 +16,7 @@ from typing import IO, Any, Mapping
 
 from trinity.config.schema import JobConfig
 from trinity.errors import UserError
-from trinity.launch.child import FORWARDED, die_with_parent
+from trinity.launch.child import FORWARDED, die_with_parent, group_alive
 
 WORKER_MODULE = "trinity.trainer.worker"
 _POLL_S = 0.2  # how often supervise() checks the grace period after forwarding a signal
@@ -250,9 +250,14 @@ def supervise(
     return code if code >= 0 else 128 - code
 
 
-def _reap_group(pgid: int) -> None:
-    """Kill whatever of the job's process group outlived torchrun (a hung worker)."""
+def _reap_group(pgid: int, wait_s: float = 10.0) -> None:
+    """Kill whatever of the job's process group outlived torchrun (a hung worker, a checkpoint writer, a
+    reward process), and wait until it is gone: what the job left in its output folder is only removed
+    once no process of it can write there any more (trinity.cli.commands.run)."""
     try:
         os.killpg(pgid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
-        pass
+        return
+    deadline = time.monotonic() + wait_s
+    while group_alive(pgid) and time.monotonic() < deadline:
+        time.sleep(0.02)

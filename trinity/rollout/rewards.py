@@ -14,8 +14,9 @@ Built-ins (`BUILTIN_REWARDS`):
 User functions are found by `trinity validate` without running them (`reward_problems` parses the
 file for the function) and imported when the job starts (`load_reward_fn`), so a typo fails before any
 GPU work; `module.path` may also be a `path/to/file.py`. They run with the job's rights (docs/rl.md).
-Their failures become `UserError`s that name the function, the failing sample's index and the start of
-its response.
+A job runs its reward in a process of its own with a time limit (trinity.rollout.reward_process); a
+failure (an exception, a call past `reward.timeout_s`, a value that is no finite number) is one line
+naming the function, the sample's index and the start of its prompt and response (`sample_problem`).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import importlib.util
 import math
 import re
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
@@ -161,55 +162,55 @@ BUILTIN_REWARDS: dict[str, Callable[[str, str, str | None], RewardFn]] = {
 }
 
 
-def _prefix(text: str, n: int = 60) -> str:
+def excerpt(text: str, n: int = 40) -> str:
+    """The start of a prompt or response for a message: quoted and escaped (newlines as \\n), cut at n."""
     return repr(text[:n] + ("..." if len(text) > n else ""))
 
 
+def sample_problem(spec: str, i: int, prompt: str, response: str, what: str, detail: str = "") -> str:
+    """The one line that names a reward failure: the function, what went wrong ("failed on", "returned
+    nan for", ...), the sample's index in the call and the start of its prompt and response, then
+    `detail` (the exception)."""
+    line = f"reward function {spec} {what} sample {i} (prompt {excerpt(prompt)}, response {excerpt(response)})"
+    return f"{line}: {detail}" if detail else line
+
+
 @dataclass(frozen=True)
-class UserRewardFn:
-    """A user function with its failures turned into UserErrors and its output checked."""
+class CheckedScores:
+    """A reward function's return value read as one score per sample: `scores[i]` is None where
+    `problems` says why sample i has none ("returned nan for"); `shape` says what the value was instead
+    when it is no list of n ("1 values", "NoneType")."""
 
-    spec: str
-    fn: RewardFn
+    scores: list[float | None]
+    problems: dict[int, str]
+    shape: str | None = None
 
-    def __call__(self, prompts: list[str], responses: list[str], answers: list[str | None]) -> list[float]:
+
+def check_scores(value: object, n: int) -> CheckedScores:
+    """What a reward function returned for n samples: a list (or tuple) of n finite numbers."""
+    if not isinstance(value, (list, tuple)) or len(value) != n:
+        got = f"{len(value)} values" if isinstance(value, (list, tuple)) else type(value).__name__
+        return CheckedScores([None] * n, {}, got)
+    scores: list[float | None] = []
+    problems: dict[int, str] = {}
+    for i, s in enumerate(value):
         try:
-            scores = self.fn(list(prompts), list(responses), list(answers))
-        except Exception as batch_error:
-            raise self._locate_failure(prompts, responses, answers, batch_error) from batch_error
-        return self._check(scores, len(responses))
+            score = float(s)  # type: ignore[arg-type]
+        except (TypeError, ValueError, OverflowError):
+            problems[i] = f"returned a non-number ({_short_repr(s)}) for"
+            scores.append(None)
+            continue
+        if not math.isfinite(score):
+            problems[i] = f"returned {score} for"
+            scores.append(None)
+            continue
+        scores.append(score)
+    return CheckedScores(scores, problems)
 
-    def _locate_failure(
-        self, prompts: Sequence[str], responses: Sequence[str], answers: Sequence[str | None], batch_error: Exception
-    ) -> UserError:
-        # The batch call does not say which sample broke it: score samples one at a time to find it.
-        for i in range(len(responses)):
-            try:
-                self.fn([prompts[i]], [responses[i]], [answers[i]])
-            except Exception as e:
-                return UserError(
-                    f"reward function {self.spec} failed on sample {i} (response {_prefix(responses[i])}): "
-                    f"{type(e).__name__}: {e}"
-                )
-        return UserError(
-            f"reward function {self.spec} failed on a batch of {len(responses)} samples "
-            f"(each sample alone succeeds): {type(batch_error).__name__}: {batch_error}"
-        )
 
-    def _check(self, scores: object, n: int) -> list[float]:
-        if not isinstance(scores, (list, tuple)) or len(scores) != n:
-            got = f"{len(scores)} values" if isinstance(scores, (list, tuple)) else type(scores).__name__
-            raise UserError(f"reward function {self.spec} must return a list of {n} floats, got {got}")
-        out = []
-        for i, s in enumerate(scores):
-            try:
-                value = float(s)  # type: ignore[arg-type]
-            except (TypeError, ValueError):
-                raise UserError(f"reward function {self.spec} returned a non-number for sample {i}: {s!r}") from None
-            if not math.isfinite(value):
-                raise UserError(f"reward function {self.spec} returned {value} for sample {i}")
-            out.append(value)
-        return out
+def _short_repr(value: object, n: int = 40) -> str:
+    text = repr(value)
+    return text if len(text) <= n else text[:n] + "..."
 
 
 def _import_module(spec: str, module_name: str) -> object:
@@ -251,7 +252,7 @@ def load_reward_fn(
         raise UserError(f"reward function {spec}: module {module_name} has no attribute {fn_name!r}")
     if not callable(fn):
         raise UserError(f"reward function {spec}: {fn_name} is a {type(fn).__name__}, not a function")
-    return UserRewardFn(spec, fn)
+    return fn
 
 
 # --- checks at validate time: find the user's function without running any of the user's code ---
@@ -390,7 +391,8 @@ def reward_code_file(spec: str, cwd: str | Path | None = None) -> str | None:
 
 
 def reward_fn_from_config(reward: RewardConfig) -> RewardFn:
-    """The reward function of the job's `reward:` section."""
+    """The reward function of the job's `reward:` section, in this process (no time limit: the job's
+    rewards run through `trinity.rollout.reward_process.GuardedReward`)."""
     return load_reward_fn(
         reward.function, extractor=reward.extractor, marker=reward.marker, format_pattern=reward.format_pattern
     )

@@ -16,6 +16,7 @@ Each data-parallel rank takes every dp-th sample; the numbers are reduced over a
 from __future__ import annotations
 
 import dataclasses
+import sys
 from functools import partial
 from typing import Any
 
@@ -131,6 +132,7 @@ class Evaluator:
         scores: list[float] = []
         lengths: list[int] = []
         samples: list[dict[str, Any]] = []
+        errors: list[str] = []  # samples scored 0 (reward.on_error: zero)
         for start in range(0, len(self.prompts), self.batch):
             part = self.prompts[start:start + self.batch]
             # LoRA: the decoders read W + alpha/rank * B A, or compute the adapters beside W (`adapters`)
@@ -138,12 +140,19 @@ class Evaluator:
                 ro = recipe.rollout_engine.generate([p.prompt_ids for p in part], self.sampling, gen)
             n = ro.response_mask.sum(-1).tolist()
             texts = [recipe.tokenizer.decode(row[: int(k)].tolist(), skip_special_tokens=True) for row, k in zip(ro.responses, n)]
-            s = [float(x) for x in recipe.reward_fn([p.text for p in part], texts, [p.answer for p in part])]
+            result = recipe.reward_fn.score([p.text for p in part], texts, [p.answer for p in part])
+            s = result.scores
+            errors += result.errors
             scores += s
             lengths += [int(k) for k in n]
             samples += [{"step": step, "prompt": p.text, "response": t, "reward": r, "answer": p.answer, "source": p.source}
                         for p, t, r in zip(part, texts, s)]
         self.samples = samples
+        if errors:
+            from trinity.rollout.reward_process import errors_warning
+
+            print(errors_warning(self.cfg.reward.function, errors, len(scores), "in validation"),
+                  file=sys.stderr, flush=True)
         device = self.ctx.device
         mean, std = _dp_stats(torch.tensor(scores, dtype=torch.float64, device=device))
         len_mean, _ = _dp_stats(torch.tensor(lengths, dtype=torch.float64, device=device))

@@ -23,6 +23,17 @@ class RewardConfig(StrictModel):
     """Marker for the after_marker extractor."""
     format_pattern: str | None = None
     """Regex for the `format` reward (full match scores 1)."""
+    timeout_s: float = Field(default=10.0, gt=0, allow_inf_nan=False)
+    """Seconds the reward function may take per sample: a call on a batch of n samples is stopped after
+    n × timeout_s. The function runs in a process of its own beside each rank, which is ended when a call
+    runs over (a function that never returns would otherwise hang the job without a word); a stopped
+    call is an error of the sample (`on_error`). The default leaves math checks ample time: math_verify
+    limits its own parse and compare to 5 s each."""
+    on_error: Literal["fail", "zero"] = "fail"
+    """What a sample whose reward fails gets: the function raised, ran past `timeout_s`, or returned a
+    non-number, NaN or an infinite value for it. `fail`: the job stops with one line naming the function
+    and the sample (its index, the start of its prompt and response). `zero`: the sample scores 0, the
+    step's `reward/errors` metric counts it, and one warning per step gives the first such line."""
 
 
 class OverlongBufferConfig(StrictModel):

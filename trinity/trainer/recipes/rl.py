@@ -16,6 +16,7 @@ steps take the old log-probs from the actor update's own forward (`rl_update` mo
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -141,10 +142,12 @@ class RLRecipe(Recipe):
     def build_data(self) -> Any:
         from trinity.data.loader import load_tokenizer, pad_token_id
         from trinity.data.prompts import build_prompt_data
-        from trinity.rollout.rewards import reward_fn_from_config
+        from trinity.rollout.reward_process import GuardedReward
 
         cfg = self.cfg
-        self.reward_fn = reward_fn_from_config(cfg.reward)
+        self.reward_fn = GuardedReward(cfg.reward)
+        self.reward_errors: list[str] = []  # this step's samples scored 0 (reward.on_error: zero)
+        self.reward_scored = 0
         self.tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path)
         self.pad_id = pad_token_id(self.tokenizer)
         rollout = cfg.actor_rollout_ref.rollout
@@ -280,7 +283,11 @@ class RLRecipe(Recipe):
 
         def run() -> torch.Tensor:
             texts = [self.tokenizer.decode(row[: int(k)].tolist(), skip_special_tokens=True) for row, k in zip(ro.responses, lengths)]
-            s = self.reward_fn([p.text for p in prompts for _ in range(n)], texts, [p.answer for p in prompts for _ in range(n)])
+            result = self.reward_fn.score([p.text for p in prompts for _ in range(n)], texts,
+                                          [p.answer for p in prompts for _ in range(n)])
+            s = result.scores
+            self.reward_errors += result.errors
+            self.reward_scored += len(s)
             # what trainer.log_samples prints and writes (trinity.trainer.samples); every scored response of
             # the step, so DAPO's groups dropped by dynamic sampling are there too
             self.last_samples.extend(
@@ -302,7 +309,9 @@ class RLRecipe(Recipe):
         actor = self.actor
 
         self.last_samples: list[dict[str, Any]] = []
+        self.reward_errors, self.reward_scored = [], 0
         ro, scores, groups, sampled = self.sample(step, gen)
+        reward_errors = self.reward_error_metrics()
         mask = ro.response_mask.float()
         lengths = ro.response_mask.sum(-1)
         bat = self.batching
@@ -354,9 +363,24 @@ class RLRecipe(Recipe):
         out.update(_masked_stats("returns", exp.returns, mask))
         out.update(extra)
         out.update(sampled)
+        out.update(reward_errors)
         out.update(ph.metrics)
         out["step_time_s"] = sum(v for k, v in ph.metrics.items() if k.startswith("time/"))
         return out
+
+    def reward_error_metrics(self) -> dict[str, float]:
+        """`reward/errors`: the step's samples (all DP ranks) whose reward failed and scored 0
+        (`reward.on_error: zero`), with one warning of this rank's first; nothing while none failed."""
+        from trinity.rollout.reward_process import errors_warning
+
+        if self.cfg.reward.on_error != "zero":
+            return {}
+        _, dp, _ = _dp_info()
+        mean, _ = _dp_stats(torch.tensor([float(len(self.reward_errors))], device=self.phases.device))
+        if self.reward_errors:
+            print(errors_warning(self.cfg.reward.function, self.reward_errors, self.reward_scored),
+                  file=sys.stderr, flush=True)
+        return {"reward/errors": round(mean * dp)}
 
     def experience(self, ro: Any, scores: torch.Tensor, groups: list[int], old_logp: torch.Tensor | None,
                    ref_logp: torch.Tensor | None, values: torch.Tensor | None) -> tuple[Experience, dict[str, float]]:
