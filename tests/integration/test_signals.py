@@ -118,7 +118,10 @@ def test_a_signal_stops_every_stage(workdir, stage, sig):
     if stage == "export":
         overrides.append("trainer.total_steps=2")
     if stage != "conversion":  # the launch and later start from the conversion, cached in the folder
+        from trinity.launch.ownership import mark_run
+
         shutil.copytree(workdir / "conversion", out / "mcore_cache")
+        mark_run(out)  # as the earlier run in this folder that converted would have
     log = workdir / f"{name}.out"
     with log.open("w") as console:
         cli = subprocess.Popen(trinity_run_argv(workdir / "job.yaml", *overrides), cwd=REPO, stdin=subprocess.DEVNULL,
@@ -172,15 +175,10 @@ def _writers(cli: int) -> list[int]:
     return []
 
 
-def test_a_killed_convert_takes_its_processes_along_and_its_folder_goes_at_the_next_start(workdir):
-    """kill -9 of `trinity convert` while megatron-core's writer processes write: the conversion process
-    and the writers die with it (parent-death signals; they are stopped with SIGSTOP first, so only a
-    SIGKILL ends them), and the `.<output>.tmp-*` folder left is removed when the next `trinity convert`
-    into that output starts."""
-    out = workdir / "converted"
-    argv = [sys.executable, "-m", "trinity.cli.main", "convert", "hf-to-mcore", "--hf-path", str(workdir / "model"),
-            "-o", str(out), "--dtype", "fp32"]
-    log = workdir / "convert_kill9.out"
+def _kill_convert_mid_write(argv: list[str], log: Path) -> tuple[list[int], list[int]] | None:
+    """Start `argv` (a `trinity convert`), freeze its conversion process and writers once the writers run,
+    kill -9 the CLI; (the frozen pids, those still alive 10 s later), or None when a writer ended before it
+    could be frozen (a loaded machine: the save was over too soon to test)."""
     with log.open("w") as console:
         cli = subprocess.Popen(argv, cwd=REPO, stdin=subprocess.DEVNULL, stdout=console, stderr=subprocess.STDOUT)
     procs: list[int] = []
@@ -191,24 +189,46 @@ def test_a_killed_convert_takes_its_processes_along_and_its_folder_goes_at_the_n
         # watchdog thread: stopped before, it could never be killed by it (the real one runs on at once).
         _wait(lambda: all(_threads(pid) != 1 for pid in procs[1:]), "the writers' at-fork hooks", cli, log)
         time.sleep(0.05)
-        for pid in procs:
-            os.kill(pid, signal.SIGSTOP)
+        try:
+            for pid in procs:
+                os.kill(pid, signal.SIGSTOP)
+        except ProcessLookupError:
+            cli.kill()
+            cli.wait(timeout=30)
+            return None
         cli.kill()
         cli.wait(timeout=30)
         deadline = time.monotonic() + 10
         while any(_alive(p) for p in procs) and time.monotonic() < deadline:
             time.sleep(0.05)
-        left = [pid for pid in procs if _alive(pid)]
+        return procs, [pid for pid in procs if _alive(pid)]
     finally:
         for pid in procs:
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_a_killed_convert_takes_its_processes_along_and_its_folder_goes_at_the_next_start(workdir):
+    """kill -9 of `trinity convert` while megatron-core's writer processes write: the conversion process
+    and the writers die with it (parent-death signals; they are stopped with SIGSTOP first, so only a
+    SIGKILL ends them), and the `.<output>.tmp-*` folder left is removed when the next `trinity convert`
+    into that output starts."""
+    for attempt in range(3):  # a writer that ends before it is frozen leaves nothing to test: again
+        out = workdir / f"converted{attempt}"
+        argv = [sys.executable, "-m", "trinity.cli.main", "convert", "hf-to-mcore", "--hf-path", str(workdir / "model"),
+                "-o", str(out), "--dtype", "fp32"]
+        log = workdir / f"convert_kill9_{attempt}.out"
+        frozen = _kill_convert_mid_write(argv, log)
+        if frozen is not None:
+            break
+    assert frozen is not None, "the writers ended before they could be frozen, 3 times"
+    procs, left = frozen
     assert len(procs) >= 2 and not left, f"processes outlived the killed convert: {_describe(left)}"
-    stale = [p for p in workdir.iterdir() if p.name.startswith(".converted.tmp-")]
+    stale = [p for p in workdir.iterdir() if p.name.startswith(f".{out.name}.tmp-")]
     assert len(stale) == 1 and not out.exists(), (stale, log.read_text()[-3000:])
 
     again = subprocess.run(argv, cwd=REPO, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                            text=True, timeout=300)
     assert again.returncode == 0, again.stdout[-3000:]
     assert (out / "trinity_meta.json").is_file()
-    assert [p.name for p in workdir.iterdir() if p.name.startswith(".converted.")] == []
+    assert [p.name for p in workdir.iterdir() if p.name.startswith(f".{out.name}.")] == []

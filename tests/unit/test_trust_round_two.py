@@ -492,7 +492,7 @@ def test_a_run_marks_its_folder_and_a_rerun_resumes_there(small_job, write_job, 
         (out / "checkpoints" / "step_1" / "complete").write_text("{}")
         return 130
 
-    monkeypatch.setattr(commands, "prepare_weights", lambda loaded, out: None)
+    monkeypatch.setattr(commands, "prepare_weights", lambda loaded, out, **_kw: None)
     monkeypatch.setattr(torchrun, "supervise", interrupted_job)
     monkeypatch.setattr(torchrun, "preflight", lambda cfg: None)
     assert run_guarded(lambda: commands.run(path, []), debug=False) == 130

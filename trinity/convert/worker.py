@@ -35,8 +35,12 @@ def main(argv: list[str]) -> int:
             f"VPP={a.get('vpp')} EP={a.get('ep')} on {a.get('device')}",
             flush=True,
         )
+    from trinity.launch.failures import disk_errors
+
     try:
-        report = run_hf_to_mcore(**spec["args"])
+        # a full or read-only disk is the user's to fix: one line naming the file, as in the CLI
+        with disk_errors(Path(spec["args"]["output"])):
+            report = run_hf_to_mcore(**spec["args"])
     except UserError as exc:
         if rank == 0 or not report_path.exists():
             report_path.write_text(json.dumps({"error": str(exc)}))
