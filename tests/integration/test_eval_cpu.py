@@ -67,7 +67,7 @@ def test_sft_val_loss_before_training_equals_step_1_loss(tiny, tmp_path):
     assert val[1]["val/loss"] < val[0]["val/loss"] - 1e-3
     assert "val step 0/1 | val/loss" in proc.stdout
     # the closing summary: the first and last val loss
-    assert re.search(rf"\n\\[default0\\]:  val/loss +{val[0]['val/loss']:.4f} \\(step 0\\) -> {val[1]['val/loss']:.4f} \\(step 1\\)\n",
+    assert re.search(rf"\n\[default0\]:  val/loss +{val[0]['val/loss']:.4f} \(step 0\) -> {val[1]['val/loss']:.4f} \(step 1\)\n",
                      proc.stdout), proc.stdout[-3000:]
 
 

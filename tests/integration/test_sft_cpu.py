@@ -77,7 +77,8 @@ def run_job_on_a_terminal(cfg: dict, path: Path) -> tuple[int, str]:
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     master, slave = pty.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
-    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "TRINITY_TTY")}
+    # as a user's shell has it: not under CI (where no bar is drawn, trinity.trainer.progress)
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "TRINITY_TTY", "CI")}
     proc = subprocess.Popen(trinity_run_argv(path), cwd=REPO, env={**env, "TERM": "xterm-256color"},
                             stdin=subprocess.DEVNULL, stdout=slave, stderr=slave)
     os.close(slave)

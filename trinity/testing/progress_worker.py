@@ -32,7 +32,7 @@ def main(argv: list[str]) -> int:
     for step in range(1, TOTAL + 1):
         time.sleep(0.1)
         logger.log(row(step))
-        if step == 2 and logger._progress is not None:
+        if step == 2 and logger.live:
             deadline = time.monotonic() + 60
             while not go.exists():
                 if time.monotonic() > deadline:

@@ -101,6 +101,11 @@ class MetricsLogger:
             self.print(" | ".join([f"step {step}/{self.total_steps}", *parts, *self._timing(step)]
                                   + (["profiled"] if metrics.get("profiled") else [])))
 
+    @property
+    def live(self) -> bool:
+        """Whether the progress bar is drawn (until close)."""
+        return self._progress is not None
+
     def line_due(self, step: int, interval: int | None = None) -> bool:
         """Whether step `step` prints its line (`interval`: another one's, e.g. the samples')."""
         return line_due(step, interval=interval or self.log_interval, start_step=self.start_step,
