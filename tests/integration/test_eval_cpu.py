@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -65,7 +66,9 @@ def test_sft_val_loss_before_training_equals_step_1_loss(tiny, tmp_path):
     # the step trained on these very rows at a high LR: the loss after it is lower
     assert val[1]["val/loss"] < val[0]["val/loss"] - 1e-3
     assert "val step 0/1 | val/loss" in proc.stdout
-    assert f"val/loss {val[0]['val/loss']:.4f} (step 0) -> {val[1]['val/loss']:.4f} (step 1)" in proc.stdout
+    # the closing summary: the first and last val loss
+    assert re.search(rf"\n\[default0\]:  val/loss +{val[0]['val/loss']:.4f} \(step 0\) -> {val[1]['val/loss']:.4f} \(step 1\)\n",
+                     proc.stdout), proc.stdout[-3000:]
 
 
 @pytest.mark.slow
@@ -104,7 +107,17 @@ def test_grpo_val_reward_samples_and_trackers(tiny, tmp_path, monkeypatch):
         assert abs(sum(s["reward"] for s in lines) / len(lines) - train["reward/mean"]) < 1e-6
     val_samples = (out / "samples" / "val_step_0.jsonl").read_text().splitlines()
     assert len(val_samples) == 6
-    assert proc.stdout.count("  sample 1/8 | reward ") == 3 and "  sample 3/8" not in proc.stdout
+    assert proc.stdout.count("]:  sample 1/8 of step ") == 3 and "  sample 3/8" not in proc.stdout
+    assert "]:  val sample 1/6 of step 0 | reward " in proc.stdout
+    # the closing summary: reward and val reward, the samples, and the trackers' runs
+    summary = proc.stdout[proc.stdout.index(f"[default0]:run summary: {out}\n"):]
+    assert re.search(r"\]:  reward/mean +[0-9.]+ \(step 1\) -> [0-9.]+ \(step 3\)\n", summary), summary
+    assert re.search(rf"\]:  val/reward_mean +{val[0]['val/reward_mean']:.4f} \(step 0\) -> {val[-1]['val/reward_mean']:.4f} \(step 3\)\n", summary), summary
+    assert re.search(rf"\]:  samples +{re.escape(str(out / 'samples'))}\n", summary), summary
+    if HAVE_MLFLOW:
+        assert re.search(rf"\]:  mlflow +file:{re.escape(str((out / 'mlruns').resolve()))} \(run [0-9a-f]+\)\n", summary), summary
+    if HAVE_WANDB:
+        assert re.search(rf"\]:  wandb +{re.escape(str(out))}/wandb/offline-run-\S+\n", summary), summary
 
     if HAVE_MLFLOW:
         from mlflow.tracking import MlflowClient

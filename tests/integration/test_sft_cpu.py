@@ -7,6 +7,7 @@ torchrun, worker, megatron-core schedules, dist checkpoints, HF export.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -76,7 +77,8 @@ def run_job_on_a_terminal(cfg: dict, path: Path) -> tuple[int, str]:
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     master, slave = pty.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
-    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "TRINITY_TTY")}
+    # as a user's shell has it: not under CI (where no bar is drawn, trinity.trainer.progress)
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "TRINITY_TTY", "CI")}
     proc = subprocess.Popen(trinity_run_argv(path), cwd=REPO, env={**env, "TERM": "xterm-256color"},
                             stdin=subprocess.DEVNULL, stdout=slave, stderr=slave)
     os.close(slave)
@@ -143,7 +145,16 @@ def test_sft_single_process_learns_and_exports(assets, baseline_run):
     assert last < 0.75 * first, (first, last)
     assert rows[0]["lr"] == pytest.approx(1.5e-3) and rows[-1]["lr"] == pytest.approx(3e-3)  # 2 warm-up steps
     text = (out.parent / "job.out").read_text()
-    assert f"first loss {first:.4f} (step 1), last loss {last:.4f} (step 10)" in text
+    # a redirected run: plain lines only, and the closing summary names what the run left
+    assert "\x1b" not in text and "━" not in text
+    summary = text[text.index(f"[default0]:run summary: {out}\n"):].splitlines()[1:]
+    labels = ["loss", "metrics", "logs", "checkpoint", "hf export", "curves", "profile"]
+    if importlib.util.find_spec("matplotlib") is None:  # no curves.png without it
+        labels.remove("curves")
+    assert [line.split()[1] for line in summary] == [label.split()[0] for label in labels], summary
+    assert summary[0] == f"[default0]:  {'loss':10}  {first:.4f} (step 1) -> {last:.4f} (step 10)"
+    assert summary[3] == f"[default0]:  {'checkpoint':10}  {out / 'checkpoints' / 'step_10'}"
+    assert all(Path(line.split()[-1]).exists() for line in summary[1:]), summary
     # trainer.profile_step: one trace, that step's line marked, host ops summarised (the losses of the
     # other tests' unprofiled runs match this run's step 3 too)
     assert [r["step"] for r in rows if r.get("profiled")] == [3]
@@ -257,7 +268,7 @@ def test_layouts_give_the_same_losses(assets, baseline, tmp_path_factory, layout
         for rank, out in enumerate(sorted(logs.glob("**/stdout.log"))):
             text = out.read_text()
             if rank == 0:
-                assert "step 4/4 | loss" in text and "first loss" in text, text[-2000:]
+                assert "step 4/4 | loss" in text and "run summary: " in text, text[-2000:]
             else:
                 assert "step 4/4" not in text  # rank 1 trains, rank 0 reports
 
@@ -290,7 +301,7 @@ def test_dist_checkpoint_weights_give_the_baseline_loss_and_the_bar_on_a_termina
 
     ckpt = tmp_path / "mcore"
     hf_to_mcore(str(assets["model"]), str(ckpt), dtype="fp32")
-    cfg = job(assets, tmp_path / "run", trainer={"total_steps": 3},
+    cfg = job(assets, tmp_path / "run", trainer={"total_steps": 3, "log_interval": 5},
               megatron={"use_dist_checkpointing": True, "dist_checkpointing_path": str(ckpt)})
     code, text = run_job_on_a_terminal(cfg, tmp_path / "job.yaml")
     assert code == 0, text[-3000:]
@@ -298,10 +309,17 @@ def test_dist_checkpoint_weights_give_the_baseline_loss_and_the_bar_on_a_termina
     b = losses(tmp_path / "run")
     assert sorted(b) == [1, 2, 3]
     assert b[1] == pytest.approx(baseline[1], rel=1e-5), (b, baseline)
-    for step in (1, 2, 3):
-        assert f"step {step}/3 | loss {b[step]:.4f} | lr" in text, text[-3000:]
-    assert "━" in text and "3/3" in text, text[-3000:]  # rich's bar, drawn by rank 0 through torchrun
-    assert "\x1b[" in text
+    # What the terminal shows: the lines of the first and the last step (log_interval 5), rank 0's bar
+    # (rich's, through trinity.launch.single's relay) stopped at 3/3 with its rate, then the summary.
+    from tests.unit.test_run_output import screen
+
+    rows = screen(text.encode(), width=120)
+    assert [r.split(" | ")[:2] for r in rows if r.startswith("[default0]:step ")] == [
+        ["[default0]:step 1/3", f"loss {b[1]:.4f}"], ["[default0]:step 3/3", f"loss {b[3]:.4f}"]], rows
+    bars = [r for r in rows if "━" in r]
+    assert len(bars) == 1 and re.fullmatch(rf"\[default0\]:train ━+ 3/3 [0-9.]+ (s/step|steps/s) eta 0:00:00 loss {b[3]:.4f}", bars[0]), rows
+    assert "2/3" in text and "\x1b[" in text  # the bar was drawn at step 2 too
+    assert f"[default0]:run summary: {tmp_path / 'run'}" in rows
     # metrics.jsonl as in the redirected baseline run: one object per step with the same keys.
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     keys = sorted(json.loads((baseline_run / "metrics.jsonl").read_text().splitlines()[0]))

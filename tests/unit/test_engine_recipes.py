@@ -189,6 +189,7 @@ def test_rl_progress_bar_advances_on_a_pseudo_terminal(tmp_path, monkeypatch):
     from trinity.trainer.recipes.rl import RLRecipe
 
     monkeypatch.delenv(M.TTY_ENV, raising=False)
+    monkeypatch.delenv("CI", raising=False)  # a terminal under CI gets no bar
     monkeypatch.setenv("COLUMNS", "120")
     master, slave = pty.openpty()
     chunks: list[bytes] = []

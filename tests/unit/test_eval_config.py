@@ -52,10 +52,15 @@ def test_missing_val_file_is_named(write_job, small_job, tmp_path):
 
 def test_log_samples_is_refused_for_sft(write_job, small_job):
     job = copy.deepcopy(small_job)
-    job["trainer"]["log_samples"] = 3
-    assert any(p.startswith("trainer.log_samples: sft generates no samples") for p in problems_of(write_job(job)))
+    job["trainer"].update(log_samples=3, log_samples_interval=10, log_interval=5)
+    problems = problems_of(write_job(job))
+    assert "trainer.log_samples: sft generates no samples (it applies to the RL algorithms); remove the key" in problems
+    assert "trainer.log_samples_interval: sft generates no samples (it applies to the RL algorithms); remove the key" in problems
     job = rl(job)
-    assert load_config(write_job(job)).config.trainer.samples_per_step(True) == 3
+    trainer = load_config(write_job(job)).config.trainer
+    assert (trainer.samples_per_step(True), trainer.samples_interval()) == (3, 10)
+    del job["trainer"]["log_samples_interval"]  # unset: the step lines' interval
+    assert load_config(write_job(job)).config.trainer.samples_interval() == 5
 
 
 def test_tensorboard_and_logger_together_are_refused(write_job, small_job):

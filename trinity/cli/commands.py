@@ -218,6 +218,14 @@ def tiny_assets(output: Path) -> int:
     return 0
 
 
+def plot(run_dirs: list[Path], out: Path | None) -> int:
+    from trinity.trainer.curves import default_out, load_runs, plot_runs
+
+    runs = load_runs(run_dirs)  # a missing metrics.jsonl is named before matplotlib is looked for
+    print(f"wrote {plot_runs(runs, out or default_out(run_dirs))}")
+    return 0
+
+
 def convert_hf_to_mcore(hf_path: Path, output: Path, *, debug: bool = False, **kwargs) -> int:
     from trinity.launch import quiet
 

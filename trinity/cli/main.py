@@ -120,6 +120,20 @@ def generate(
                            truncate_prompt=truncate_prompt), debug)
 
 
+@app.command()
+def plot(
+    run_dirs: list[Path] = typer.Argument(..., help="Run folders (trainer.output_dir), each with a metrics.jsonl.", show_default=False),
+    out: Optional[Path] = typer.Option(
+        None, "--out", "-o", show_default=False,
+        help="PNG to write (default: RUN_DIR/curves.png for one run, ./curves.png for several)."),
+    debug: bool = DebugOpt,
+) -> None:
+    """Plot runs' curves (loss, reward, val, lr, throughput) from metrics.jsonl into a PNG, runs overlaid."""
+    from trinity.cli import commands
+
+    _guard(lambda: commands.plot(run_dirs, out), debug)
+
+
 @convert_app.command("hf-to-mcore")
 def hf_to_mcore(
     hf_path: Path = typer.Option(..., "--hf-path", help="Hugging Face model folder.", show_default=False),

@@ -9,7 +9,7 @@ torchrun does for a single worker:
   process-group store, `trinity.distributed.parallel`);
 - its stdout and stderr go, as torchrun's `--redirects 3 --tee 3` put them, into
   DIR/<run id>/attempt_0/0/stdout.log and stderr.log and onto this process's own, each line prefixed
-  `[default0]:`;
+  `[default0]:`, an unfinished line as it comes (as torchrun's tail does);
 - Ctrl-C, SIGTERM and SIGHUP are passed on to it as SIGTERM, and it dies with this process (kill -9
   included: the kernel's parent-death signal);
 - its exit code is this process's (128 + N for a worker ended by signal N, or for a stop by signal N).
@@ -28,21 +28,32 @@ from pathlib import Path
 from typing import IO, Any
 
 from trinity.launch.child import FORWARDED, die_with_parent
+from trinity.trainer.progress import relay_prefix
 
-PREFIX = b"[default0]:"
+PREFIX = relay_prefix(0).encode()
+
+
+def prefixed(chunk: bytes, at_line_start: bool) -> bytes:
+    """`chunk` of the worker's output with the prefix at the start of each of its lines (its first only
+    when `at_line_start`: the previous chunk ended a line)."""
+    body, end = (chunk[:-1], b"\n") if chunk.endswith(b"\n") else (chunk, b"")
+    return (PREFIX if at_line_start else b"") + body.replace(b"\n", b"\n" + PREFIX) + end
 
 
 def _relay(pipe: IO[bytes], log: IO[bytes], console: IO[bytes]) -> None:
-    """Copy the worker's lines into its log file and, prefixed, onto the console; keep draining when the
-    console is gone (a closed terminal), so the worker never blocks on a full pipe."""
-    for line in iter(pipe.readline, b""):
-        log.write(line)
+    """Copy the worker's output into its log file and, prefixed, onto the console as it comes, unfinished
+    lines included (the progress bar redraws its line without ending it, trinity.trainer.progress);
+    keep draining when the console is gone (a closed terminal), so the worker never blocks on a full pipe."""
+    at_line_start = True
+    for chunk in iter(lambda: pipe.read1(65536), b""):
+        log.write(chunk)
         log.flush()
         try:
-            console.write(PREFIX + line)
+            console.write(prefixed(chunk, at_line_start))
             console.flush()
         except (OSError, ValueError):
             pass
+        at_line_start = chunk.endswith(b"\n")
 
 
 def _rank0_env(environ: dict[str, str]) -> dict[str, str]:

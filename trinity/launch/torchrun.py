@@ -58,15 +58,17 @@ def torchrun_command(cfg: JobConfig, config_path: str | Path, *, python: str = s
 
 def worker_env(environ: Mapping[str, str], stream: IO[str], *, debug: bool = False) -> dict[str, str]:
     """The environment of torchrun and its workers: `environ`, plus whether `trinity run`'s stdout
-    (`stream`) is a terminal (TRINITY_TTY, read by trinity.trainer.metrics: the workers' own stdout is
-    a log file) and, on a terminal, its width (COLUMNS, for rich). PYTHONUNBUFFERED makes torchrun
-    pass on rank 0's output as it comes, the progress bar's partial lines included. TRINITY_DEBUG=1
-    (`--debug`) keeps the third-party warnings that trinity.launch.quiet filters otherwise."""
+    (`stream`) is a terminal to draw the progress bar on (TRINITY_TTY, decided by
+    trinity.trainer.progress: the workers' own stdout is a log file or a pipe) and, on a terminal, its
+    width (COLUMNS, for rich). PYTHONUNBUFFERED makes the workers write their output as it comes, the
+    progress bar's partial lines included. TRINITY_DEBUG=1 (`--debug`) keeps the third-party warnings
+    that trinity.launch.quiet filters otherwise."""
+    from trinity.trainer.progress import TTY_ENV, live_console
+
     env = dict(environ)
     env["TRINITY_DEBUG"] = "1" if debug else "0"
-    isatty = getattr(stream, "isatty", None)
-    tty = bool(isatty and isatty())
-    env["TRINITY_TTY"] = "1" if tty else "0"
+    tty = live_console(environ, stream)
+    env[TTY_ENV] = "1" if tty else "0"
     env["PYTHONUNBUFFERED"] = "1"
     if tty and "COLUMNS" not in environ:
         try:

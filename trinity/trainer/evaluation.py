@@ -48,17 +48,7 @@ class Evaluator:
 
     def run(self, step: int) -> dict[str, Any]:
         """The val metrics after `step` steps (0: before training), as a metrics row, on every rank."""
-        row = {"step": step, **(self._rl(step) if self.cfg.is_rl else self._sft())}
-        self.first = getattr(self, "first", None) or row
-        self.last = row
-        return row
-
-    def summary(self) -> str | None:
-        """`val/loss 2.1 (step 0) -> 1.3 (step 50)` for the end of the run; None before any evaluation."""
-        if getattr(self, "first", None) is None:
-            return None
-        key = "val/reward_mean" if self.cfg.is_rl else "val/loss"
-        return f"{key} {self.first[key]:.4f} (step {self.first['step']}) -> {self.last[key]:.4f} (step {self.last['step']})"
+        return {"step": step, **(self._rl(step) if self.cfg.is_rl else self._sft())}
 
     # ---------------------------------------------------------------- SFT
 

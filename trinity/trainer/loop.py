@@ -1,5 +1,5 @@
 """The one training loop: any recipe, with resume, the step profiler, checkpoints every save_interval,
-one metrics logger and the HF export at the end."""
+one metrics logger, and at the end the HF export, curves.png and the run's summary."""
 
 from __future__ import annotations
 
@@ -59,7 +59,7 @@ def run(ctx: WorkerContext, recipe_cls: type[Recipe]) -> None:
                 row = {**recipe.step(step), **guard.metrics()}
             profiler.log(metrics, row)
             samples.write(step, getattr(recipe, "last_samples", None), metrics,
-                          show=step % cfg.trainer.log_interval == 0 or step == recipe.total_steps)
+                          show=metrics.line_due(step, cfg.trainer.samples_interval()))
             if evaluator is not None and evaluator.due(step):
                 evaluate(step)
             if (save_every and step % save_every == 0) or (step == recipe.total_steps and cfg.trainer.save_last):
@@ -67,10 +67,7 @@ def run(ctx: WorkerContext, recipe_cls: type[Recipe]) -> None:
                 guard.check_weights(recipe.engines, "save", ctx.device)
                 metrics.print(f"saved checkpoint {ckpt.save(step)}")
                 guard.saved_at(step)
-        if metrics.first is not None:
-            metrics.print(recipe.summary(metrics.first, metrics.last))
-        if evaluator is not None and evaluator.summary():
-            metrics.print(evaluator.summary())
+        trackers = metrics.where()
     finally:
         metrics.close()
     if cfg.trainer.export_hf:
@@ -79,4 +76,18 @@ def run(ctx: WorkerContext, recipe_cls: type[Recipe]) -> None:
         recipe.all_resident()
         guard.check_weights(recipe.engines, "export", ctx.device)
         ctx.log(f"exported HF model to {export_hf(ctx, recipe.actor.modules)}")
+    if ctx.is_rank0:
+        close_run(ctx, trackers)
+
+
+def close_run(ctx: WorkerContext, trackers: list[tuple[str, str]]) -> None:
+    """Rank 0, once everything is written: curves.png (when matplotlib is installed) and the summary
+    of where the run's files are and how its main metrics moved."""
+    from trinity.trainer.curves import run_curves
+    from trinity.trainer.summary import read_metrics, summary_lines
+
+    out = ctx.output_dir
+    run_curves(out)
+    rows = read_metrics(out / "metrics.jsonl") if (out / "metrics.jsonl").is_file() else []
+    ctx.log("\n".join(summary_lines(out, rows, trackers)))
 

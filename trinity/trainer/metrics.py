@@ -1,42 +1,27 @@
-"""Per-step metrics on rank 0, for every recipe: metrics.jsonl (every step), a console line every
-log_interval steps (the recipe says what it shows; the logger adds elapsed time and ETA), a rich
-progress bar when the user watches a terminal, and TensorBoard (finite numbers only) when it is
-installed and asked for."""
+"""Per-step metrics on rank 0, for every recipe: metrics.jsonl (every step), a console line at the first
+step and every log_interval steps (the recipe says what it shows; the logger adds elapsed time and ETA),
+a live progress bar (trinity.trainer.progress) when the user watches a terminal, and TensorBoard (finite
+numbers only) when it is installed and asked for."""
 
 from __future__ import annotations
 
 import json
 import math
-import os
 import resource
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Mapping, TextIO
+from typing import Any, Callable
 
-import torch
-
-# Set by `trinity run` for its workers ("1"/"0"): whether `trinity run`'s own stdout is a terminal.
-# Under torchrun a worker's stdout is a log file that torchrun tails (prefixed) onto that terminal, so
-# the worker cannot find out itself.
-TTY_ENV = "TRINITY_TTY"
+from trinity.trainer.progress import TTY_ENV, console_is_terminal, line_due, progress_bar  # noqa: F401 - TTY_ENV: one name for tests
 
 
-def console_is_terminal(environ: Mapping[str, str] | None = None, stream: TextIO | None = None) -> bool:
-    """Whether rank 0 should draw the progress bar: what `trinity run` said (TRINITY_TTY) when it
-    launched this process, else whether `stream` (stdout) is a terminal."""
-    environ = os.environ if environ is None else environ
-    stream = sys.stdout if stream is None else stream
-    said = environ.get(TTY_ENV)
-    if said is not None and said.strip() != "":
-        return said.strip() == "1"
-    isatty = getattr(stream, "isatty", None)
-    return bool(isatty and isatty())
-
-
-def peak_memory_gib(device: torch.device) -> float:
-    """Peak memory of this process: allocated CUDA memory on GPU, max resident set size on CPU."""
+def peak_memory_gib(device: Any) -> float:
+    """Peak memory of this process (`device`: a torch.device): allocated CUDA memory on GPU, max resident
+    set size on CPU."""
     if device.type == "cuda":
+        import torch  # here: the console and metrics.jsonl need no torch (trinity.testing.progress_worker)
+
         return torch.cuda.max_memory_allocated(device) / 2**30
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # ru_maxrss is KiB on Linux
 
@@ -53,29 +38,6 @@ def _fmt(value: Any) -> str:
             return f"{value:.3e}"
         return f"{value:.4f}"
     return str(value)
-
-
-class _TailSafe:
-    """A stream for rich's live display that torchrun tails line by line onto a terminal.
-
-    rich redraws the bar after a carriage return, but torchrun reads the log with universal newlines
-    (`tail_logfile`), where a lone `\r` ends a line: every redraw would become a new line. Cursor to
-    column 1 (`ESC [ G`) does the same on the terminal without ending the line; torchrun passes the
-    unfinished line on as it comes, so the bar is redrawn in place."""
-
-    def __init__(self, stream: TextIO):
-        self._stream = stream
-
-    def write(self, text: str) -> int:
-        self._stream.write(text.replace("\r\n", "\n").replace("\r", "\x1b[G"))
-        self._stream.flush()
-        return len(text)
-
-    def isatty(self) -> bool:
-        return True
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._stream, name)
 
 
 class MetricsLogger:
@@ -99,8 +61,6 @@ class MetricsLogger:
         self.line = line or sft_line
         self.start_step = start_step
         self._t0 = time.perf_counter()
-        self.first: dict[str, Any] | None = None
-        self.last: dict[str, Any] | None = None
         self._file = None
         self._tb = None
         self._progress = None
@@ -119,27 +79,12 @@ class MetricsLogger:
             except ImportError:
                 print("trainer.tensorboard: tensorboard is not installed; metrics go to metrics.jsonl only")
         if console_is_terminal():
-            from rich.console import Console
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-            real = sys.stdout.isatty()
-            # Under torchrun stdout is a log file that torchrun tails onto `trinity run`'s terminal:
-            # draw as on a terminal (COLUMNS from `trinity run` sets the width), without carriage
-            # returns (see _TailSafe), and only when a step ends, so the log gets one bar per step.
-            console = Console() if real else Console(file=_TailSafe(sys.stdout), force_terminal=True)
-            self._progress = Progress(
-                TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                TextColumn("{task.fields[info]}"), transient=True, auto_refresh=real, console=console,
-            )
-            self._task = self._progress.add_task("train", total=total_steps, completed=start_step, info="")
-            self._progress.start()
+            self._progress = progress_bar(total_steps, start_step, sys.stdout)
 
     def log(self, metrics: dict[str, Any]) -> None:
         if not self.enabled:
             return
         step = int(metrics["step"])
-        self.first = self.first or metrics
-        self.last = metrics
         self._file.write(json.dumps(metrics) + "\n")
         self._file.flush()
         if self._tb is not None:
@@ -150,10 +95,21 @@ class MetricsLogger:
             tracker.log(metrics, step)
         parts = self.line(metrics)
         if self._progress is not None:
-            self._progress.update(self._task, completed=step, info=parts[0] if parts else "", refresh=True)
-        if step % self.log_interval == 0 or step == self.total_steps:
+            task = self._progress.task_ids[0]
+            self._progress.update(task, completed=step, info=parts[0] if parts else "", refresh=True)
+        if self.line_due(step):
             self.print(" | ".join([f"step {step}/{self.total_steps}", *parts, *self._timing(step)]
                                   + (["profiled"] if metrics.get("profiled") else [])))
+
+    @property
+    def live(self) -> bool:
+        """Whether the progress bar is drawn (until close)."""
+        return self._progress is not None
+
+    def line_due(self, step: int, interval: int | None = None) -> bool:
+        """Whether step `step` prints its line (`interval`: another one's, e.g. the samples')."""
+        return line_due(step, interval=interval or self.log_interval, start_step=self.start_step,
+                        total_steps=self.total_steps)
 
     def log_val(self, metrics: dict[str, Any]) -> None:
         """An evaluation's row (`step` and val/* keys; step 0 is before training): metrics.jsonl, the
@@ -183,13 +139,20 @@ class MetricsLogger:
         if not self.enabled:
             return
         if self._progress is not None:
-            self._progress.console.print(text, highlight=False)
+            # as written: no markup, emoji or highlighting (a sample's `[/x]` is text), and no wrapping
+            # at the console's width (the terminal wraps; a log keeps one line)
+            self._progress.console.print(text, markup=False, emoji=False, highlight=False, soft_wrap=True)
         else:
             print(text, flush=True)
+
+    def where(self) -> list[tuple[str, str]]:
+        """(name, place) of each experiment tracker's run, for the run's closing summary."""
+        return [(name, place) for name, place in (t.where() for t in self._trackers) if place]
 
     def close(self) -> None:
         if self._progress is not None:
             self._progress.stop()
+            self._progress = None  # later lines print plainly
         if self._tb is not None:
             self._tb.close()
         for tracker in self._trackers:

@@ -31,6 +31,10 @@ class WandbTracker:
     def log(self, metrics: dict[str, Any], step: int) -> None:
         self.run.log(_numbers(metrics), step=step)
 
+    def where(self) -> tuple[str, str]:
+        """The run's page, or its folder when offline (`wandb sync` uploads it)."""
+        return "wandb", self.run.url or str(Path(self.run.dir).parent)
+
     def close(self) -> None:
         self.run.finish()
 
@@ -54,6 +58,10 @@ class MlflowTracker:
         keys = list(params)
         for i in range(0, len(keys), 100):  # log_params takes at most 100 per call
             mlflow.log_params({k: params[k] for k in keys[i:i + 100]})
+
+    def where(self) -> tuple[str, str]:
+        """The tracking store and the run's id (`mlflow ui --backend-store-uri <store>` shows it)."""
+        return "mlflow", f"{self._mlflow.get_tracking_uri()} (run {self.run.info.run_id})"
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
         values = _numbers(metrics)

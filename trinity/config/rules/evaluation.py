@@ -35,8 +35,9 @@ def check_evaluation(cfg: JobConfig, problems: list[str], check_paths: bool) -> 
     if data.val_files and cfg.algorithm.name.value == "pt":
         problems.append(f"data.val_files: evaluation during training is not available for {algo} jobs yet "
                         "(sft and the RL algorithms have it); remove data.val_files")
-    if not cfg.is_rl and trainer.log_samples is not None:
-        problems.append(f"trainer.log_samples: {algo} generates no samples (it applies to the RL algorithms); remove the key")
+    for key in ("log_samples", "log_samples_interval"):
+        if not cfg.is_rl and getattr(trainer, key) is not None:
+            problems.append(f"trainer.{key}: {algo} generates no samples (it applies to the RL algorithms); remove the key")
     if trainer.logger is not None and trainer.tensorboard is not None:
         problems.append("trainer.tensorboard: set trainer.logger or trainer.tensorboard, not both; "
                         "list tensorboard in trainer.logger (or leave it out) and remove trainer.tensorboard")

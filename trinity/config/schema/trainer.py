@@ -43,7 +43,9 @@ class TrainerConfig(StrictModel):
     (a line says so; metrics.jsonl counts them as `skipped_nonfinite_steps`) and the next one stops the run.
     Counted per run: a resumed run starts from 0."""
     log_interval: int = Field(default=1, ge=1)
-    """Print a step line every N steps (metrics.jsonl gets every step)."""
+    """Print a step line at the first step, every N steps and the last (metrics.jsonl gets every step). On
+    a terminal a progress bar (step, rate, ETA) moves at every step; in a pipe, a file or under CI (the CI
+    variable set) only the lines are printed."""
     seed: int = 1234
     """Seed of data order and sampling."""
     tensorboard: bool | None = None
@@ -61,9 +63,12 @@ class TrainerConfig(StrictModel):
     val_before_train: bool = True
     """Evaluate on data.val_files before the first step (of this run: a resumed run evaluates at its start)."""
     log_samples: int | None = Field(default=None, ge=0)
-    """RL: (prompt, response, reward) triples printed after each step line (unset: 2; the steps
-    trainer.log_interval prints); every step's responses go to
-    <output_dir>/samples/step_N.jsonl (val ones to val_step_N.jsonl). 0 prints none and writes no files."""
+    """RL: how many of a step's (prompt, response, reward) samples are printed, on the steps
+    log_samples_interval says, escaped and shortened (unset: 2); each evaluation prints as many of its own.
+    Every step's samples go to <output_dir>/samples/step_N.jsonl (val ones to val_step_N.jsonl). 0 prints
+    none and writes no files."""
+    log_samples_interval: int | None = Field(default=None, ge=1)
+    """RL: print samples at the first step, every N steps and the last (unset: log_interval's steps)."""
     profile_step: int | None = Field(default=None, ge=1)
     """Profile this step with torch.profiler on every rank: a Chrome trace per rank in
     <output_dir>/profile and GPU time per kind of kernel printed (an RL step also times its rollout's
@@ -75,6 +80,10 @@ class TrainerConfig(StrictModel):
         if self.logger is None:
             return [] if self.tensorboard is False else ["tensorboard"]
         return [name for name in ("tensorboard", "wandb", "mlflow") if name in self.logger]
+
+    def samples_interval(self) -> int:
+        """log_samples_interval with its default: the step lines' interval."""
+        return self.log_samples_interval or self.log_interval
 
     def samples_per_step(self, is_rl: bool) -> int:
         """log_samples with its default: 2 for RL, none for SFT (which generates nothing)."""

@@ -28,8 +28,8 @@ RECIPES: dict[str, str] = {
 
 class Recipe:
     """Base of every recipe. The loop calls, in order: `build()` (data, then the role engines in
-    `roles()` order), then `step(step)` per step, `all_resident()` before a save or the export, and
-    `summary(first, last)` at the end."""
+    `roles()` order), then `step(step)` per step, and `all_resident()` before a save or the export (the
+    run's closing summary reads its metrics, trinity.trainer.summary)."""
 
     # The single trained role's checkpoint is the step folder itself (see trinity.trainer.checkpoint).
     flat_checkpoint: ClassVar[bool] = False
@@ -60,9 +60,6 @@ class Recipe:
 
     def line(self, metrics: dict[str, Any]) -> list[str]:
         """The console line's parts after `step i/N`."""
-        raise NotImplementedError
-
-    def summary(self, first: dict[str, Any], last: dict[str, Any]) -> str:
         raise NotImplementedError
 
     def setup(self) -> None:

@@ -156,7 +156,3 @@ class DPORecipe(Recipe):
             f"margin {metrics['rewards/margins']:.4f}", f"lr {metrics['lr']:.2e}", f"grad_norm {metrics['grad_norm']:.3f}",
             f"{metrics['step_time_s']:.3f} s/step", f"mem {metrics['mem_peak_gib']:.2f} GiB",
         ]
-
-    def summary(self, first: dict[str, Any], last: dict[str, Any]) -> str:
-        return (f"first loss {first['loss']:.4f}, accuracy {first['rewards/accuracies']:.2f} (step {first['step']}); "
-                f"last loss {last['loss']:.4f}, accuracy {last['rewards/accuracies']:.2f} (step {last['step']})")

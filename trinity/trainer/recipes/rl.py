@@ -410,6 +410,3 @@ class RLRecipe(Recipe):
                 parts.append(f"{key.split('/')[-1]} {metrics[key]:.4f}")
         parts.append(f"{metrics['step_time_s']:.2f} s/step")
         return parts
-
-    def summary(self, first: dict[str, Any], last: dict[str, Any]) -> str:
-        return f"first reward {first['reward/mean']:.4f}, last reward {last['reward/mean']:.4f}"

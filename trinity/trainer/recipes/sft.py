@@ -115,10 +115,6 @@ class SFTRecipe(Recipe):
     def line(self, metrics: dict[str, Any]) -> list[str]:
         return sft_line(metrics)
 
-    def summary(self, first: dict[str, Any], last: dict[str, Any]) -> str:
-        return (f"first loss {first['loss']:.4f} (step {first['step']}), "
-                f"last loss {last['loss']:.4f} (step {last['step']})")
-
 
 def train_step(actor: Any, micro_batches: list[dict[str, Any]], *, loss_tokens: int, device: torch.device,
                vocab_size: int) -> tuple[float, float]:
