@@ -92,7 +92,7 @@ def tiny_assets(
     """Create the quickstart's tiny Qwen2 model, tokenizer and arithmetic data locally (no network)."""
     from trinity.cli import commands
 
-    _guard(lambda: commands.tiny_assets(output), debug)
+    _guard(lambda: commands.tiny_assets(output, debug=debug), debug)
 
 
 @app.command()

@@ -16,6 +16,7 @@ from typing import IO, Any, Mapping
 
 from trinity.config.schema import JobConfig
 from trinity.errors import UserError
+from trinity.launch import quiet
 from trinity.launch.child import FORWARDED, die_with_parent
 
 WORKER_MODULE = "trinity.trainer.worker"
@@ -63,7 +64,7 @@ def worker_env(environ: Mapping[str, str], stream: IO[str], *, debug: bool = Fal
     pass on rank 0's output as it comes, the progress bar's partial lines included. TRINITY_DEBUG=1
     (`--debug`) keeps the third-party warnings that trinity.launch.quiet filters otherwise."""
     env = dict(environ)
-    env["TRINITY_DEBUG"] = "1" if debug else "0"
+    env[quiet.DEBUG_ENV] = "1" if debug else "0"
     isatty = getattr(stream, "isatty", None)
     tty = bool(isatty and isatty())
     env["TRINITY_TTY"] = "1" if tty else "0"
