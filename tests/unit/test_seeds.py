@@ -107,6 +107,23 @@ def test_trinity_rft_actor_ref_critic_block_validates(tmp_path):
     assert set(cfg.roles()) == {"actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic"}
 
 
+def test_trinity_rft_block_without_kl_refuses_the_ref_block_it_cannot_use(tmp_path):
+    """Without KL a PPO job has no ref role: the guide's ref block would be read by nothing, so each key it
+    sets (at a value other than the default) is refused with the reason, and nothing else is reported."""
+    job = _merge(_base("ppo"), _trinity_rft_block())
+    job["actor_rollout_ref"]["actor"]["use_kl_loss"] = False
+    code, answer = _validate(job, tmp_path)
+    why = ("no KL is used: actor_rollout_ref.actor.use_kl_loss and algorithm.use_kl_in_reward are false, set one "
+           "to use a ref")
+    assert code == 2 and answer["problems"] == [
+        f"actor_rollout_ref.ref.megatron.{key}: the ref role does not exist in this job ({why}); remove the key"
+        for key in ("override_transformer_config", "tensor_model_parallel_size")], answer
+    del job["actor_rollout_ref"]["ref"]
+    code, answer = _validate(job, tmp_path)
+    assert code == 0, answer
+    assert [r["path"] for r in answer["roles"]] == ["actor_rollout_ref.actor", "critic"], answer["roles"]
+
+
 @pytest.mark.parametrize("where", ["actor", "critic"])
 def test_strategy_other_than_megatron_is_refused(tmp_path, where):
     block = _trinity_rft_block()
