@@ -10,9 +10,6 @@ from trinity.config.schema import JobConfig
 from trinity.distributed.layout import differing_sizes
 
 
-OFFLOAD_FLAGS = ("param_offload", "grad_offload", "optimizer_offload")
-
-
 def check_roles_exist(cfg: JobConfig, problems: list[str]) -> None:
     algo = cfg.algorithm.name
     if cfg.needs_critic and cfg.critic is None:
@@ -26,8 +23,8 @@ def check_roles_exist(cfg: JobConfig, problems: list[str]) -> None:
 
 def check_ref_block(cfg: JobConfig, problems: list[str]) -> None:
     """A ref block in a job without a ref role would be accepted and never read (a TP size at odds with
-    the actor's included): each key it sets is refused with the reason. Keys at their defaults are what
-    every resolved config spells out, and verl's own defaults: they pass."""
+    the actor's included): each key it sets is refused with the reason. Keys at their defaults pass: a
+    resolved config spells every key out."""
     if cfg.needs_ref:
         return
     ref = cfg.actor_rollout_ref.ref
