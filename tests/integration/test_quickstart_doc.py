@@ -231,6 +231,14 @@ def _run(argv: list[str], cwd: Path, env: dict[str, str]) -> str:
     return proc.stdout
 
 
+def _peft_adapter(model: Path, out: Path) -> None:
+    """A PEFT adapter folder on `model`, as a LoRA job's `adapter/` is (for docs/lora.md's snippet)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    get_peft_model(AutoModelForCausalLM.from_pretrained(model), LoraConfig(r=4, target_modules=["q_proj"])).save_pretrained(out)
+
+
 VALIDATE_ALL = """
 import sys
 from trinity.cli.main import app
@@ -246,8 +254,9 @@ for config, *overrides in [line.split() for line in sys.argv[1:]]:
 @pytest.mark.timeout(900)
 def test_documented_commands_print_no_third_party_noise(tmp_path: Path):
     """`trinity --help`, `trinity tiny-assets`, `trinity validate` on the example configs and the docs'
-    Python snippets (docs/pretraining.md's indexed-dataset builder, docs/real-model.md's evaluation, on the
-    tiny assets) print no third-party warning, progress bar or stray blank line. `trinity run` and
+    Python snippets (docs/pretraining.md's indexed-dataset builder, docs/real-model.md's evaluation,
+    docs/quickstart.md's and docs/lora.md's loading in transformers / PEFT, on the tiny assets) print no
+    third-party warning, progress bar or stray blank line. `trinity run` and
     `trinity convert` are checked where they run anyway: the quickstart's commands (above) and the TP=2
     run of tests/integration/test_sft_cpu.py."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)}
@@ -270,6 +279,13 @@ def test_documented_commands_print_no_third_party_noise(tmp_path: Path):
     evaluation = evaluation.replace('Path("runs/smollm2_grpo")', 'Path("quickstart_assets/model")')
     outputs["docs/real-model.md"] = (_run([sys.executable, "-c", evaluation], tmp_path, env), False)
     assert re.fullmatch(r"\d of 4\n", outputs["docs/real-model.md"][0]), outputs["docs/real-model.md"][0]
+
+    loading = _doc_python("quickstart.md", "AutoModelForCausalLM").replace("runs/quickstart/hf_step60", "quickstart_assets/model")
+    loading = loading.replace("runs/quickstart/hf", "quickstart_assets/model")
+    outputs["docs/quickstart.md"] = (_run([sys.executable, "-c", loading], tmp_path, env), False)
+    assert outputs["docs/quickstart.md"][0].endswith("same logits as quickstart_assets/model: True\n")
+    _peft_adapter(tmp_path / "quickstart_assets" / "model", tmp_path / "runs" / "lora_sft" / "adapter")
+    outputs["docs/lora.md"] = (_run([sys.executable, "-c", _doc_python("lora.md", "PeftModel")], tmp_path, env), False)
 
     leaks = {name: noise(text, blank_lines=blank) for name, (text, blank) in outputs.items()}
     assert not any(leaks.values()), "printed what --debug alone shows:\n" + json.dumps(leaks, indent=1)
