@@ -15,8 +15,12 @@ imports it (each torchrun rank, the CLI when it converts), and the CPU test suit
   is installed. While megatron.core is imported, `import wandb` finds nothing; afterwards it works
   as usual (trinity's trackers import it themselves).
 
+The same import is also where megatron-core warns that TransformerEngine / Apex are missing (every CPU
+process): it runs inside trinity.launch.quiet.hidden(), so a user's own script that imports trinity
+first (docs/pretraining.md) stays as quiet as `trinity run` (TRINITY_DEBUG=1 shows them).
+
 `install()` (called by `trinity/__init__.py`, so every trinity process has it before any megatron
-import; cheap: it imports neither torch nor megatron) adds a finder that applies both around the
+import; cheap: it imports neither torch nor megatron) adds a finder that applies all three around the
 execution of the `megatron.core` package only, once. TRINITY_EAGER_MEGATRON_IMPORT=1 turns it off.
 """
 
@@ -29,6 +33,8 @@ import importlib.machinery
 import os
 import sys
 from typing import Any, Callable, Iterator
+
+from trinity.launch import quiet
 
 TARGET = "megatron.core"
 
@@ -88,7 +94,7 @@ class _Finder(importlib.abc.MetaPathFinder):
         exec_module = spec.loader.exec_module
 
         def exec_light(module: Any) -> None:
-            with _light_import():
+            with quiet.hidden(), _light_import():
                 exec_module(module)
 
         spec.loader.exec_module = exec_light  # type: ignore[method-assign]  # this spec's own loader instance

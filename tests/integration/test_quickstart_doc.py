@@ -24,13 +24,17 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
+from tests.console import noise
+
 REPO = Path(__file__).resolve().parents[2]
 DOC = REPO / "docs" / "quickstart.md"
 FENCE = re.compile(r"^```(bash|text)\n(.*?)^```", re.S | re.M)
+PYTHON_FENCE = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
 SKIPPED = ("pip install", "python -m pytest")
 README_LINES = (
     "pip install torch==2.13.0 -e .",
@@ -172,6 +176,8 @@ def test_quickstart_doc_commands_run(tmp_path: Path):
                 assert proc.returncode == 0, (
                     f"docs/quickstart.md block failed (exit {proc.returncode}):\n{script}\n--- output ---\n{tail}"
                 )
+            leaks = noise(proc.stdout)
+            assert not leaks, f"docs/quickstart.md block printed what --debug alone shows:\n{script}\n" + "\n".join(leaks)
             out_lines += proc.stdout.splitlines()
             if kind == "bash" and "trinity run --config configs/quickstart.yaml\n" in script + "\n":
                 found = LOSS_LINE.search(proc.stdout)
@@ -197,3 +203,89 @@ def test_quickstart_doc_commands_run(tmp_path: Path):
     rewards = [json.loads(line)["reward/mean"] for line in metrics.read_text().splitlines()]
     first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
     assert last >= first + REWARD_GAIN, f"GRPO mean reward: first 10 steps {first:.3f}, last 10 steps {last:.3f}"
+
+
+def test_noise_rules():
+    leak = ("job: sft\n\ncommand: x\n[default0]:/x/layers.py:738: UserWarning: When using async grad allreduce\n"
+            "[default0]:  warnings.warn(\nWriting model shards: 100%|##########| 1/1 [00:00<00:00, 55.92it/s]\n"
+            "warning: trainer.total_steps: trinity's own\n[default0]:warning: a.b: trinity's own\nstep 1/2 | loss 2\n")
+    assert [f.split(": ")[0] + ": " + f.split(": ")[1] for f in noise(leak)] == [
+        "line 2: a blank line", "line 4: a warning", "line 5: a warning", "line 6: a progress bar"]
+    assert noise("Usage: trinity\n\nOptions\n", blank_lines=True) == []
+
+
+def _doc_python(doc: str, marker: str) -> str:
+    """The Python snippet of docs/<doc> that contains `marker`: a ```python block, or a ```bash block's
+    `python - <<'EOF'` heredoc."""
+    text = (REPO / "docs" / doc).read_text()
+    blocks = PYTHON_FENCE.findall(text) + [b.split("<<'EOF'\n", 1)[1].rsplit("EOF", 1)[0]
+                                            for b in bash_blocks(text) if "<<'EOF'" in b]
+    (found,) = [b for b in blocks if marker in b]
+    return found
+
+
+def _run(argv: list[str], cwd: Path, env: dict[str, str]) -> str:
+    proc = subprocess.run(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=BLOCK_TIMEOUT_S)
+    assert proc.returncode == 0, f"{argv}: exit {proc.returncode}\n{proc.stdout[-3000:]}"
+    return proc.stdout
+
+
+def _peft_adapter(model: Path, out: Path) -> None:
+    """A PEFT adapter folder on `model`, as a LoRA job's `adapter/` is (for docs/lora.md's snippet)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    get_peft_model(AutoModelForCausalLM.from_pretrained(model), LoraConfig(r=4, target_modules=["q_proj"])).save_pretrained(out)
+
+
+VALIDATE_ALL = """
+import sys
+from trinity.cli.main import app
+for config, *overrides in [line.split() for line in sys.argv[1:]]:
+    try:
+        app(["validate", "--config", config, *overrides])
+    except SystemExit as end:
+        assert end.code == 0, (config, end.code)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_documented_commands_print_no_third_party_noise(tmp_path: Path):
+    """`trinity --help`, `trinity tiny-assets`, `trinity validate` on the example configs and the docs'
+    Python snippets (docs/pretraining.md's indexed-dataset builder, docs/real-model.md's evaluation,
+    docs/quickstart.md's and docs/lora.md's loading in transformers / PEFT, on the tiny assets) print no
+    third-party warning, progress bar or stray blank line. `trinity run` and
+    `trinity convert` are checked where they run anyway: the quickstart's commands (above) and the TP=2
+    run of tests/integration/test_sft_cpu.py."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)}
+    outputs = {"trinity --help": (_run(["trinity", "--help"], tmp_path, env), True)}
+    outputs["trinity tiny-assets"] = (_run(["trinity", "tiny-assets", "quickstart_assets"], tmp_path, env), False)
+    shutil.copytree(REPO / "configs", tmp_path / "configs")
+    fixtures = REPO / "tests" / "fixtures"
+    cpu = [f"configs/{name}" for name in ("quickstart.yaml", "grpo_tiny_cpu.yaml", "lora_sft_cpu.yaml")]
+    gpu = [f"{p} model.path={fixtures / 'hf_configs' / 'qwen2_5_7b'} data.train_files=[{fixtures / 'data' / 'prompts.jsonl'}]"
+           for p in sorted(f"configs/{c.name}" for c in (REPO / "configs").glob("grpo_qwen2_5*.yaml"))]
+    outputs["trinity validate"] = (_run([sys.executable, "-c", VALIDATE_ALL, *cpu, *gpu], tmp_path, env), False)
+    assert outputs["trinity validate"][0].count("estimated peak per GPU") == len(cpu) + len(gpu)
+
+    pretraining = _doc_python("pretraining.md", "IndexedDatasetBuilder").replace("/models/Qwen2.5-7B", "quickstart_assets/model")
+    outputs["docs/pretraining.md"] = (_run([sys.executable, "-c", pretraining], tmp_path, env), False)
+    assert (tmp_path / "corpus_text_document.idx").is_file()
+    prompts = (tmp_path / "quickstart_assets" / "data" / "rl_prompts.jsonl").read_text().splitlines()[:4]
+    (tmp_path / "val.jsonl").write_text("\n".join(prompts) + "\n")
+    evaluation = _doc_python("real-model.md", "generate_answers").replace("real_assets/data/grpo_add_val.jsonl", "val.jsonl")
+    evaluation = evaluation.replace('Path("runs/smollm2_grpo")', 'Path("quickstart_assets/model")')
+    outputs["docs/real-model.md"] = (_run([sys.executable, "-c", evaluation], tmp_path, env), False)
+    assert re.fullmatch(r"\d of 4\n", outputs["docs/real-model.md"][0]), outputs["docs/real-model.md"][0]
+
+    loading = _doc_python("quickstart.md", "AutoModelForCausalLM").replace("runs/quickstart/hf_step60", "quickstart_assets/model")
+    loading = loading.replace("runs/quickstart/hf", "quickstart_assets/model")
+    outputs["docs/quickstart.md"] = (_run([sys.executable, "-c", loading], tmp_path, env), False)
+    assert outputs["docs/quickstart.md"][0].endswith("same logits as quickstart_assets/model: True\n")
+    _peft_adapter(tmp_path / "quickstart_assets" / "model", tmp_path / "runs" / "lora_sft" / "adapter")
+    outputs["docs/lora.md"] = (_run([sys.executable, "-c", _doc_python("lora.md", "PeftModel")], tmp_path, env), False)
+
+    leaks = {name: noise(text, blank_lines=blank) for name, (text, blank) in outputs.items()}
+    assert not any(leaks.values()), "printed what --debug alone shows:\n" + json.dumps(leaks, indent=1)

@@ -21,6 +21,7 @@ import pytest
 import yaml
 
 from tests.conftest import trinity_run, trinity_run_argv
+from tests.console import noise
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -260,6 +261,10 @@ def test_layouts_give_the_same_losses(assets, baseline, tmp_path_factory, layout
     for step in b:
         assert b[step] == pytest.approx(baseline[step], rel=1e-4), (step, baseline, b)
     if layout.get("tensor_model_parallel_size") == 2:
+        # A CPU run at TP=2 shows no third-party warning (megatron's CUDA_DEVICE_MAX_CONNECTIONS advice), bar
+        # or stray blank line: `trinity run`'s console as the user sees it (the conversion is the session's)
+        leaks = noise((tmp / "job.out").read_text())
+        assert not leaks, "\n".join(leaks)
         # torchrun keeps every rank's output under <output_dir>/logs/<run>/attempt_0/<local rank>/.
         logs = tmp / "run" / "logs"
         for name in ("stdout.log", "stderr.log"):

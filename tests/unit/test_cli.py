@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -229,3 +230,61 @@ def test_dry_run_prints_command(write_job, small_job, capsys):
     out = capsys.readouterr().out
     assert "command: " in out and "--nproc-per-node 2" in out and "trinity.trainer.worker /tmp/x/resolved_config.yaml" in out
     assert not Path("/tmp/x/resolved_config.yaml").exists()
+
+
+# --- help texts ------------------------------------------------------------------------------------------
+
+HELP_ARGVS = [[], ["validate"], ["run"], ["schema"], ["tiny-assets"], ["generate"], ["convert"],
+              ["convert", "hf-to-mcore"], ["convert", "mcore-to-hf"]]
+
+
+def _help(*argv: str) -> str:
+    """The rendered `trinity ... --help`, its panels' borders removed and whitespace collapsed."""
+    from typer.testing import CliRunner
+
+    from trinity.cli.main import app
+
+    result = CliRunner().invoke(app, [*argv, "--help"], env={"COLUMNS": "100"})
+    assert result.exit_code == 0, result.output
+    return re.sub(r"\s+", " ", re.sub(r"[│╭╮╰╯─]", " ", result.output))
+
+
+@pytest.mark.parametrize("argv", HELP_ARGVS, ids=lambda a: " ".join(a) or "trinity")
+def test_help_shows_no_type_for_flags(argv):
+    text = _help(*argv)
+    assert "<bool>" not in text and "--help Show this message and exit." in text, text
+    if argv == ["run"]:
+        assert "--dry-run Print the plan and the launch command, start nothing." in text, text
+    if "--debug" in text:  # every command that has it says what it shows besides tracebacks
+        assert "--debug Show tracebacks of internal errors, and the third-party warnings and progress bars " \
+               "hidden otherwise (trinity/launch/quiet.py)." in text, text
+
+
+def test_top_level_help_lists_every_algorithm_from_the_config():
+    from trinity.config.schema import AlgorithmName
+
+    text = _help()
+    names = ", ".join(a.value for a in AlgorithmName)
+    assert f"Algorithms (algorithm.name): {names}; policy losses of any RL algorithm " \
+           "(actor_rollout_ref.actor.policy_loss.loss_mode): gspo." in text, text
+    for name in ("sft", "pt", "dpo", "grpo", "ppo", "rloo", "reinforce_plus_plus", "gspo", "dapo"):
+        assert re.search(rf"[ :,]{name}[,;.]", text), name
+
+
+def test_run_help_names_both_launch_paths_as_launch_command_takes_them():
+    text = _help("run")
+    found = re.search(r"A job of one process \((.*?)\) runs as one child process, without torchrun; any other job "
+                      r"starts its processes on this node with torchrun\.", text)
+    assert found, text
+    assert "the console shows rank 0's output, prefixed [default0]:, and every rank's log is kept under " \
+           "<output_dir>/logs." in text
+    # Each condition the help names is one launch_command checks: the job of one process runs
+    # trinity.launch.single, and breaking any one condition gives torchrun.
+    conditions = dict(re.fullmatch(r"(?:no )?cluster\.(\w+)(?: (\w+))?", c.strip()).groups() for c in found.group(1).split(","))
+    assert conditions == {"nnodes": "1", "nproc_per_node": "1", "max_restarts": "0", "rdzv_endpoint": None}
+    assert "trinity.launch.single" in launch_command(_cfg(device="cpu"), "/o/r.yaml")
+    broken = {"nnodes": {"nnodes": 2, "master_addr": "10.0.0.1"}, "nproc_per_node": {"nproc_per_node": 2},
+              "max_restarts": {"max_restarts": 1}, "rdzv_endpoint": {"rdzv_endpoint": "h:29400"}}
+    for key in conditions:
+        cmd = launch_command(_cfg(device="cpu", **broken[key]), "/o/r.yaml")
+        assert "torch.distributed.run" in cmd and "trinity.launch.single" not in cmd, key

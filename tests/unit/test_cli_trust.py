@@ -334,19 +334,47 @@ def test_supervised_child_dies_with_a_killed_cli():
                 os.kill(pid, signal.SIGKILL)
 
 
-def test_quiet_filters_known_warnings_and_debug_keeps_them():
+def test_quiet_filters_known_warnings_and_debug_keeps_them(monkeypatch):
     import warnings
 
     from trinity.launch import quiet
 
-    for debug, expected in ((False, 0), (True, 2)):
+    monkeypatch.setattr(quiet, "_debug", None)
+    monkeypatch.setenv("HF_HUB_DISABLE_PROGRESS_BARS", "0")  # the user's choice stands
+    monkeypatch.setenv("HF_DATASETS_DISABLE_PROGRESS_BARS", "")
+    monkeypatch.delenv("HF_DATASETS_DISABLE_PROGRESS_BARS")  # (set first: monkeypatch then restores its absence)
+    quiet.install(False)
+    assert (os.environ["HF_HUB_DISABLE_PROGRESS_BARS"], os.environ["HF_DATASETS_DISABLE_PROGRESS_BARS"]) == ("0", "1")
+    for debug, expected in ((False, 0), (True, 3)):
         with warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
             quiet.install(debug)
             warnings.warn("Transformer Engine and Apex are not installed. Falling back to Torch optimizers.")
             warnings.warn("`torch.distributed.all_gather_into_tensor` is deprecated.", FutureWarning)
+            warnings.warn("When using async grad allreduce it is recommended to set the environment variable "
+                          "CUDA_DEVICE_MAX_CONNECTIONS to 1 for maximum speedup")
             warnings.warn("something else", UserWarning)
         assert len(seen) == expected + 1, [str(w.message) for w in seen]
+
+
+def test_quiet_hidden_scopes_the_filters_to_a_library_call(monkeypatch):
+    """`hidden()` (generate_answers, the first megatron-core import after `import trinity`) ignores the
+    known warnings inside the block only, and not at all with TRINITY_DEBUG=1."""
+    import warnings
+
+    from trinity.launch import quiet
+
+    monkeypatch.setattr(quiet, "_debug", None)  # install() not called: TRINITY_DEBUG decides
+    known = "--moe-layer-recompute is deprecated. Use --recompute-granularity selective instead."
+    for env, inside in (("0", 0), ("1", 1)):
+        monkeypatch.setenv(quiet.DEBUG_ENV, env)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            with quiet.hidden():
+                warnings.warn(known)
+            assert len(seen) == inside
+            warnings.warn(known)  # the caller's filters again
+            assert len(seen) == inside + 1
 
 
 def test_worker_watchdog_stops_the_worker_when_the_cli_is_gone():

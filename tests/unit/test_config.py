@@ -224,6 +224,32 @@ def test_verl_megatron_blocks_validate_unchanged(write_job):
                 assert dumped[key] == value, (path, key)
 
 
+def test_blocks_of_roles_the_job_does_not_have_are_refused_alone(write_job, small_job):
+    """A ref block in a job without KL and a critic block in a grpo job, each with a TP at odds with the
+    actor's: refused as blocks of absent roles, without the layout problems of roles that do not run."""
+    prompts = str(FIXTURES / "data" / "prompts.jsonl")
+    job = with_keys(small_job, algorithm__name="grpo", data__train_files=[prompts],
+                    actor_rollout_ref__ref__megatron__tensor_model_parallel_size=4,
+                    actor_rollout_ref__ref__log_prob_max_token_len_per_gpu=4096,
+                    critic__megatron__tensor_model_parallel_size=2)
+    why = "no KL is used: actor_rollout_ref.actor.use_kl_loss and algorithm.use_kl_in_reward are false, set one to use a ref"
+    assert problems_of(write_job(job)) == [
+        "critic: only ppo uses a critic, but algorithm.name is grpo; remove the critic block",
+        f"actor_rollout_ref.ref.megatron.tensor_model_parallel_size: the ref role does not exist in this job ({why}); "
+        "remove the key",
+        f"actor_rollout_ref.ref.log_prob_max_token_len_per_gpu: the ref role does not exist in this job ({why}); "
+        "remove the key",
+    ]
+    # sft: no reference model at all
+    sft = with_keys(small_job, actor_rollout_ref__ref__strategy="megatron")
+    assert problems_of(write_job(sft)) == [
+        "actor_rollout_ref.ref.strategy: the ref role does not exist in this job (sft has no reference model); "
+        "remove the key"]
+    # a ref block at the defaults (what a resolved config spells out) is no block at all
+    quiet = with_keys(small_job, actor_rollout_ref__ref__megatron__tensor_model_parallel_size=1)
+    assert list(load_config(write_job(quiet)).config.roles()) == ["actor_rollout_ref.actor"]
+
+
 def test_unsupported_architecture_lists_supported(write_job, small_job, tmp_path):
     (tmp_path / "m").mkdir()
     (tmp_path / "m" / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"]}')

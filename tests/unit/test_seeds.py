@@ -16,6 +16,7 @@ import json
 import re
 import shlex
 import tomllib
+import warnings
 from pathlib import Path
 
 import pytest
@@ -104,6 +105,23 @@ def test_trinity_rft_actor_ref_critic_block_validates(tmp_path):
         assert m.override_transformer_config.recompute_kwargs() == {
             "recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
     assert set(cfg.roles()) == {"actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic"}
+
+
+def test_trinity_rft_block_without_kl_refuses_the_ref_block_it_cannot_use(tmp_path):
+    """Without KL a PPO job has no ref role: the guide's ref block would be read by nothing, so each key it
+    sets (at a value other than the default) is refused with the reason, and nothing else is reported."""
+    job = _merge(_base("ppo"), _trinity_rft_block())
+    job["actor_rollout_ref"]["actor"]["use_kl_loss"] = False
+    code, answer = _validate(job, tmp_path)
+    why = ("no KL is used: actor_rollout_ref.actor.use_kl_loss and algorithm.use_kl_in_reward are false, set one "
+           "to use a ref")
+    assert code == 2 and answer["problems"] == [
+        f"actor_rollout_ref.ref.megatron.{key}: the ref role does not exist in this job ({why}); remove the key"
+        for key in ("override_transformer_config", "tensor_model_parallel_size")], answer
+    del job["actor_rollout_ref"]["ref"]
+    code, answer = _validate(job, tmp_path)
+    assert code == 0, answer
+    assert [r["path"] for r in answer["roles"]] == ["actor_rollout_ref.actor", "critic"], answer["roles"]
 
 
 @pytest.mark.parametrize("where", ["actor", "critic"])
@@ -256,12 +274,16 @@ def test_roll_moe_keys_reach_megatron_transformer_config():
     """moe_layer_recompute, moe_grouped_gemm and moe_token_dispatcher_type as ROLL sets them end up in
     megatron-core's TransformerConfig (built by trinity.models.build, as the workers do)."""
     from trinity.config.megatron import MegatronConfig
+    from trinity.launch import quiet
     from trinity.models.build import transformer_config
     from trinity.models.facts import ModelFacts
 
     facts = ModelFacts.from_hf_dir(HF_CONFIGS / "qwen3_30b_a3b")
     m = MegatronConfig(**_roll("roll_megatron_train.yaml", "actor_train"))
-    tc = transformer_config(facts, m, device="cpu", dtype=torch.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # megatron-core's deprecation of the flag must not reach the user
+        with quiet.hidden():
+            tc = transformer_config(facts, m, device="cpu", dtype=torch.float32)
     assert (tc.moe_grouped_gemm, tc.moe_token_dispatcher_type) == (True, "alltoall")
     # megatron-core turns moe_layer_recompute into selective recompute of the MoE layers
     assert tc.moe_layer_recompute and tc.recompute_granularity == "selective" and "moe" in tc.recompute_modules

@@ -205,8 +205,11 @@ def prepare_weights(loaded: LoadedConfig, out: Path, *, debug: bool = False) -> 
         m.dist_checkpointing_path = str(cache)
 
 
-def tiny_assets(output: Path) -> int:
+def tiny_assets(output: Path, *, debug: bool = False) -> int:
     from trinity.config.loader import check_output_dir
+    from trinity.launch import quiet
+
+    quiet.install(debug)  # before transformers is imported: its "Writing model shards" bar stays off
     from trinity.testing.tiny_assets import make_quickstart_assets
 
     problems = check_output_dir(output, "tiny-assets OUTPUT")

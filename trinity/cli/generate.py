@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Sequence, TextIO
 
 from trinity.errors import UserError
+from trinity.launch.quiet import quietly
 
 META = "trinity_meta.json"  # the file trinity.convert.dist_ckpt writes into every dist checkpoint
 
@@ -125,6 +126,7 @@ def fit_prompts(
     return fitted
 
 
+@quietly  # a Python API too (docs/real-model.md): as quiet as `trinity generate`
 def generate_answers(
     model: Path,
     prompts: Sequence[str],

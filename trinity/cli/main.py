@@ -10,23 +10,62 @@ import sys
 from pathlib import Path
 from typing import Callable, Optional
 
+import click
 import typer
+from typer.core import TyperCommand, TyperGroup
 
 from trinity import __version__
 
+
+def _flags_take_no_value(command: click.Command, ctx: click.Context) -> None:
+    """typer's rich help labels every boolean flag `<bool>`, as if it took a value (`--dry-run <bool>`);
+    an empty metavar drops the label."""
+    for param in command.get_params(ctx):
+        if getattr(param, "is_flag", False) and param.metavar is None:
+            param.metavar = ""
+
+
+def root_help() -> str:
+    """The top-level help, with the algorithms as the config defines them (read when help is shown: the
+    config schema is not imported for anything else here)."""
+    import typing
+
+    from trinity.config.schema import AlgorithmName, PolicyLossConfig
+
+    names = ", ".join(a.value for a in AlgorithmName)
+    losses = [m for m in typing.get_args(PolicyLossConfig.model_fields["loss_mode"].annotation) if m != "vanilla"]
+    return (f"Fine-tune LLMs on megatron-core from one YAML file.\n\nAlgorithms (algorithm.name): {names}; "
+            f"policy losses of any RL algorithm (actor_rollout_ref.actor.policy_loss.loss_mode): {', '.join(losses)}.")
+
+
+class _Command(TyperCommand):
+    def format_help(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        _flags_take_no_value(self, ctx)
+        super().format_help(ctx, formatter)
+
+
+class _Group(TyperGroup):
+    def format_help(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        _flags_take_no_value(self, ctx)
+        if ctx.parent is None:
+            self.help = root_help()
+        super().format_help(ctx, formatter)
+
+
 app = typer.Typer(
     name="trinity",
-    help="Fine-tune LLMs (SFT, GRPO, PPO) on megatron-core from one YAML file.",
+    cls=_Group,
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-convert_app = typer.Typer(help="Move checkpoints between Hugging Face and megatron-core.", no_args_is_help=True)
+convert_app = typer.Typer(cls=_Group, help="Move checkpoints between Hugging Face and megatron-core.", no_args_is_help=True)
 app.add_typer(convert_app, name="convert")
 
 ConfigOpt = typer.Option(..., "--config", "-c", help="Job YAML file.", show_default=False)
 OverridesArg = typer.Argument(None, help="dotted.key=value overrides, e.g. trainer.total_steps=10", show_default=False)
-DebugOpt = typer.Option(False, "--debug", help="Show tracebacks of internal errors.")
+DebugOpt = typer.Option(False, "--debug", help="Show tracebacks of internal errors, and the third-party warnings and "
+                                                "progress bars hidden otherwise (trinity/launch/quiet.py).")
 
 
 def _guard(fn: Callable[[], int | None], debug: bool) -> None:
@@ -49,7 +88,7 @@ def _root(
     """trinity-mcore: validate, convert and train on megatron-core."""
 
 
-@app.command()
+@app.command(cls=_Command)
 def validate(
     config: Path = ConfigOpt,
     overrides: Optional[list[str]] = OverridesArg,
@@ -62,21 +101,27 @@ def validate(
     _guard(lambda: commands.validate(config, overrides or [], json_out=json_out), debug)
 
 
-@app.command()
+# The docstring is rich markup (typer's help): `\[` is a literal bracket.
+@app.command(cls=_Command)
 def run(
     config: Path = ConfigOpt,
     overrides: Optional[list[str]] = OverridesArg,
-    dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan and the torchrun command, start nothing."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan and the launch command, start nothing."),
     force: bool = typer.Option(False, "--force", help="Write into a trainer.output_dir that holds files no trinity run wrote."),
     debug: bool = DebugOpt,
 ) -> None:
-    """Validate, convert weights if needed, and launch the job with torchrun."""
+    r"""Validate, convert weights if needed, and launch the job.
+
+    A job of one process (cluster.nnodes 1, cluster.nproc_per_node 1, cluster.max_restarts 0, no
+    cluster.rdzv_endpoint) runs as one child process, without torchrun; any other job starts its
+    processes on this node with torchrun. Either way the console shows rank 0's output, prefixed
+    \[default0]:, and every rank's log is kept under <output_dir>/logs."""
     from trinity.cli import commands
 
     _guard(lambda: commands.run(config, overrides or [], dry_run=dry_run, debug=debug, force=force), debug)
 
 
-@app.command()
+@app.command(cls=_Command)
 def schema() -> None:
     """Print the JSON Schema of the job config (for editor completion)."""
     from trinity.cli import commands
@@ -84,7 +129,7 @@ def schema() -> None:
     typer.echo(commands.schema())
 
 
-@app.command("tiny-assets")
+@app.command("tiny-assets", cls=_Command)
 def tiny_assets(
     output: Path = typer.Argument(Path("quickstart_assets"), help="Folder for the tiny model, tokenizer and data."),
     debug: bool = DebugOpt,
@@ -92,10 +137,10 @@ def tiny_assets(
     """Create the quickstart's tiny Qwen2 model, tokenizer and arithmetic data locally (no network)."""
     from trinity.cli import commands
 
-    _guard(lambda: commands.tiny_assets(output), debug)
+    _guard(lambda: commands.tiny_assets(output, debug=debug), debug)
 
 
-@app.command()
+@app.command(cls=_Command)
 def generate(
     model: Path = typer.Option(..., "--model", "-m", help="HF folder, dist checkpoint, checkpoints/step_N or a run's output_dir.", show_default=False),
     prompt: list[str] = typer.Option(..., "--prompt", "-p", help="Prompt text; repeat for a batch.", show_default=False),
@@ -120,7 +165,7 @@ def generate(
                            truncate_prompt=truncate_prompt), debug)
 
 
-@app.command()
+@app.command(cls=_Command)
 def plot(
     run_dirs: list[Path] = typer.Argument(..., help="Run folders (trainer.output_dir), each with a metrics.jsonl.", show_default=False),
     out: Optional[Path] = typer.Option(
@@ -134,7 +179,7 @@ def plot(
     _guard(lambda: commands.plot(run_dirs, out), debug)
 
 
-@convert_app.command("hf-to-mcore")
+@convert_app.command("hf-to-mcore", cls=_Command)
 def hf_to_mcore(
     hf_path: Path = typer.Option(..., "--hf-path", help="Hugging Face model folder.", show_default=False),
     output: Path = typer.Option(..., "--output", "-o", help="Dist checkpoint folder to write.", show_default=False),
@@ -155,7 +200,7 @@ def hf_to_mcore(
                                                 dtype=dtype, verify=verify, force=force, debug=debug), debug)
 
 
-@convert_app.command("mcore-to-hf")
+@convert_app.command("mcore-to-hf", cls=_Command)
 def mcore_to_hf(
     mcore_path: Path = typer.Option(..., "--mcore-path", help="Dist checkpoint folder (convert or run output).", show_default=False),
     output: Path = typer.Option(..., "--output", "-o", help="Hugging Face folder to write.", show_default=False),

@@ -16,6 +16,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from trinity.config import renames
 from trinity.config.schema import JobConfig
 from trinity.errors import ConfigError, UserError
 
@@ -244,16 +245,24 @@ def format_validation_error(
     problems = []
     origins = origins or {}
     overrides = overrides or []
-    for err in exc.errors():
-        loc = tuple(err["loc"])
-        path = ".".join(str(p) for p in loc)
+
+    def where_of(path: str) -> str:
         # A value an override set is blamed on the override, not on the YAML line it replaced.
         n = _override_of(path, origins)
         if n is not None:
-            where = f" (<override {n}>: {overrides[n - 1]})"
-        else:
-            where = f" ({source}:{lines[path]})" if path in lines else ""
-        if err["type"] == "extra_forbidden":
+            return f" (<override {n}>: {overrides[n - 1]})"
+        return f" ({source}:{lines[path]})" if path in lines else ""
+
+    for err in exc.errors():
+        loc = tuple(err["loc"])
+        path = ".".join(str(p) for p in loc)
+        where = where_of(path)
+        hints, others = renames.hints_at(path, err.get("input")) if err["type"] == "extra_forbidden" else ([], [])
+        if hints:
+            problems += [h.problem(where_of(h.old)) for h in hints]
+            problems += [f"{key}: unknown key{where_of(key)}; remove it (docs/migrating.md maps the keys of verl, "
+                         "Trinity-RFT and ROLL that have an equivalent)" for key in others]
+        elif err["type"] == "extra_forbidden":
             owner = _model_at(loc[:-1])
             names = list(owner.model_fields) if owner else []
             close = difflib.get_close_matches(str(loc[-1]), names, n=1, cutoff=0.6)

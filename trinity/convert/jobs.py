@@ -31,14 +31,18 @@ def _rank() -> int:
 
 @contextlib.contextmanager
 def progress(label: str, total_bytes: int) -> Iterator[Callable[[str, int], None]]:
-    """A rich progress bar over bytes on rank 0 (a no-op callback elsewhere)."""
-    if _rank() != 0:
+    """A rich progress bar over bytes on rank 0 when stdout is a terminal (a no-op callback elsewhere:
+    in a log or a pipe the bar would leave nothing but a blank line where it stopped)."""
+    from rich.console import Console
+
+    console = Console()
+    if _rank() != 0 or not console.is_terminal:
         yield lambda name, n: None
         return
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
     cols = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn())
-    with Progress(*cols, transient=True) as bar:
+    with Progress(*cols, transient=True, console=console) as bar:
         task = bar.add_task(label, total=total_bytes)
         yield lambda name, n: bar.update(task, advance=n)
 

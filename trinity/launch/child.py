@@ -21,7 +21,7 @@ from typing import Any, Iterator
 from trinity.launch import quiet
 
 CLI_PID_ENV = "TRINITY_CLI_PID"
-DEBUG_ENV = "TRINITY_DEBUG"
+DEBUG_ENV = quiet.DEBUG_ENV
 _WATCH_S = 0.5
 
 

@@ -16,6 +16,7 @@ from typing import IO, Any, Mapping
 
 from trinity.config.schema import JobConfig
 from trinity.errors import UserError
+from trinity.launch import quiet
 from trinity.launch.child import FORWARDED, die_with_parent, group_alive
 
 WORKER_MODULE = "trinity.trainer.worker"
@@ -66,7 +67,7 @@ def worker_env(environ: Mapping[str, str], stream: IO[str], *, debug: bool = Fal
     from trinity.trainer.progress import TTY_ENV, live_console
 
     env = dict(environ)
-    env["TRINITY_DEBUG"] = "1" if debug else "0"
+    env[quiet.DEBUG_ENV] = "1" if debug else "0"
     tty = live_console(environ, stream)
     env[TTY_ENV] = "1" if tty else "0"
     env["PYTHONUNBUFFERED"] = "1"

@@ -17,7 +17,6 @@ from trinity.config.rules.evaluation import check_evaluation
 from trinity.config.rules.megatron import check_megatron, transformer_config_fields
 from trinity.config.rules.profile import check_profile
 from trinity.config.rules.roles import (
-    OFFLOAD_FLAGS,
     SFT_OFFLOAD_REFUSALS,
     check_rl_roles,
     check_roles_exist,
@@ -31,7 +30,7 @@ from trinity.models.facts import ModelFacts, refuse_custom_code
 from trinity.models.hub import resolve_model_path
 
 # What other code may import from here: check_job, and the tables the rules decide with.
-__all__ = ["DPO_REFUSED", "GROUP_ALGORITHMS", "OFFLOAD_FLAGS", "SFT_OFFLOAD_REFUSALS", "check_job", "transformer_config_fields"]
+__all__ = ["DPO_REFUSED", "GROUP_ALGORITHMS", "SFT_OFFLOAD_REFUSALS", "check_job", "transformer_config_fields"]
 
 
 def check_job(cfg: JobConfig, *, check_paths: bool = True) -> tuple[ModelFacts | None, list[str], list[str]]:

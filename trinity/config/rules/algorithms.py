@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from trinity.config.rules.roles import OFFLOAD_FLAGS
+from trinity.config.rules.fields import non_default
 from trinity.config.schema import AlgorithmName, JobConfig
 from trinity.errors import UserError
 from trinity.models.facts import ModelFacts
@@ -57,16 +57,6 @@ DPO_REFUSED = {
 }
 
 
-def non_default(block: Any, fields: Any) -> list[str]:
-    """Fields of `block` whose value differs from the schema default. (Not `model_fields_set`: the
-    workers read the resolved config, which spells every field out.)"""
-    out = []
-    for name in fields if fields is not None else type(block).model_fields:
-        info = type(block).model_fields[name]
-        default = info.default_factory() if info.default_factory is not None else info.default
-        if getattr(block, name) != default:
-            out.append(name)
-    return sorted(out)
 
 
 def check_dpo(cfg: JobConfig, problems: list[str]) -> None:
@@ -171,12 +161,10 @@ def check_adapter_path(lora: Any, problems: list[str]) -> None:
 def check_lora_ref(cfg: JobConfig, problems: list[str]) -> None:
     """With LoRA the reference policy (RL with KL, DPO) is the actor with its adapters off
     (trinity.trainer.recipes.lora_ref): no ref model is built, so its megatron block cannot apply."""
-    if cfg.actor_rollout_ref.actor.lora.rank == 0:
-        return
+    if cfg.actor_rollout_ref.actor.lora.rank == 0 or not cfg.needs_ref:
+        return  # without a ref role at all, check_ref_block says so
     ref = cfg.actor_rollout_ref.ref.megatron
     for name in non_default(ref, None):
-        if name in OFFLOAD_FLAGS and not cfg.needs_ref:
-            continue  # check_roles_exist already says the ref does not exist
         problems.append(
             f"actor_rollout_ref.ref.megatron.{name}: with actor_rollout_ref.actor.lora the reference policy is "
             "the actor with its adapters off (no ref model is built), so the ref block cannot apply; remove the key"

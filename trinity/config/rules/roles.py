@@ -1,37 +1,47 @@
-"""Rules on the roles of a job: which exist for the algorithm, their backend, what they must share (one
-parallel layout), and the offload flags a single-phase step cannot use.
+"""Rules on the roles of a job: which exist for the algorithm (a block for a role the job does not have
+is refused), their backend, what they must share (one parallel layout), and the offload flags a
+single-phase step cannot use.
 """
 
 from __future__ import annotations
 
-from trinity.config.schema import AlgorithmName, JobConfig
+from trinity.config.rules.fields import non_default
+from trinity.config.schema import JobConfig
 from trinity.distributed.layout import differing_sizes
-
-
-OFFLOAD_FLAGS = ("param_offload", "grad_offload", "optimizer_offload")
 
 
 def check_roles_exist(cfg: JobConfig, problems: list[str]) -> None:
     algo = cfg.algorithm.name
-    if algo == AlgorithmName.ppo and cfg.critic is None:
+    if cfg.needs_critic and cfg.critic is None:
         problems.append("critic: ppo needs a critic; add a `critic:` block (its megatron: and optim:)")
-    if algo != AlgorithmName.ppo and cfg.critic is not None:
+    if not cfg.needs_critic and cfg.critic is not None:
         problems.append(
             f"critic: only ppo uses a critic, but algorithm.name is {algo.value}; remove the critic block"
         )
-    if not cfg.needs_ref:
-        ref = cfg.actor_rollout_ref.ref.megatron
-        why = (
-            f"{algo.value} has no reference model"
-            if not cfg.is_rl
-            else "no KL is used (actor.use_kl_loss and algorithm.use_kl_in_reward are false)"
+    check_ref_block(cfg, problems)
+
+
+def check_ref_block(cfg: JobConfig, problems: list[str]) -> None:
+    """A ref block in a job without a ref role would be accepted and never read (a TP size at odds with
+    the actor's included): each key it sets is refused with the reason. Keys at their defaults pass: a
+    resolved config spells every key out."""
+    if cfg.needs_ref:
+        return
+    ref = cfg.actor_rollout_ref.ref
+    keys = [f"megatron.{k}" for k in non_default(ref.megatron, None)]
+    keys += [k for k in non_default(ref, None) if k != "megatron"]
+    for key in keys:
+        problems.append(
+            f"actor_rollout_ref.ref.{key}: the ref role does not exist in this job ({_no_ref_reason(cfg)}); "
+            "remove the key"
         )
-        for flag in OFFLOAD_FLAGS:
-            if getattr(ref, flag):
-                problems.append(
-                    f"actor_rollout_ref.ref.megatron.{flag}: the ref role does not exist in this job ({why}); "
-                    "remove the flag"
-                )
+
+
+def _no_ref_reason(cfg: JobConfig) -> str:
+    if not cfg.is_rl:
+        return f"{cfg.algorithm.name.value} has no reference model"
+    return ("no KL is used: actor_rollout_ref.actor.use_kl_loss and algorithm.use_kl_in_reward are false, "
+            "set one to use a ref")
 
 
 def check_strategy(cfg: JobConfig, problems: list[str]) -> None:

@@ -47,7 +47,7 @@ class JobConfig(StrictModel):
         # with LoRA the reference policy is the actor with its adapters off: no ref model is built
         if self.needs_ref and self.actor_rollout_ref.actor.lora.rank == 0:
             out["actor_rollout_ref.ref"] = self.actor_rollout_ref.ref.megatron
-        if self.critic is not None:
+        if self.needs_critic and self.critic is not None:
             out["critic"] = self.critic.megatron
         return out
 
@@ -85,6 +85,11 @@ class JobConfig(StrictModel):
         return self.algorithm.name == AlgorithmName.dpo or self.is_rl and (
             self.actor_rollout_ref.actor.use_kl_loss or self.algorithm.use_kl_in_reward
         )
+
+    @property
+    def needs_critic(self) -> bool:
+        """The critic (value model) exists for ppo only."""
+        return self.algorithm.name == AlgorithmName.ppo
 
     @property
     def is_rl(self) -> bool:
