@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import trinity_run, trinity_run_argv
+from tests.conftest import private_conversion_cache, trinity_run, trinity_run_argv
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -185,13 +185,15 @@ def test_stop_resume_and_kill_during_save(assets, baseline, tmp_path):
     ckpts = out / "checkpoints"
     assert run_job(job(assets, out, trainer={"total_steps": 6, "save_interval": 3}), tmp_path / "p1.yaml") == 0
     assert sorted(p.name for p in ckpts.iterdir()) == ["step_3", "step_6"]
-    (cache,) = (out / "mcore_cache").iterdir()
+    # The conversion went to the job's own conversion cache (tests/conftest.py), not the output folder.
+    (cache,) = [p for p in (tmp_path / "mcore_conversions").iterdir() if p.is_dir()]
+    assert not (out / "mcore_cache").exists()
     assert f"converting {assets['model']} to a megatron-core checkpoint in {cache}" in (tmp_path / "p1.out").read_text()
 
     cfg = job(assets, out, trainer={"total_steps": 10, "save_interval": 3})
     path = tmp_path / "p2.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
-    env = {**os.environ, "TRINITY_TEST_CKPT_PAUSE_S": "9:60"}
+    env = {**os.environ, **private_conversion_cache(tmp_path), "TRINITY_TEST_CKPT_PAUSE_S": "9:60"}
     proc = subprocess.Popen(trinity_run_argv(path), cwd=REPO, env=env,
                             stdout=(tmp_path / "p2.out").open("w"), stderr=subprocess.STDOUT)
     tmp_ckpt = ckpts / "step_9.tmp"

@@ -12,6 +12,7 @@ import shutil
 import socket
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import yaml
 
@@ -19,6 +20,9 @@ from trinity.config.loader import LoadedConfig, load_config
 from trinity.config.plan import build_plan, render_plan
 from trinity.config.schema import JobConfig
 from trinity.errors import ConfigError, UserError
+
+if TYPE_CHECKING:
+    from trinity.convert.cache import CachedConversion
 
 
 def validate(config: Path, overrides: list[str], *, json_out: bool = False) -> int:
@@ -40,8 +44,10 @@ def schema() -> str:
     return json.dumps(JobConfig.model_json_schema(), indent=2)
 
 
-def run(config: Path, overrides: list[str], *, dry_run: bool = False, debug: bool = False, force: bool = False) -> int:
-    """`force`: write into an output folder that holds files no trinity run wrote (trinity.launch.ownership)."""
+def run(config: Path, overrides: list[str], *, dry_run: bool = False, debug: bool = False, force: bool = False,
+        no_cache: bool = False) -> int:
+    """`force`: write into an output folder that holds files no trinity run wrote (trinity.launch.ownership).
+    `no_cache`: convert the HF model into <output_dir>/mcore_cache, not the shared cache (trinity.convert.cache)."""
     import time
 
     from trinity.launch import quiet
@@ -49,12 +55,17 @@ def run(config: Path, overrides: list[str], *, dry_run: bool = False, debug: boo
     from trinity.launch.lock import acquire, lock_name, prepare_output_dir
     from trinity.launch.ownership import check_ownership, mark_run
     from trinity.launch.torchrun import launch_command, preflight, supervise, worker_env
+    from trinity.trainer.finished import DONE_FILE, clear_done, complete_line
 
     quiet.install(debug)  # before anything imports megatron-core (weight conversion below)
     loaded = load_config(config, overrides)
     cfg = loaded.config
-    print(render_plan(build_plan(cfg, loaded.facts, loaded.warnings)))
     out = Path(cfg.trainer.output_dir)
+    done = None if dry_run else complete_line(out, cfg)
+    if done is not None:
+        print(done, flush=True)
+        return 0
+    print(render_plan(build_plan(cfg, loaded.facts, loaded.warnings)))
     check_ownership(out, force=force)
     resolved = out / "resolved_config.yaml"
     cmd = launch_command(cfg, resolved)
@@ -69,21 +80,30 @@ def run(config: Path, overrides: list[str], *, dry_run: bool = False, debug: boo
     name = lock_name(cfg.cluster)
     lock = acquire(out, name) if name else None
     started = time.time()
+    held = None
     try:
         with disk_errors(out):
             mark_run(out)
-            prepare_weights(loaded, out)
+            held = prepare_weights(loaded, out, no_cache=no_cache)
             before = _run_record(out)
             write_resolved(cfg, resolved)
+            clear_done(out)  # a finished job's record describes the folder until another job starts
         print("command: " + shlex.join(cmd), flush=True)
         stopped: dict[str, int | None] = {}
+        # The workers keep the output folder's lock and the conversion they read held after this
+        # process ends (kill -9 of the CLI): no other job takes the folder, no cleanup removes the entry.
+        fds = tuple(h.fd for h in (lock, held) if h is not None)
         code = supervise(cmd, env=worker_env(os.environ, sys.stdout, debug=debug), debug=debug,
-                         pass_fds=(lock.fd,) if lock else (), stopped=stopped)
+                         pass_fds=fds, stopped=stopped)
         if code == UserError.exit_code and before["config"] is not None and _run_record(out)["trained"] == before["trained"]:
             # The workers refused the job (e.g. its checkpoint to resume from) before it trained a
             # step: the folder's record stays the previous job's, not the config of a job that never ran.
             resolved.write_bytes(before["config"])
+            if before["done"] is not None:
+                (out / DONE_FILE).write_bytes(before["done"])
     finally:
+        if held is not None:
+            held.release()
         if lock is not None:
             lock.release()
     if stopped.get("sig") is not None:
@@ -97,13 +117,15 @@ def run(config: Path, overrides: list[str], *, dry_run: bool = False, debug: boo
 
 
 def _run_record(out: Path) -> dict:
-    """What a previous job left in `out`: its resolved config (bytes) and what it trained (the
-    metrics' size and the complete checkpoints)."""
+    """What a previous job left in `out`: its resolved config and finished-job record (bytes) and what
+    it trained (the metrics' size and the complete checkpoints)."""
+    from trinity.trainer.finished import DONE_FILE
     from trinity.trainer.resume import complete_checkpoints
 
-    resolved, metrics = out / "resolved_config.yaml", out / "metrics.jsonl"
+    resolved, metrics, done = out / "resolved_config.yaml", out / "metrics.jsonl", out / DONE_FILE
     return {
         "config": resolved.read_bytes() if resolved.is_file() else None,
+        "done": done.read_bytes() if done.is_file() else None,
         "trained": (metrics.stat().st_size if metrics.is_file() else -1, complete_checkpoints(out / "checkpoints")),
     }
 
@@ -127,41 +149,100 @@ def write_resolved(cfg: JobConfig, path: Path) -> None:
     tmp.replace(path)
 
 
-def prepare_weights(loaded: LoadedConfig, out: Path) -> None:
+def prepare_weights(loaded: LoadedConfig, out: Path, *, no_cache: bool = False) -> "CachedConversion | None":
     """The seeds' convert-then-launch flow: roles whose weight source is the HF folder
-    (`trinity.config.weights.weight_source`) get a dist checkpoint converted from it, cached under <output_dir>/mcore_cache/<fingerprint>
-    and reused while the source is unchanged."""
+    (`trinity.config.weights.weight_source`) get a dist checkpoint converted from it, and are pointed
+    at it. Where the conversion lives is `conversion_home`'s choice. Returns the shared cache's entry
+    when one is used: the job holds it (pass its fd to the workers, release it at the end)."""
     from trinity.config.weights import WeightKind, job_roles, weight_source
 
     cfg = loaded.config
     roles = [r.megatron(cfg) for r in job_roles(cfg) if weight_source(cfg, r).kind is WeightKind.hf]
     if not roles:
-        return
-    from trinity.convert.fingerprint import source_fingerprint
-
-    src = Path(cfg.model.path)
-    cache = out / "mcore_cache" / source_fingerprint(src)
-    if not (cache / "trinity_meta.json").is_file():
-        from trinity.convert.api import hf_to_mcore
-
-        dtype = cfg.model.dtype if cfg.model.dtype != "auto" else ("fp32" if cfg.cluster.device == "cpu" else "bf16")
-        print(f"converting {src} to a megatron-core checkpoint in {cache} (cached for later runs)", flush=True)
-        # Each node converts into its own folder and renames it into place: on a shared output_dir the
-        # first node to finish wins and the others drop their copy (a rename never replaces a non-empty
-        # folder), so no node reads a checkpoint another is still writing or replacing.
-        build = cache.with_name(f".{cache.name}.build-{socket.gethostname()}-{os.getpid()}")
-        hf_to_mcore(str(src), str(build), dtype=dtype, force=True)
-        try:
-            os.rename(build, cache)
-        except OSError:
-            if not (cache / "trinity_meta.json").is_file():
-                raise
-            shutil.rmtree(build, ignore_errors=True)
+        return None
+    src, dtype = Path(cfg.model.path), conversion_dtype(cfg)
+    held = None
+    if conversion_home(cfg, no_cache) == "run":
+        path = _convert_in_run_folder(src, dtype, out)
     else:
-        print(f"using the cached megatron-core checkpoint {cache}", flush=True)
+        held = _convert_in_cache(src, dtype, out)
+        path = held.path if held is not None else _convert_in_run_folder(src, dtype, out)
     for m in roles:
         m.use_dist_checkpointing = True
-        m.dist_checkpointing_path = str(cache)
+        m.dist_checkpointing_path = str(path)
+    return held
+
+
+def conversion_dtype(cfg: JobConfig) -> str:
+    """The dtype the HF model is converted to: model.dtype, or for `auto` the one the job computes in."""
+    return cfg.model.dtype if cfg.model.dtype != "auto" else ("fp32" if cfg.cluster.device == "cpu" else "bf16")
+
+
+def conversion_home(cfg: JobConfig, no_cache: bool) -> str:
+    """`cache`: the shared cache (trinity.convert.cache); `run`: <output_dir>/mcore_cache. Nodes of a
+    multi-node job share the output folder but not always a home folder, and every node's workers must
+    read the same checkpoint path: they convert into the output folder."""
+    return "run" if no_cache or cfg.cluster.nnodes > 1 else "cache"
+
+
+def _converting(src: Path, where: Path, note: str) -> None:
+    print(f"converting {src} to a megatron-core checkpoint in {where} ({note})", flush=True)
+
+
+def _convert_in_cache(src: Path, dtype: str, out: Path) -> "CachedConversion | None":
+    """The shared cache's entry for (src, dtype), converted now unless a job made it already; None
+    where the cache's file system has no file locks (then the caller converts into the run's folder)."""
+    from trinity.convert import cache
+    from trinity.launch.failures import disk_errors
+
+    root = cache.mcore_cache_dir()
+    key = cache.entry_key(src, dtype)
+
+    def build(dest: Path) -> None:
+        from trinity.convert.api import hf_to_mcore
+
+        _converting(src, root / key, "cached for later runs of this model")
+        hf_to_mcore(str(src), str(dest), dtype=dtype, force=True)
+
+    try:
+        with disk_errors(root):
+            held = cache.use_entry(root, key, build, say=lambda line: print(line, flush=True))
+    except cache.NoLocks:
+        print(f"the conversion cache {root} is on a file system without file locks; converting into "
+              f"{out / 'mcore_cache'} instead (set TRINITY_CACHE to a local folder to share conversions)", flush=True)
+        return None
+    if held.converted:
+        for path, size in cache.clean(root, cache.bound_bytes()):
+            print(f"removed the least recently used conversion {path} ({size / 1e9:.2f} GB) to keep {root} "
+                  f"within TRINITY_MCORE_CACHE_GB", flush=True)
+    else:
+        print(f"using the cached megatron-core checkpoint {held.path}", flush=True)
+    return held
+
+
+def _convert_in_run_folder(src: Path, dtype: str, out: Path) -> Path:
+    """`<output_dir>/mcore_cache/<key>`, converted unless there already."""
+    from trinity.convert.cache import entry_key, is_complete
+
+    cache = out / "mcore_cache" / entry_key(src, dtype)
+    if is_complete(cache):
+        print(f"using the cached megatron-core checkpoint {cache}", flush=True)
+        return cache
+    from trinity.convert.api import hf_to_mcore
+
+    _converting(src, cache, "cached for later runs in this folder")
+    # Each node converts into its own folder and renames it into place: on a shared output_dir the
+    # first node to finish wins and the others drop their copy (a rename never replaces a non-empty
+    # folder), so no node reads a checkpoint another is still writing or replacing.
+    build = cache.with_name(f".{cache.name}.build-{socket.gethostname()}-{os.getpid()}")
+    hf_to_mcore(str(src), str(build), dtype=dtype, force=True)
+    try:
+        os.rename(build, cache)
+    except OSError:
+        if not is_complete(cache):
+            raise
+        shutil.rmtree(build, ignore_errors=True)
+    return cache
 
 
 def tiny_assets(output: Path) -> int:
