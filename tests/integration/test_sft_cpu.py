@@ -175,6 +175,31 @@ def test_sft_single_process_learns_and_exports(assets, baseline_run):
 
 
 @pytest.mark.slow
+def test_a_second_run_of_the_finished_job_launches_nothing(baseline_run):
+    """`trinity run` of the baseline's config again: one line saying the job is complete and where its
+    outputs are, exit 0, and nothing written (no log, no export, no checkpoint touched)."""
+    import sys
+
+    out = baseline_run
+    record = json.loads((out / "trinity_done.json").read_text())
+    assert {k: record[k] for k in ("step", "checkpoint", "exports")} == {
+        "step": 10, "checkpoint": "checkpoints/step_10", "exports": ["hf"]}
+
+    def snapshot() -> dict[str, int]:
+        return {str(p): p.stat().st_mtime_ns for p in out.rglob("*")}
+
+    before = snapshot()
+    proc = subprocess.run([sys.executable, "-m", "trinity.cli.main", "run", "-c", str(out.parent / "job.yaml")],
+                          cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout
+    assert proc.stdout.splitlines() == [
+        f"job already complete: {out} trained all 10 steps (checkpoint {out / 'checkpoints' / 'step_10'}, "
+        f"export {out / 'hf'}); nothing to run (raise trainer.total_steps to train on, or use a new "
+        "trainer.output_dir to start over)"]
+    assert snapshot() == before
+
+
+@pytest.mark.slow
 def test_stop_resume_and_kill_during_save(assets, baseline, tmp_path):
     """Stop after 6 steps; resume towards 10 and kill -9 while checkpoint 9 is being written; resume
     again: it starts from step 6 (the .tmp leftover of 9 is ignored) and steps 7-10 match the

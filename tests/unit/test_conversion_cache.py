@@ -268,3 +268,16 @@ def test_a_finished_job_is_run_again_when_anything_differs(small_job, write_job,
     assert complete_line(out, fresh) is None
     (out / "hf" / "config.json").unlink()
     assert complete_line(out, cfg) is None  # the export is gone: the run re-exports it
+
+
+def test_run_help_and_docs_name_no_cache():
+    from typer.testing import CliRunner
+
+    from trinity.cli.main import app
+
+    result = CliRunner().invoke(app, ["run", "--help"])
+    assert "--no-cache" in result.output
+    for doc in ("README.md", "docs/conversion.md", "docs/quickstart.md"):
+        text = (REPO / doc).read_text()
+        assert "--no-cache" in text and "~/.cache/trinity/mcore/" in text, doc
+    assert "TRINITY_MCORE_CACHE_GB" in (REPO / "docs" / "conversion.md").read_text()

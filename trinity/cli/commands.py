@@ -74,7 +74,7 @@ def run(config: Path, overrides: list[str], *, dry_run: bool = False, debug: boo
         return 0
     preflight(cfg)
     # The job is accepted for its output folder only once it holds the folder's lock: nothing
-    # (resolved_config.yaml, mcore_cache, logs) may be written there before, or a job refused for a
+    # (resolved_config.yaml, mcore_cache with --no-cache, logs) may be written there before, or a job refused for a
     # folder another job is using would still overwrite that job's files.
     prepare_output_dir(out)
     name = lock_name(cfg.cluster)
