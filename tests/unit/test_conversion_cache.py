@@ -80,11 +80,18 @@ def test_two_output_folders_convert_once_and_no_cache_converts_into_the_run(tmp_
     workers = JobConfig.model_validate(yaml.safe_load(resolved.read_text()))
     assert job_identity(workers.model_dump(mode="json")) == identity
 
+    # --no-cache: into the run's folder, where a converter of this host killed outright left a half-written copy.
+    from trinity.convert.outdir import _host
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    leftover = tmp_path / "run3" / "mcore_cache" / f".{key}.tmp-{_host()}-{dead.stdout.strip()}-0123abcd"
+    leftover.mkdir(parents=True)
     third = _loaded(tmp_path, _job(model, tmp_path / "run3"), "c")
     assert commands.prepare_weights(third, tmp_path / "run3", no_cache=True) is None
     own = tmp_path / "run3" / "mcore_cache" / key
     assert f"converting {model} to a megatron-core checkpoint in {own}" in capsys.readouterr().out
     assert cache.is_complete(own) and third.config.actor_rollout_ref.actor.megatron.dist_checkpointing_path == str(own)
+    assert [p.name for p in own.parent.iterdir()] == [key]
 
 
 def test_multi_node_jobs_convert_into_the_shared_output_folder(small_job):

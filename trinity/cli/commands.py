@@ -229,12 +229,15 @@ def _convert_in_run_folder(src: Path, dtype: str, out: Path) -> Path:
         print(f"using the cached megatron-core checkpoint {cache}", flush=True)
         return cache
     from trinity.convert.api import hf_to_mcore
+    from trinity.convert.outdir import remove_stale_siblings, temp_sibling
 
     _converting(src, cache, "cached for later runs in this folder")
     # Each node converts into its own folder and renames it into place: on a shared output_dir the
     # first node to finish wins and the others drop their copy (a rename never replaces a non-empty
-    # folder), so no node reads a checkpoint another is still writing or replacing.
-    build = cache.with_name(f".{cache.name}.build-{socket.gethostname()}-{os.getpid()}")
+    # folder), so no node reads a checkpoint another is still writing or replacing. What a converter
+    # of this host killed outright left is removed first.
+    remove_stale_siblings(cache)
+    build = temp_sibling(cache)
     hf_to_mcore(str(src), str(build), dtype=dtype, force=True)
     try:
         os.rename(build, cache)

@@ -111,7 +111,7 @@ def use_entry(root: Path, key: str, build: Callable[[Path], None], *,
     while True:
         fd = _lock(lock_file, fcntl.LOCK_SH, waiting)  # blocks while a converter or a cleanup holds it
         if is_complete(entry):
-            os.utime(entry)  # its last use, for the least-recently-used cleanup
+            _touch(entry)
             return CachedConversion(entry, fd, converted=False)
         os.close(fd)
         fd = _lock(lock_file, fcntl.LOCK_EX, waiting)
@@ -128,9 +128,18 @@ def use_entry(root: Path, key: str, build: Callable[[Path], None], *,
         # Turning the exclusive lock into a shared one is not atomic: a cleanup may have removed the
         # entry in between. Then go round again.
         if is_complete(entry):
-            os.utime(entry)
+            _touch(entry)
             return CachedConversion(entry, fd, converted=converted)
         os.close(fd)
+
+
+def _touch(entry: Path) -> None:
+    """Mark the entry's last use, for the least-recently-used cleanup. In a cache shared by several
+    users only an entry's owner may: the others' uses do not count."""
+    try:
+        os.utime(entry)
+    except PermissionError:
+        pass
 
 
 def _once(fn: Callable[[], None]) -> Callable[[], None]:
@@ -257,9 +266,13 @@ def clean(root: Path, bound: int) -> list[tuple[Path, int]]:
 
 
 def _remove_if_free(root: Path, key: str, *, entry: bool) -> bool:
-    """Remove what the cache holds for `key` (the entry too if `entry`) unless a job holds its lock."""
+    """Remove what the cache holds for `key` (the entry too if `entry`) unless a job holds its lock,
+    or it is not this user's to remove (a cache shared by several users)."""
     path = root / f"{key}.lock"
-    fd = _open_lock_file(path)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError:
+        return False
     try:
         if not _try_lock(fd, fcntl.LOCK_EX) or not _still_there(path, fd):
             return False
@@ -270,10 +283,7 @@ def _remove_if_free(root: Path, key: str, *, entry: bool) -> bool:
         if not (root / key).exists():
             os.unlink(path)  # while still locked: a job waiting on it retries on a new file
         return True
-    except OSError as exc:
-        if exc.errno in _NO_FLOCK:
-            return False
-        raise
+    except OSError:  # no flock here, or another user's files
+        return False
     finally:
         os.close(fd)
-
