@@ -114,50 +114,16 @@ def trinity_run_argv(config: Path, *overrides: str, debug: bool = False) -> list
             f"from trinity.launch.child import end_process; end_process(code)"]
 
 
-# Where `trinity_run(..., reuse_conversion=True)` keeps one HF -> megatron-core conversion per model
-# folder and dtype for the whole test session (all xdist workers), set by the _conversion_store fixture.
-# An environment variable, not a global: test modules import this file as `tests.conftest`, a second
-# module object beside the one pytest loaded.
-CONVERSIONS_ENV = "TRINITY_TEST_CONVERSIONS"
-
-
 @pytest.fixture(autouse=True, scope="session")
-def _conversion_store(tmp_path_factory):
+def _conversion_cache(tmp_path_factory):
+    """Every `trinity run` of the session converts into one conversion cache of the session's (all
+    xdist workers), never the user's ~/.cache/trinity/mcore: a job reuses the conversion an earlier job
+    made of the same model folder and dtype, as a user's later runs do. TRINITY_CACHE itself stays: the
+    real-model tests keep their model there across sessions (trinity.testing.real_model)."""
     base = tmp_path_factory.getbasetemp()
     # Under xdist each worker's basetemp is <session folder>/popen-gwN: share the session folder.
     root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
-    (root / "mcore_conversions").mkdir(exist_ok=True)
-    os.environ[CONVERSIONS_ENV] = str(root / "mcore_conversions")
-
-
-def _conversion_key(cfg: dict) -> str | None:
-    """The name of a job's converted checkpoint in the store: the folder name `trinity run` gives it
-    under <output_dir>/mcore_cache (the HF folder's fingerprint), plus the dtype and device it was
-    converted for."""
-    from trinity.convert.fingerprint import source_fingerprint
-
-    model = Path(cfg["model"]["path"])
-    if not os.environ.get(CONVERSIONS_ENV) or not model.is_dir():
-        return None
-    return f"{source_fingerprint(model)}-{cfg['model'].get('dtype', 'auto')}-{cfg['cluster'].get('device', 'cuda')}"
-
-
-def seed_conversion(cfg: dict) -> Path | None:
-    """Put the session's conversion of the job's HF folder (if an earlier job stored one) into the
-    job's <output_dir>/mcore_cache, unless that exists; the store entry's path (None: no store)."""
-    import shutil
-
-    key = _conversion_key(cfg)
-    if key is None:
-        return None
-    stored = Path(os.environ[CONVERSIONS_ENV]) / key
-    cache = Path(cfg["trainer"]["output_dir"]) / "mcore_cache"
-    if (stored / "ckpt" / "trinity_meta.json").is_file() and not cache.exists():
-        from trinity.launch.ownership import mark_run
-
-        shutil.copytree(stored / "ckpt", cache / (stored / "name").read_text())
-        mark_run(cache.parent)  # as the earlier run in this folder that converted would have
-    return stored
+    os.environ["TRINITY_MCORE_CACHE"] = str(root / "mcore_conversions")
 
 
 def trinity_run(cfg: dict, path: Path, *, timeout: float, env: dict[str, str] | None = None,
@@ -165,34 +131,25 @@ def trinity_run(cfg: dict, path: Path, *, timeout: float, env: dict[str, str] | 
     """Write `cfg` as YAML to `path` and run it; the output is printed (its end) and kept in
     `<path stem>.out` beside the config.
 
-    reuse_conversion: the job starts with the megatron-core checkpoint an earlier such job of this
-    session converted from the same HF folder in its <output_dir>/mcore_cache, as a user's second run in
-    one output folder does ("using the cached megatron-core checkpoint"): ~4 s less per job (the
-    conversion imports megatron-core and mbridge). The first job converts, and tests of the conversion
-    itself leave this off."""
-    import shutil
-
-    stored = seed_conversion(cfg) if reuse_conversion else None
-    cache = Path(cfg["trainer"]["output_dir"]) / "mcore_cache"
+    reuse_conversion: the job uses the session's conversion cache (see `_conversion_cache`): it starts
+    from the conversion an earlier job of the session made of the same HF folder ("using the cached
+    megatron-core checkpoint"), ~4 s less per job (the conversion imports megatron-core and mbridge).
+    Off (tests of the conversion itself), the job gets a cache of its own beside `path`
+    (`private_conversion_cache`), so its first run converts."""
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    private = {} if reuse_conversion else private_conversion_cache(path.parent)
     proc = subprocess.run(
-        trinity_run_argv(path), cwd=REPO, env={**os.environ, **(env or {})},
+        trinity_run_argv(path), cwd=REPO, env={**os.environ, **private, **(env or {})},
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout,
     )
     (path.parent / f"{path.stem}.out").write_text(proc.stdout)
     print(proc.stdout[-3000:])
-    if stored is not None and proc.returncode == 0 and not stored.exists():
-        made = [d for d in cache.glob("*") if (d / "trinity_meta.json").is_file()] if cache.is_dir() else []
-        if len(made) == 1:
-            # build beside, then rename: another worker may store the same conversion at the same time
-            build = stored.with_name(f".{stored.name}.{os.getpid()}")
-            shutil.copytree(made[0], build / "ckpt")
-            (build / "name").write_text(made[0].name)
-            try:
-                os.rename(build, stored)
-            except OSError:
-                shutil.rmtree(build, ignore_errors=True)
     return proc
+
+
+def private_conversion_cache(folder: Path) -> dict[str, str]:
+    """The environment of a `trinity run` whose conversions go to `<folder>/mcore_conversions`."""
+    return {"TRINITY_MCORE_CACHE": str(folder / "mcore_conversions")}
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import seed_conversion, trinity_run
+from tests.conftest import trinity_run
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -200,7 +200,6 @@ def test_failing_user_reward_is_a_clean_error_naming_the_sample(assets, tmp_path
     cfg = job(assets, tmp_path / "run", "grpo", 2, reward={"function": f"{reward}:score"})
     cfg["data"]["train_files"] = [str(tmp_path / "prompts.jsonl")]
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
-    seed_conversion(cfg)  # the module's earlier jobs converted this model
 
     def trinity_run(*flags: str) -> tuple[int, str]:
         proc = subprocess.run(["trinity", "run", "--config", str(tmp_path / "job.yaml"), *flags], cwd=REPO,

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import trinity_run, trinity_run_argv
+from tests.conftest import private_conversion_cache, trinity_run, trinity_run_argv
 from tests.console import noise
 
 REPO = Path(__file__).resolve().parents[2]
@@ -187,6 +187,31 @@ def test_sft_single_process_learns_and_exports(assets, baseline_run):
 
 
 @pytest.mark.slow
+def test_a_second_run_of_the_finished_job_launches_nothing(baseline_run):
+    """`trinity run` of the baseline's config again: one line saying the job is complete and where its
+    outputs are, exit 0, and nothing written (no log, no export, no checkpoint touched)."""
+    import sys
+
+    out = baseline_run
+    record = json.loads((out / "trinity_done.json").read_text())
+    assert {k: record[k] for k in ("step", "checkpoint", "exports")} == {
+        "step": 10, "checkpoint": "checkpoints/step_10", "exports": ["hf"]}
+
+    def snapshot() -> dict[str, int]:
+        return {str(p): p.stat().st_mtime_ns for p in out.rglob("*")}
+
+    before = snapshot()
+    proc = subprocess.run([sys.executable, "-m", "trinity.cli.main", "run", "-c", str(out.parent / "job.yaml")],
+                          cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout
+    assert proc.stdout.splitlines() == [
+        f"job already complete: {out} trained all 10 steps (checkpoint {out / 'checkpoints' / 'step_10'}, "
+        f"export {out / 'hf'}); nothing to run (raise trainer.total_steps to train on, or use a new "
+        "trainer.output_dir to start over)"]
+    assert snapshot() == before
+
+
+@pytest.mark.slow
 def test_stop_resume_and_kill_during_save(assets, baseline, tmp_path):
     """Stop after 6 steps; resume towards 10 and kill -9 while checkpoint 9 is being written; resume
     again: it starts from step 6 (the .tmp leftover of 9 is ignored) and steps 7-10 match the
@@ -197,13 +222,15 @@ def test_stop_resume_and_kill_during_save(assets, baseline, tmp_path):
     ckpts = out / "checkpoints"
     assert run_job(job(assets, out, trainer={"total_steps": 6, "save_interval": 3}), tmp_path / "p1.yaml") == 0
     assert sorted(p.name for p in ckpts.iterdir()) == ["step_3", "step_6"]
-    (cache,) = (out / "mcore_cache").iterdir()
+    # The conversion went to the job's own conversion cache (tests/conftest.py), not the output folder.
+    (cache,) = [p for p in (tmp_path / "mcore_conversions").iterdir() if p.is_dir()]
+    assert not (out / "mcore_cache").exists()
     assert f"converting {assets['model']} to a megatron-core checkpoint in {cache}" in (tmp_path / "p1.out").read_text()
 
     cfg = job(assets, out, trainer={"total_steps": 10, "save_interval": 3})
     path = tmp_path / "p2.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
-    env = {**os.environ, "TRINITY_TEST_CKPT_PAUSE_S": "9:60"}
+    env = {**os.environ, **private_conversion_cache(tmp_path), "TRINITY_TEST_CKPT_PAUSE_S": "9:60"}
     proc = subprocess.Popen(trinity_run_argv(path), cwd=REPO, env=env,
                             stdout=(tmp_path / "p2.out").open("w"), stderr=subprocess.STDOUT)
     tmp_ckpt = ckpts / "step_9.tmp"

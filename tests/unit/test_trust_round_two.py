@@ -213,7 +213,8 @@ def test_run_names_the_full_disk_a_rank_hit(tmp_path):
 
 
 def test_run_on_a_full_disk_fails_in_conversion_with_one_line(tiny_model, tmp_path):
-    """A 16 KiB tmpfs as output_dir: the lock and the run marker fit, the converted weights do not."""
+    """A 16 KiB tmpfs as output_dir and conversion cache: the lock and the run marker fit, the converted
+    weights do not."""
     disk = tmp_path / "disk"
     disk.mkdir()
     job = tmp_path / "job.yaml"
@@ -223,15 +224,15 @@ def test_run_on_a_full_disk_fails_in_conversion_with_one_line(tiny_model, tmp_pa
         "cluster": {"device": "cpu", "nproc_per_node": 1},
         "trainer": {"total_steps": 1, "global_batch_size": 2, "micro_batch_size": 1, "output_dir": str(disk / "run")},
     }))
-    proc = _unshare_sh(f"mount -t tmpfs -o size=16k none {disk} && exec {sys.executable} -m trinity.cli.main run "
-                       f"-c {job}")
+    proc = _unshare_sh(f"mount -t tmpfs -o size=16k none {disk} && TRINITY_MCORE_CACHE={disk / 'cache'} "
+                       f"exec {sys.executable} -m trinity.cli.main run -c {job}")
     _skip_unless_mounted(proc)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "Traceback" not in proc.stderr and "internal error" not in proc.stderr
     [line] = [x for x in proc.stderr.splitlines() if x.startswith("error")]
     # Where the full disk surfaces decides whether the file is known (an OSError naming it, or torch's
     # writer's RuntimeError without one): the line names the file or the folder being written.
-    assert line.startswith("error: ENOSPC: no space left on device: ") and f"{disk / 'run'}" in line, line
+    assert line.startswith("error: ENOSPC: no space left on device: ") and f"{disk / 'cache'}" in line, line
     assert line.endswith("; free space on that disk or write to a folder on another one"), line
 
 

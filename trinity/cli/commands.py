@@ -12,6 +12,7 @@ import shutil
 import socket
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import yaml
 
@@ -19,6 +20,10 @@ from trinity.config.loader import LoadedConfig, load_config
 from trinity.config.plan import build_plan, render_plan
 from trinity.config.schema import JobConfig
 from trinity.errors import ConfigError, UserError
+
+if TYPE_CHECKING:
+    from trinity.convert.cache import CachedConversion
+    from trinity.launch.lock import OutputDirLock
 
 
 def validate(config: Path, overrides: list[str], *, json_out: bool = False) -> int:
@@ -40,17 +45,19 @@ def schema() -> str:
     return json.dumps(JobConfig.model_json_schema(), indent=2)
 
 
-def run(config: Path, overrides: list[str], *, dry_run: bool = False, debug: bool = False, force: bool = False) -> int:
-    """`force`: write into an output folder that holds files no trinity run wrote (trinity.launch.ownership)."""
+def run(config: Path, overrides: list[str], *, dry_run: bool = False, debug: bool = False, force: bool = False,
+        no_cache: bool = False) -> int:
+    """`force`: write into an output folder that holds files no trinity run wrote (trinity.launch.ownership).
+    `no_cache`: convert the HF model into <output_dir>/mcore_cache, not the shared cache (trinity.convert.cache)."""
     from trinity.launch.stop import interruptible
 
     # Ctrl-C, SIGTERM and SIGHUP stop every stage the same way: the conversion and the launch's
     # preparations here, the job itself through supervise(), which forwards them.
     with interruptible():
-        return _run(config, overrides, dry_run=dry_run, debug=debug, force=force)
+        return _run(config, overrides, dry_run=dry_run, debug=debug, force=force, no_cache=no_cache)
 
 
-def _run(config: Path, overrides: list[str], *, dry_run: bool, debug: bool, force: bool) -> int:
+def _run(config: Path, overrides: list[str], *, dry_run: bool, debug: bool, force: bool, no_cache: bool) -> int:
     import time
 
     from trinity.launch import quiet
@@ -59,12 +66,17 @@ def _run(config: Path, overrides: list[str], *, dry_run: bool, debug: bool, forc
     from trinity.launch.ownership import check_ownership
     from trinity.launch.stop import signal_of
     from trinity.launch.torchrun import launch_command, preflight
+    from trinity.trainer.finished import complete_line
 
     quiet.install(debug)  # before anything imports megatron-core (weight conversion below)
     loaded = load_config(config, overrides)
     cfg = loaded.config
-    print(render_plan(build_plan(cfg, loaded.facts, loaded.warnings)))
     out = Path(cfg.trainer.output_dir)
+    done = None if dry_run else complete_line(out, cfg)
+    if done is not None:
+        print(done, flush=True)
+        return 0
+    print(render_plan(build_plan(cfg, loaded.facts, loaded.warnings)))
     check_ownership(out, force=force)
     resolved = out / "resolved_config.yaml"
     cmd = launch_command(cfg, resolved)
@@ -73,8 +85,8 @@ def _run(config: Path, overrides: list[str], *, dry_run: bool, debug: bool, forc
         return 0
     preflight(cfg)
     # The job is accepted for its output folder only once it holds the folder's lock: nothing
-    # (resolved_config.yaml, mcore_cache, logs) may be written there before, or a job refused for a
-    # folder another job is using would still overwrite that job's files.
+    # (resolved_config.yaml, mcore_cache with --no-cache, logs) may be written there before, or a job
+    # refused for a folder another job is using would still overwrite that job's files.
     prepare_output_dir(out)
     name = lock_name(cfg.cluster)
     lock = acquire(out, name) if name else None
@@ -82,7 +94,7 @@ def _run(config: Path, overrides: list[str], *, dry_run: bool, debug: bool, forc
     stopped: dict[str, int | None] = {"sig": None}
     try:
         remove_job_temps(out)  # what a job killed with -9 left
-        code = _launch(loaded, out, resolved, cmd, debug, stopped, (lock.fd,) if lock else ())
+        code = _launch(loaded, out, resolved, cmd, debug, no_cache, stopped, lock)
     except KeyboardInterrupt as exc:  # trinity.launch.stop.Interrupted: before or after the job ran
         stopped["sig"] = signal_of(exc)
         code = 128 + stopped["sig"]
@@ -102,27 +114,38 @@ def _run(config: Path, overrides: list[str], *, dry_run: bool, debug: bool, forc
     return code
 
 
-def _launch(loaded: LoadedConfig, out: Path, resolved: Path, cmd: list[str], debug: bool,
-            stopped: dict[str, int | None], pass_fds: tuple[int, ...]) -> int:
-    """Convert the weights if needed, write the resolved config and run the job (`pass_fds`: the output
-    folder's lock, held by the job's processes too); its exit code."""
+def _launch(loaded: LoadedConfig, out: Path, resolved: Path, cmd: list[str], debug: bool, no_cache: bool,
+            stopped: dict[str, int | None], lock: "OutputDirLock | None") -> int:
+    """Convert the weights if needed, write the resolved config and run the job; its exit code. The
+    workers keep the output folder's lock and the conversion they read held after this process ends
+    (kill -9 of the CLI): no other job takes the folder, no cleanup removes the entry."""
     from trinity.launch.failures import disk_errors
     from trinity.launch.ownership import mark_run
     from trinity.launch.torchrun import supervise, worker_env
+    from trinity.trainer.finished import DONE_FILE, clear_done
 
-    with disk_errors(out):
-        mark_run(out)
-        prepare_weights(loaded, out, debug=debug)
-        before = _run_record(out)
-        write_resolved(loaded.config, resolved)
-    print("command: " + shlex.join(cmd), flush=True)
-    code = supervise(cmd, env=worker_env(os.environ, sys.stdout, debug=debug), debug=debug,
-                     pass_fds=pass_fds, stopped=stopped)
-    if code == UserError.exit_code and before["config"] is not None and _run_record(out)["trained"] == before["trained"]:
-        # The workers refused the job (e.g. its checkpoint to resume from) before it trained a
-        # step: the folder's record stays the previous job's, not the config of a job that never ran.
-        resolved.write_bytes(before["config"])
-    return code
+    held = None
+    try:
+        with disk_errors(out):
+            mark_run(out)
+            held = prepare_weights(loaded, out, no_cache=no_cache, debug=debug)
+            before = _run_record(out)
+            write_resolved(loaded.config, resolved)
+            clear_done(out)  # a finished job's record describes the folder until another job starts
+        print("command: " + shlex.join(cmd), flush=True)
+        fds = tuple(h.fd for h in (lock, held) if h is not None)
+        code = supervise(cmd, env=worker_env(os.environ, sys.stdout, debug=debug), debug=debug,
+                         pass_fds=fds, stopped=stopped)
+        if code == UserError.exit_code and before["config"] is not None and _run_record(out)["trained"] == before["trained"]:
+            # The workers refused the job (e.g. its checkpoint to resume from) before it trained a
+            # step: the folder's record stays the previous job's, not the config of a job that never ran.
+            resolved.write_bytes(before["config"])
+            if before["done"] is not None:
+                (out / DONE_FILE).write_bytes(before["done"])
+        return code
+    finally:
+        if held is not None:
+            held.release()
 
 
 def remove_job_temps(out: Path) -> list[Path]:
@@ -135,13 +158,15 @@ def remove_job_temps(out: Path) -> list[Path]:
 
 
 def _run_record(out: Path) -> dict:
-    """What a previous job left in `out`: its resolved config (bytes) and what it trained (the
-    metrics' size and the complete checkpoints)."""
+    """What a previous job left in `out`: its resolved config and finished-job record (bytes) and what
+    it trained (the metrics' size and the complete checkpoints)."""
+    from trinity.trainer.finished import DONE_FILE
     from trinity.trainer.resume import complete_checkpoints
 
-    resolved, metrics = out / "resolved_config.yaml", out / "metrics.jsonl"
+    resolved, metrics, done = out / "resolved_config.yaml", out / "metrics.jsonl", out / DONE_FILE
     return {
         "config": resolved.read_bytes() if resolved.is_file() else None,
+        "done": done.read_bytes() if done.is_file() else None,
         "trained": (metrics.stat().st_size if metrics.is_file() else -1, complete_checkpoints(out / "checkpoints")),
     }
 
@@ -165,44 +190,104 @@ def write_resolved(cfg: JobConfig, path: Path) -> None:
     tmp.replace(path)
 
 
-def prepare_weights(loaded: LoadedConfig, out: Path, *, debug: bool = False) -> None:
+def prepare_weights(loaded: LoadedConfig, out: Path, *, no_cache: bool = False, debug: bool = False) -> "CachedConversion | None":
     """The seeds' convert-then-launch flow: roles whose weight source is the HF folder
-    (`trinity.config.weights.weight_source`) get a dist checkpoint converted from it, cached under <output_dir>/mcore_cache/<fingerprint>
-    and reused while the source is unchanged."""
+    (`trinity.config.weights.weight_source`) get a dist checkpoint converted from it, and are pointed
+    at it. Where the conversion lives is `conversion_home`'s choice. Returns the shared cache's entry
+    when one is used: the job holds it (pass its fd to the workers, release it at the end)."""
     from trinity.config.weights import WeightKind, job_roles, weight_source
 
     cfg = loaded.config
     roles = [r.megatron(cfg) for r in job_roles(cfg) if weight_source(cfg, r).kind is WeightKind.hf]
     if not roles:
-        return
-    from trinity.convert.fingerprint import source_fingerprint
-
-    src = Path(cfg.model.path)
-    cache = out / "mcore_cache" / source_fingerprint(src)
-    if not (cache / "trinity_meta.json").is_file():
-        from trinity.convert.api import hf_to_mcore
-        from trinity.convert.outdir import temp_sibling
-
-        dtype = cfg.model.dtype if cfg.model.dtype != "auto" else ("fp32" if cfg.cluster.device == "cpu" else "bf16")
-        print(f"converting {src} to a megatron-core checkpoint in {cache} (cached for later runs)", flush=True)
-        # Each node converts into its own folder and renames it into place: on a shared output_dir the
-        # first node to finish wins and the others drop their copy (a rename never replaces a non-empty
-        # folder), so no node reads a checkpoint another is still writing or replacing.
-        # One killed with -9 leaves its build folder to the next run's `remove_job_temps`.
-        build = temp_sibling(cache, "build")
-        try:
-            hf_to_mcore(str(src), str(build), dtype=dtype, force=True, isolate=True, debug=debug)
-            os.rename(build, cache)
-        except OSError:
-            if not (cache / "trinity_meta.json").is_file():
-                raise
-        finally:
-            shutil.rmtree(build, ignore_errors=True)
+        return None
+    src, dtype = Path(cfg.model.path), conversion_dtype(cfg)
+    held = None
+    if conversion_home(cfg, no_cache) == "run":
+        path = _convert_in_run_folder(src, dtype, out, debug)
     else:
-        print(f"using the cached megatron-core checkpoint {cache}", flush=True)
+        held = _convert_in_cache(src, dtype, out, debug)
+        path = held.path if held is not None else _convert_in_run_folder(src, dtype, out, debug)
     for m in roles:
         m.use_dist_checkpointing = True
-        m.dist_checkpointing_path = str(cache)
+        m.dist_checkpointing_path = str(path)
+    return held
+
+
+def conversion_dtype(cfg: JobConfig) -> str:
+    """The dtype the HF model is converted to: model.dtype, or for `auto` the one the job computes in."""
+    return cfg.model.dtype if cfg.model.dtype != "auto" else ("fp32" if cfg.cluster.device == "cpu" else "bf16")
+
+
+def conversion_home(cfg: JobConfig, no_cache: bool) -> str:
+    """`cache`: the shared cache (trinity.convert.cache); `run`: <output_dir>/mcore_cache. Nodes of a
+    multi-node job share the output folder but not always a home folder, and every node's workers must
+    read the same checkpoint path: they convert into the output folder."""
+    return "run" if no_cache or cfg.cluster.nnodes > 1 else "cache"
+
+
+def _converting(src: Path, where: Path, note: str) -> None:
+    print(f"converting {src} to a megatron-core checkpoint in {where} ({note})", flush=True)
+
+
+def _convert_in_cache(src: Path, dtype: str, out: Path, debug: bool) -> "CachedConversion | None":
+    """The shared cache's entry for (src, dtype), converted now unless a job made it already; None
+    where the cache's file system has no file locks (then the caller converts into the run's folder)."""
+    from trinity.convert import cache
+    from trinity.launch.failures import disk_errors
+
+    root = cache.mcore_cache_dir()
+    key = cache.entry_key(src, dtype)
+
+    def build(dest: Path) -> None:
+        from trinity.convert.api import hf_to_mcore
+
+        _converting(src, root / key, "cached for later runs of this model")
+        # in a supervised child process: a signal stops it at once (trinity.convert.api.conversion_job)
+        hf_to_mcore(str(src), str(dest), dtype=dtype, force=True, isolate=True, debug=debug)
+
+    try:
+        with disk_errors(root):
+            held = cache.use_entry(root, key, build, say=lambda line: print(line, flush=True))
+    except cache.NoLocks:
+        print(f"the conversion cache {root} is on a file system without file locks; converting into "
+              f"{out / 'mcore_cache'} instead (set TRINITY_CACHE to a local folder to share conversions)", flush=True)
+        return None
+    if held.converted:
+        for path, size in cache.clean(root, cache.bound_bytes()):
+            print(f"removed the least recently used conversion {path} ({size / 1e9:.2f} GB) to keep {root} "
+                  f"within TRINITY_MCORE_CACHE_GB", flush=True)
+    else:
+        print(f"using the cached megatron-core checkpoint {held.path}", flush=True)
+    return held
+
+
+def _convert_in_run_folder(src: Path, dtype: str, out: Path, debug: bool) -> Path:
+    """`<output_dir>/mcore_cache/<key>`, converted unless there already."""
+    from trinity.convert.cache import entry_key, is_complete
+
+    cache = out / "mcore_cache" / entry_key(src, dtype)
+    if is_complete(cache):
+        print(f"using the cached megatron-core checkpoint {cache}", flush=True)
+        return cache
+    from trinity.convert.api import hf_to_mcore
+    from trinity.convert.outdir import remove_stale_siblings, temp_sibling
+
+    _converting(src, cache, "cached for later runs in this folder")
+    # Each node converts into its own folder and renames it into place: on a shared output_dir the
+    # first node to finish wins and the others drop their copy (a rename never replaces a non-empty
+    # folder), so no node reads a checkpoint another is still writing or replacing. What a converter
+    # of this host killed outright left is removed first.
+    remove_stale_siblings(cache)
+    build = temp_sibling(cache, "build")
+    hf_to_mcore(str(src), str(build), dtype=dtype, force=True, isolate=True, debug=debug)
+    try:
+        os.rename(build, cache)
+    except OSError:
+        if not is_complete(cache):
+            raise
+        shutil.rmtree(build, ignore_errors=True)
+    return cache
 
 
 def tiny_assets(output: Path, *, debug: bool = False) -> int:

@@ -108,6 +108,9 @@ def run(
     overrides: Optional[list[str]] = OverridesArg,
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan and the launch command, start nothing."),
     force: bool = typer.Option(False, "--force", help="Write into a trainer.output_dir that holds files no trinity run wrote."),
+    no_cache: bool = typer.Option(
+        False, "--no-cache",
+        help="Convert the HF model into <output_dir>/mcore_cache instead of the shared cache (~/.cache/trinity/mcore)."),
     debug: bool = DebugOpt,
 ) -> None:
     r"""Validate, convert weights if needed, and launch the job.
@@ -118,7 +121,8 @@ def run(
     \[default0]:, and every rank's log is kept under <output_dir>/logs."""
     from trinity.cli import commands
 
-    _guard(lambda: commands.run(config, overrides or [], dry_run=dry_run, debug=debug, force=force), debug)
+    _guard(lambda: commands.run(config, overrides or [], dry_run=dry_run, debug=debug, force=force,
+                                no_cache=no_cache), debug)
 
 
 @app.command(cls=_Command)

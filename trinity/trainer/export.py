@@ -69,7 +69,8 @@ def load_lora_checkpoint(chunks: list[Any], ckpt_dir: str | Path, facts: Any, lo
 
     from trinity.config.roles import Role
     from trinity.config.schema import JobConfig, LoraConfig
-    from trinity.config.weights import weight_source
+    from trinity.config.weights import WeightKind, WeightSource, weight_source
+    from trinity.convert.cache import is_cache_entry
     from trinity.convert.dist_ckpt import _flat_sharded, load_model_checkpoint
     from trinity.errors import UserError
     from trinity.models.lora import apply_lora
@@ -83,6 +84,10 @@ def load_lora_checkpoint(chunks: list[Any], ckpt_dir: str | Path, facts: Any, lo
                         "base model is not beside it; copy the whole step_N/ folder")
     cfg = JobConfig.model_validate(yaml.safe_load(stored.read_text(encoding="utf-8")))
     source = weight_source(cfg, Role.actor)
+    if is_cache_entry(source.path) and not Path(source.path).exists() and Path(cfg.model.path).is_dir():
+        # The conversion `trinity run` made of model.path was removed since (the conversion cache is
+        # bounded): the HF folder it was made from holds the same weights.
+        source = WeightSource(WeightKind.hf, cfg.model.path)
     if not Path(source.path).exists():
         raise UserError(f"{ckpt}: a LoRA checkpoint holds the adapters only; its base model {source.path} "
                         f"(from {stored}) does not exist any more; restore it there")

@@ -3,6 +3,8 @@ one metrics logger, and at the end the HF export, curves.png and the run's summa
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from trinity.trainer.checkpoint import CheckpointManager
 from trinity.trainer.context import WorkerContext
 from trinity.trainer.evaluation import Evaluator
@@ -70,14 +72,30 @@ def run(ctx: WorkerContext, recipe_cls: type[Recipe]) -> None:
         trackers = metrics.where()
     finally:
         metrics.close()
+    exports = []
     if cfg.trainer.export_hf:
         from trinity.trainer.export import export_hf
 
         recipe.all_resident()
         guard.check_weights(recipe.engines, "export", ctx.device)
-        ctx.log(f"exported HF model to {export_hf(ctx, recipe.actor.modules)}")
+        exports = export_folders(ctx, export_hf(ctx, recipe.actor.modules), recipe.actor.modules)
+        ctx.log(f"exported HF model to {exports[0]}")
     if ctx.is_rank0:
+        from trinity.trainer.finished import write_done
+        from trinity.trainer.resume import complete_checkpoints
+
+        last = dict(complete_checkpoints(ckpt.root)).get(recipe.total_steps)
+        write_done(ctx.output_dir, config=cfg.model_dump(mode="json"), step=recipe.total_steps,
+                   checkpoint=last, exports=exports)
         close_run(ctx, trackers)
+
+
+def export_folders(ctx: WorkerContext, hf: Path, chunks: list) -> list[Path]:
+    """The folders the export wrote: the HF model, and a LoRA job's adapters."""
+    from trinity.models.lora import has_lora
+    from trinity.trainer.export import ADAPTER_DIR
+
+    return [hf, ctx.output_dir / ADAPTER_DIR] if has_lora(chunks) else [hf]
 
 
 def close_run(ctx: WorkerContext, trackers: list[tuple[str, str]]) -> None:
