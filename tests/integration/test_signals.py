@@ -34,7 +34,7 @@ TEMP = re.compile(r"^\..+\.(tmp|old|build)-")  # trinity's temporary folders (tr
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory) -> Path:
     from trinity.convert.api import hf_to_mcore
-    from trinity.convert.fingerprint import source_fingerprint
+    from trinity.convert.cache import entry_key
     from trinity.testing.tiny_assets import make_tiny_qwen2, make_tiny_tokenizer, write_sft_dataset
 
     root = tmp_path_factory.mktemp("signals")
@@ -50,8 +50,8 @@ def workdir(tmp_path_factory) -> Path:
                     "save_last": False, "log_interval": 1, "tensorboard": False, "export_hf": True},
     }
     (root / "job.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
-    # what `trinity run` would convert (fp32 on CPU), under the name it gives it
-    hf_to_mcore(str(model), str(root / "conversion" / source_fingerprint(model)), dtype="fp32")
+    # what `trinity run` would convert (fp32 on CPU), in a conversion cache under the name it gives it
+    hf_to_mcore(str(model), str(root / "cache" / entry_key(model, "fp32")), dtype="fp32")
     return root
 
 
@@ -117,15 +117,15 @@ def test_a_signal_stops_every_stage(workdir, stage, sig):
     overrides = [f"trainer.output_dir={out}"]
     if stage == "export":
         overrides.append("trainer.total_steps=2")
-    if stage != "conversion":  # the launch and later start from the conversion, cached in the folder
-        from trinity.launch.ownership import mark_run
-
-        shutil.copytree(workdir / "conversion", out / "mcore_cache")
-        mark_run(out)  # as the earlier run in this folder that converted would have
+    # The conversion stage converts into an empty cache of its own (a shared one may hold the model from
+    # another test, and then there is no conversion to stop); the launch and later start from the
+    # conversion the fixture cached, as a user's later runs of the model do.
+    cache = workdir / (f"cache_{name}" if stage == "conversion" else "cache")
     log = workdir / f"{name}.out"
     with log.open("w") as console:
         cli = subprocess.Popen(trinity_run_argv(workdir / "job.yaml", *overrides), cwd=REPO, stdin=subprocess.DEVNULL,
-                               stdout=console, stderr=subprocess.STDOUT)
+                               stdout=console, stderr=subprocess.STDOUT,
+                               env={**os.environ, "TRINITY_MCORE_CACHE": str(cache)})
     procs: dict[int, int] = {}
     try:
         _wait(lambda: out.is_dir() and STAGES[stage](out, cli.pid, log), f"the {stage} stage", cli, log)
@@ -148,6 +148,8 @@ def test_a_signal_stops_every_stage(workdir, stage, sig):
     groups = sorted({g for g in procs.values() if _group_alive(g)})
     assert not groups, f"process groups of the job still have processes: {groups}"
     assert _temps(out) == [], text[-3000:]
+    if stage == "conversion":  # the cache keeps neither a half-made entry nor its work folder
+        assert sorted(p.name for p in cache.iterdir() if not p.name.endswith(".lock")) == [], text[-3000:]
     if stage == "export":
         assert "exported HF model" not in text and not (out / "hf").exists(), text[-3000:]
 

@@ -229,7 +229,7 @@ def test_config_budget_too_small_is_refused_naming_the_key(small_job, write_job)
     assert "= 128" in text
     with pytest.raises(ConfigError, match="ppo_max_token_len_per_gpu: a token budget applies to packed micro batches only"):
         load_config(write_job(_rl_job(small_job, use_dynamic_bsz=False, ppo_max_token_len_per_gpu=4096)))
-    job = _rl_job(small_job, ppo_max_token_len_per_gpu=128, recompute_old_log_prob=True)
+    job = _rl_job(small_job, ppo_max_token_len_per_gpu=128, recompute_old_log_prob=True, use_kl_loss=True)
     job["actor_rollout_ref"]["ref"] = {"log_prob_max_token_len_per_gpu": 4096}
     cfg = load_config(write_job(job)).config
     assert cfg.actor_rollout_ref.actor.ppo_max_token_len_per_gpu == 128 and cfg.actor_rollout_ref.actor.use_dynamic_bsz
@@ -253,7 +253,7 @@ def test_unset_budgets_one_padded_micro_batch_and_four_for_the_ref_on_cuda(small
     assert (rl_token_budget(cfg, Role.actor), rl_token_budget(cfg, Role.ref)) == (one, 4 * one)
     on_cpu = cfg.model_copy(update={"cluster": cfg.cluster.model_copy(update={"device": "cpu"})})
     assert (rl_token_budget(on_cpu, Role.actor), rl_token_budget(on_cpu, Role.ref)) == (one, one)
-    job = _rl_job(small_job, ppo_max_token_len_per_gpu=300)
+    job = _rl_job(small_job, ppo_max_token_len_per_gpu=300, use_kl_loss=True)  # a ref block needs a ref
     job["actor_rollout_ref"]["ref"] = {"log_prob_max_token_len_per_gpu": 200}
     cfg = load_config(write_job(job)).config
     assert (rl_token_budget(cfg, Role.actor), rl_token_budget(cfg, Role.ref)) == (300, 200)
