@@ -13,6 +13,11 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Strict collectives (trinity.distributed.collectives): a torch.distributed collective called from trinity
 # code outside the helpers raises, in this process and in every rank the tests start.
 os.environ["TRINITY_STRICT_COLLECTIVES"] = "1"
+# The suite starts some 700 Python processes, each importing trinity's modules: where the environment
+# forbids bytecode files (PYTHONDONTWRITEBYTECODE, set on some CI images), each would compile them again
+# (~0.5 s per training process). Let them be cached, as a user's installation does.
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+sys.dont_write_bytecode = False
 
 import pytest
 import yaml
@@ -136,6 +141,9 @@ def trinity_run(cfg: dict, path: Path, *, timeout: float, env: dict[str, str] | 
     megatron-core checkpoint"), ~4 s less per job (the conversion imports megatron-core and mbridge).
     Off (tests of the conversion itself), the job gets a cache of its own beside `path`
     (`private_conversion_cache`), so its first run converts."""
+    # No curves.png unless the test asks (trainer.curves): drawing it costs ~1 s per run, and the tests
+    # that check it set the key.
+    cfg = {**cfg, "trainer": {"curves": False, **cfg.get("trainer", {})}}
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     private = {} if reuse_conversion else private_conversion_cache(path.parent)
     proc = subprocess.run(

@@ -137,9 +137,14 @@ def test_grpo_runs_checkpoints_and_resumes_exactly(assets, tmp_path):
 
 
 @pytest.mark.slow
-def test_ppo_with_critic_warmup_resumes_exactly(assets, tmp_path):
+def test_ppo_saves_during_critic_warmup_and_resumes_exactly(assets, tmp_path):
+    """PPO with one warm-up step (only the critic trains), saving every step. The checkpoint written
+    during the warm-up holds an actor optimizer that has never stepped: it saves, and the run resumed from
+    it trains the actor's first step and the step after exactly as the uninterrupted run did, the critic
+    included (its values feed the advantages and its own loss)."""
     out = tmp_path / "ppo"
     cfg = job(assets, out, "ppo", 3)
+    cfg["trainer"].update(save_interval=1, keep_last=3)
     run_job(cfg, tmp_path / "p.yaml")
     r1, r2, r3 = rows(out)
     assert r1["actor/warmup"] is True and "actor/pg_loss" not in r1  # warm-up: only the critic trains
@@ -147,34 +152,19 @@ def test_ppo_with_critic_warmup_resumes_exactly(assets, tmp_path):
     for r in (r1, r2, r3):
         assert isinstance(r["critic/vf_loss"], float) and r["critic/vf_loss"] >= 0
         assert "time/values_s" in r and "time/update_critic_s" in r
-    step2 = out / "checkpoints" / "step_2"
-    assert (step2 / "actor" / "trinity_meta.json").is_file() and (step2 / "critic" / "trinity_meta.json").is_file()
-
-    again = resume_at_step_2(cfg, out, tmp_path / "q.yaml")
-    assert [r["step"] for r in again] == [1, 2, 3]
-    # The critic resumes too: its values feed the advantages (actor/pg_loss) and its own loss.
-    assert_same_step(r3, again[2], RESUME_KEYS + ("critic/vf_loss", "critic/grad_norm", "critic/vpred_mean"))
-
-
-@pytest.mark.slow
-def test_ppo_saves_during_critic_warmup_and_resumes_exactly(assets, tmp_path):
-    """A checkpoint written while only the critic trains holds an actor optimizer that has never stepped:
-    it saves, and a run resumed from it trains the actor's first step exactly as the uninterrupted run did."""
-    out = tmp_path / "ppo"
-    cfg = job(assets, out, "ppo", 2)
-    cfg["trainer"]["save_interval"] = 1
-    run_job(cfg, tmp_path / "p.yaml")
-    r1, r2 = rows(out)
-    assert r1["actor/warmup"] is True and r2["actor/warmup"] is False
     step1 = out / "checkpoints" / "step_1"
-    assert (step1 / "complete").is_file() and (step1 / "actor" / "trinity_meta.json").is_file()
+    assert (step1 / "complete").is_file()
+    for role in ("actor", "critic"):
+        assert (step1 / role / "trinity_meta.json").is_file(), role
 
     resumed = dict(cfg, trainer={**cfg["trainer"], "resume": str(step1)})
     log = run_job(resumed, tmp_path / "q.yaml")
     assert f"resumed from {step1} at step 1" in log
     again = rows(out)
-    assert [r["step"] for r in again] == [1, 2] and again[0] == r1
-    assert_same_step(r2, again[1], RESUME_KEYS + ("critic/vf_loss", "critic/grad_norm"))
+    assert [r["step"] for r in again] == [1, 2, 3] and again[0] == r1
+    keys = RESUME_KEYS + ("critic/vf_loss", "critic/grad_norm", "critic/vpred_mean")
+    assert_same_step(r2, again[1], keys)
+    assert_same_step(r3, again[2], keys)
 
 
 FAILING_REWARD = '''

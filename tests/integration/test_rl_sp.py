@@ -85,23 +85,21 @@ def _assert_same(a: list[dict], b: list[dict], what: str, skip: tuple[str, ...] 
 
 @pytest.mark.multiproc
 @pytest.mark.slow
-def test_ppo_with_sequence_parallel_equals_tp2_and_tp1(assets, tmp_path):
+def test_ppo_with_sequence_parallel_equals_tp1(assets, tmp_path):
+    """PPO (actor, ref and critic) at TP=2 with sequence parallel gives TP=1's metrics and weights (TP=2
+    without SP runs a subset of these code paths)."""
     sp_rows, sp_weights = _run(assets, tmp_path, "tp2_sp", tp=2, sp=True)
-    tp2_rows, tp2_weights = _run(assets, tmp_path, "tp2", tp=2, sp=False)
     tp1_rows, tp1_weights = _run(assets, tmp_path, "tp1", tp=1, sp=False)
     # the same sampled responses (same tokens and lengths), log-probs, values, KL, losses, grad norms.
     # Not the clip fractions: vf_clipfrac counts tokens whose clipped error exceeds the unclipped one;
     # where the clip is not active both are the same number up to one rounding of `old + (v - old)`, so
     # with another summation order (SP's reduce-scatter, TP=1) that count differs on ties; the losses
     # themselves are compared.
-    _assert_same(tp2_rows, sp_rows, "tp2 vs tp2+sp", skip=("clipfrac",))
     _assert_same(tp1_rows, sp_rows, "tp1 vs tp2+sp", skip=("clipfrac",))
     assert sp_rows[0]["response_length/mean"] > 1
     # the weights after two updates
-    assert sorted(sp_weights) == sorted(tp2_weights) == sorted(tp1_weights)
-    moved = 0.0
+    assert sorted(sp_weights) == sorted(tp1_weights)
     for name, w in sp_weights.items():
-        torch.testing.assert_close(w, tp2_weights[name], rtol=1e-4, atol=1e-5, msg=name)
         torch.testing.assert_close(w, tp1_weights[name], rtol=1e-4, atol=1e-5, msg=name)
     base = load_file(str(assets["model"] / "model.safetensors"))
     moved = max((sp_weights[n] - base[n]).abs().max().item() for n in base)

@@ -125,7 +125,8 @@ def baseline_run(assets, tmp_path_factory) -> Path:
     """An uninterrupted 10-step run at TP=PP=DP=1 with checkpoints every 5 steps and an HF export.
     The lr is constant after a 2-step warm-up, so shorter runs of the same job follow the same schedule."""
     out = tmp_path_factory.mktemp("baseline")
-    cfg = job(assets, out / "run", trainer={"total_steps": 10, "save_interval": 5, "export_hf": True, "profile_step": 3})
+    cfg = job(assets, out / "run", trainer={"total_steps": 10, "save_interval": 5, "export_hf": True, "profile_step": 3,
+                                         "curves": None})  # curves.png when matplotlib is installed, as by default
     assert run_job(cfg, out / "job.yaml", reuse_conversion=True) == 0
     return out / "run"
 
@@ -273,11 +274,11 @@ def test_stop_resume_and_kill_during_save(assets, baseline, tmp_path):
     "layout",
     [
         {"tensor_model_parallel_size": 2},
-        {"pipeline_model_parallel_size": 2},
+        # PP=2 with 2 model chunks per stage: runs plain PP=2's code paths and the interleaved schedule
         {"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2},
         {"use_distributed_optimizer": True, "overlap_grad_reduce": True},  # DP=2
     ],
-    ids=["tp2", "pp2", "pp2_vpp2", "dp2"],
+    ids=["tp2", "pp2_vpp2", "dp2"],
 )
 def test_layouts_give_the_same_losses(assets, baseline, tmp_path_factory, layout):
     tmp = tmp_path_factory.mktemp("layout")

@@ -36,9 +36,9 @@ def test_dpo_preference_accuracy_rises(real_assets, tmp_path):
     cfg["model"]["path"] = str(real_assets / "model")
     # 8 pairs, one global batch: every step sees the same training pairs, whose accuracy is measured
     cfg["data"].update(train_files=[str(_pairs(tmp_path / "pairs.jsonl", 8))], seq_length=64, shuffle=False)
-    # 3 steps: measured accuracies 0, 0.75, 0.875 (then 0.875) and margins 0, 0.27, 0.54 (then 0.84); each
-    # step of the 135M model is ~15-25 s of CI time
-    cfg["trainer"].update(output_dir=str(tmp_path / "run"), total_steps=3, global_batch_size=8,
+    # 2 steps: measured accuracies 0, 0.75 (then 0.875, 0.875) and margins 0, 0.27 (then 0.54, 0.84); each
+    # step of the 135M model is ~15-40 s of CI time, so the test stops at the first update's effect
+    cfg["trainer"].update(output_dir=str(tmp_path / "run"), total_steps=2, global_batch_size=8,
                           micro_batch_size=4, save_interval=None, export_hf=False,
                           save_last=False)  # nothing reads a checkpoint here: saving ~1.6 GB costs 10-17 s
     cfg["actor_rollout_ref"]["actor"]["optim"].update(lr=2.0e-5, lr_warmup_steps=0)
@@ -47,13 +47,14 @@ def test_dpo_preference_accuracy_rises(real_assets, tmp_path):
 
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if "rewards/accuracies" in r]
-    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert [r["step"] for r in rows] == [1, 2]
     acc = [r["rewards/accuracies"] for r in rows]
     margins = [r["rewards/margins"] for r in rows]
     # step 1: the policy is the reference, every implicit reward is 0 and the loss is log 2
     assert acc[0] == 0.0 and abs(rows[0]["loss"] - 0.6931472) < 1e-4, rows[0]
-    # the same pairs at every step: the policy moves towards the right sums
-    assert acc[-1] >= 0.75, acc
-    assert margins[-1] > margins[1] > 0, margins
+    # the same pairs at every step: one update moves the policy towards the right sums (6 of 8 measured)
+    assert acc[-1] >= 0.625, acc
+    assert margins[-1] > 0.1, margins
+    assert rows[-1]["loss"] < rows[0]["loss"] - 0.05, rows
     # save_last: false wrote no checkpoint
     assert not list((tmp_path / "run").glob("checkpoints/step_*")), list((tmp_path / "run").rglob("step_*"))

@@ -321,3 +321,25 @@ def test_plot_names_a_folder_without_metrics(tmp_path):
     result = _plot(str(tmp_path))
     assert result.exit_code == 2
     assert result.output == f"error: {tmp_path}: no metrics.jsonl in it; name a run's trainer.output_dir\n"
+
+
+def test_trainer_curves_true_needs_matplotlib(small_job, write_job, monkeypatch):
+    """trainer.curves: unset draws curves.png where matplotlib is installed; true where it is not is refused
+    before any process starts (it could not take effect); false is always accepted."""
+    import importlib.util
+
+    from trinity.config.loader import load_config
+    from trinity.errors import ConfigError
+
+    job = {**small_job, "trainer": {**small_job["trainer"], "curves": True}}
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real_find_spec(name, *a))
+    with pytest.raises(ConfigError) as err:
+        load_config(write_job(job))
+    assert str(err.value) == ('trainer.curves: drawing curves.png needs matplotlib, which is not installed; run '
+                              '`pip install "trinity-mcore[plot]"` or remove the key')
+    job["trainer"]["curves"] = False
+    assert load_config(write_job(job)).config.trainer.curves is False
+    monkeypatch.undo()
+    job["trainer"]["curves"] = True
+    assert load_config(write_job(job)).config.trainer.curves is True

@@ -99,13 +99,14 @@ def export_folders(ctx: WorkerContext, hf: Path, chunks: list) -> list[Path]:
 
 
 def close_run(ctx: WorkerContext, trackers: list[tuple[str, str]]) -> None:
-    """Rank 0, once everything is written: curves.png (when matplotlib is installed) and the summary
+    """Rank 0, once everything is written: curves.png (trainer.curves) and the summary
     of where the run's files are and how its main metrics moved."""
     from trinity.trainer.curves import run_curves
     from trinity.trainer.summary import read_metrics, summary_lines
 
     out = ctx.output_dir
-    run_curves(out)
+    if ctx.config.trainer.curves is not False:
+        run_curves(out)
     rows = read_metrics(out / "metrics.jsonl") if (out / "metrics.jsonl").is_file() else []
     ctx.log("\n".join(summary_lines(out, rows, trackers)))
 

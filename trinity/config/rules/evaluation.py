@@ -38,6 +38,9 @@ def check_evaluation(cfg: JobConfig, problems: list[str], check_paths: bool) -> 
     for key in ("log_samples", "log_samples_interval"):
         if not cfg.is_rl and getattr(trainer, key) is not None:
             problems.append(f"trainer.{key}: {algo} generates no samples (it applies to the RL algorithms); remove the key")
+    if trainer.curves and importlib.util.find_spec("matplotlib") is None:
+        problems.append('trainer.curves: drawing curves.png needs matplotlib, which is not installed; run '
+                        '`pip install "trinity-mcore[plot]"` or remove the key')
     if trainer.logger is not None and trainer.tensorboard is not None:
         problems.append("trainer.tensorboard: set trainer.logger or trainer.tensorboard, not both; "
                         "list tensorboard in trainer.logger (or leave it out) and remove trainer.tensorboard")

@@ -69,6 +69,10 @@ class TrainerConfig(StrictModel):
     none and writes no files."""
     log_samples_interval: int | None = Field(default=None, ge=1)
     """RL: print samples at the first step, every N steps and the last (unset: log_interval's steps)."""
+    curves: bool | None = None
+    """Draw <output_dir>/curves.png (as `trinity plot` does) when the run ends. Unset: when matplotlib is
+    installed (`pip install "trinity-mcore[plot]"`); true: always (refused where matplotlib is missing);
+    false: never."""
     profile_step: int | None = Field(default=None, ge=1)
     """Profile this step with torch.profiler on every rank: a Chrome trace per rank in
     <output_dir>/profile and GPU time per kind of kernel printed (an RL step also times its rollout's
