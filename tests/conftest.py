@@ -27,6 +27,23 @@ FIXTURES = REPO / "tests" / "fixtures"
 HF_CONFIGS = FIXTURES / "hf_configs"
 
 
+def pytest_collection_modifyitems(config, items):
+    """Longest files first. Under `-n 2 --dist loadfile --no-loadscope-reorder` (pyproject.toml) a worker
+    takes whole files in this order: the few long files (a real-model GRPO run is minutes) start at
+    once on both workers and the many short ones fill in at the end, instead of one long file running
+    alone after everything else. A file's weight is the largest pytest-timeout of its tests (the long
+    ones declare theirs), then its number of `slow` tests; the order within a file stays."""
+    default = float(config.getini("timeout") or 0)
+    weight: dict[str, tuple[float, int]] = {}
+    for item in items:
+        path = item.nodeid.split("::")[0]
+        mark = item.get_closest_marker("timeout")
+        timeout = float(mark.args[0]) if mark and mark.args else default
+        longest, slow = weight.get(path, (0.0, 0))
+        weight[path] = (max(longest, timeout), slow + (item.get_closest_marker("slow") is not None))
+    items.sort(key=lambda item: tuple(-w for w in weight[item.nodeid.split("::")[0]]))
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _strict_collectives():
     from trinity.distributed import collectives
