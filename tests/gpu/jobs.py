@@ -26,12 +26,12 @@ PHASES = {"grpo": ("rollout", "reward", "ref", "update_actor"),
           "ppo": ("rollout", "reward", "ref", "values", "update_critic", "update_actor")}
 
 
-def make_assets(root: Path) -> dict[str, Path]:
+def tiny_models(root: Path) -> tuple[Path, Path]:
+    """(dense, moe): a tiny Qwen2 (4 layers, hidden 256) and a tiny Qwen3-MoE (4 experts) on the tiny
+    tokenizer, in `root`."""
     from transformers import AutoTokenizer
 
-    from trinity.testing.tiny_assets import (
-        arithmetic_problem, make_tiny_qwen2, make_tiny_tokenizer, write_dpo_dataset, write_sft_dataset,
-    )
+    from trinity.testing.tiny_assets import make_tiny_qwen2, make_tiny_tokenizer
     from trinity.testing.tiny_models import make_tiny_hf_model
 
     tok = make_tiny_tokenizer(root / "tok")
@@ -41,6 +41,13 @@ def make_assets(root: Path) -> dict[str, Path]:
                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                              moe_intermediate_size=64, num_experts=4, num_local_experts=4, max_position_embeddings=1024)
     tokenizer.save_pretrained(str(moe))
+    return dense, moe
+
+
+def make_assets(root: Path) -> dict[str, Path]:
+    from trinity.testing.tiny_assets import arithmetic_problem, write_dpo_dataset, write_sft_dataset
+
+    dense, moe = tiny_models(root)
     import random
 
     prompt, answer = arithmetic_problem(random.Random(0))

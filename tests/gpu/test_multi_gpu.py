@@ -30,21 +30,11 @@ REL = 2e-2
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory) -> dict[str, Path]:
-    from trinity.testing.tiny_assets import (
-        make_tiny_qwen2, make_tiny_tokenizer, write_prompt_dataset, write_sft_dataset,
-    )
-    from trinity.testing.tiny_models import make_tiny_hf_model
+    from tests.gpu.jobs import tiny_models
+    from trinity.testing.tiny_assets import write_prompt_dataset, write_sft_dataset
 
     root = tmp_path_factory.mktemp("multi_gpu")
-    tok = make_tiny_tokenizer(root / "tok")
-    dense = make_tiny_qwen2(root / "dense", tok, num_layers=4, hidden_size=256, num_heads=4, num_kv_heads=2)
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(str(tok))
-    moe = make_tiny_hf_model("qwen3_moe", root / "moe", vocab_size=-(-len(tokenizer) // 64) * 64, hidden_size=128,
-                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                             moe_intermediate_size=64, num_experts=4, num_local_experts=4, max_position_embeddings=1024)
-    tokenizer.save_pretrained(str(moe))
+    dense, moe = tiny_models(root)
     return {"dense": dense, "moe": moe, "sft": write_sft_dataset(root / "sft.jsonl", 2000, seed=0),
             "prompts": write_prompt_dataset(root / "prompts.jsonl", 64, seed=0)}
 
