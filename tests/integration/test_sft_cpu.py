@@ -69,41 +69,13 @@ def run_job(cfg: dict, path: Path, env: dict[str, str] | None = None, *, reuse_c
 def run_job_on_a_terminal(cfg: dict, path: Path) -> tuple[int, str]:
     """`trinity run` with its stdout and stderr on a pseudo-terminal, as a user in a shell has it;
     returns (exit code, everything the terminal received)."""
-    import fcntl
-    import pty
-    import select
-    import struct
-    import termios
+    from tests.console import on_a_terminal
 
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
-    master, slave = pty.openpty()
-    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
     # as a user's shell has it: not under CI (where no bar is drawn, trinity.trainer.progress)
     env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "TRINITY_TTY", "CI")}
-    proc = subprocess.Popen(trinity_run_argv(path), cwd=REPO, env={**env, "TERM": "xterm-256color"},
-                            stdin=subprocess.DEVNULL, stdout=slave, stderr=slave)
-    os.close(slave)
-    received = bytearray()
-    deadline = time.monotonic() + 170
-    try:
-        while time.monotonic() < deadline:
-            ready, _, _ = select.select([master], [], [], 1.0)
-            if not ready:
-                if proc.poll() is not None:
-                    break
-                continue
-            try:
-                chunk = os.read(master, 65536)
-            except OSError:  # EIO: every writer closed the terminal
-                break
-            if not chunk:
-                break
-            received += chunk
-        returncode = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        os.close(master)
+    returncode, received = on_a_terminal(trinity_run_argv(path), cwd=REPO, env={**env, "TERM": "xterm-256color"},
+                                         timeout=170, columns=120)
     text = received.decode(errors="replace")
     (path.parent / f"{path.stem}.out").write_text(text)
     return returncode, text

@@ -7,10 +7,8 @@ from __future__ import annotations
 import json
 import os
 import re
-import select
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -100,37 +98,13 @@ def screen(data: bytes, width: int = 160) -> list[str]:
 def _on_a_terminal(cmd: list[str], go: Path, env: dict[str, str]) -> tuple[int, bytes]:
     """Run `cmd` with stdout and stderr on a 160-column pseudo-terminal; write `go` once the terminal
     received step 2's bar frame. (exit code, all the terminal received)."""
-    import fcntl
-    import pty
-    import struct
-    import termios
+    from tests.console import on_a_terminal
 
-    master, slave = pty.openpty()
-    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 160, 0, 0))
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=slave, stderr=slave)
-    os.close(slave)
-    received = bytearray()
-    try:
-        deadline = time.monotonic() + 150
-        while time.monotonic() < deadline:
-            if not select.select([master], [], [], 0.5)[0]:
-                if proc.poll() is not None:
-                    break
-                continue
-            try:
-                chunk = os.read(master, 65536)
-            except OSError:  # EIO: every writer closed the terminal
-                break
-            if not chunk:
-                break
-            received += chunk
-            if b"2/4" in received and not go.exists():
-                go.write_text("seen")
-        return proc.wait(timeout=30), bytes(received)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        os.close(master)
+    def step_2_seen(received: bytes) -> None:
+        if b"2/4" in received and not go.exists():
+            go.write_text("seen")
+
+    return on_a_terminal(cmd, cwd=REPO, env=env, timeout=150, columns=160, on_output=step_2_seen)
 
 
 def _step_line(step: int) -> str:
