@@ -186,8 +186,8 @@ def _kill_convert_mid_write(argv: list[str], log: Path) -> tuple[list[int], list
     try:
         _wait(lambda: bool(_writers(cli.pid)), "the checkpoint writer processes", cli, log, poll_s=0.002)
         procs = _writers(cli.pid)
-        # A writer arms its parent-death signal in its at-fork hooks, right after the one that starts its
-        # watchdog thread: stopped before, it could never be killed by it (the real one runs on at once).
+        # A writer arms its parent-death signal in its at-fork hook before it starts its watchdog thread:
+        # a second thread means it is armed (stopped before, it could never be killed by it).
         _wait(lambda: all(_threads(pid) != 1 for pid in procs[1:]), "the writers' at-fork hooks", cli, log)
         time.sleep(0.05)
         try:

@@ -106,7 +106,14 @@ def start_watchdog(environ: dict[str, str] | None = None) -> threading.Thread | 
     # save (filesystem_async.write_preloaded_data_multiproc), which, when its rank was stopped mid-save,
     # waited on its queue under PID 1 for good (found after the kill -9 test, 2026-11-26). Each forked
     # child watches `trinity run` too.
-    os.register_at_fork(after_in_child=start)
+    def start_in_fork() -> None:
+        # Arm the fork's parent-death signal (forks_die_with_this_process) before its watchdog thread
+        # starts, not after: a second thread in a fork then means it is armed (tests freeze writers on
+        # that sign), and a fork stopped between the two hooks could not be killed by its parent's death.
+        _guard_forked_child()
+        start()
+
+    os.register_at_fork(after_in_child=start_in_fork)
     return start()
 
 
