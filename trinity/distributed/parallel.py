@@ -61,7 +61,7 @@ def _omp_threads_from_user() -> bool:
 
 
 def set_cpu_threads() -> int:
-    """Give this CPU worker its share of the host's cores as torch intra-op threads; returns the count.
+    """Give this rank its share of the host's cores as torch intra-op threads; returns the count.
 
     torch's default is one thread per core in every process, so N ranks on one host would run N x cores
     threads and slow each other down; torchrun's own default for several ranks (1 thread each) leaves
@@ -98,8 +98,8 @@ def _init_process_group(device: str, timeout_s: int) -> None:
 
 def init_parallel(*, device: str, layout: ParallelLayout, seed: int, timeout_s: int = 600) -> None:
     """Initialise torch.distributed, megatron-core parallel state (TP, PP, VPP, CP, EP, ETP) and the
-    per-rank RNG streams. On `cpu`, cpu_compat.enable() runs first and the rank takes its share of the
-    host's cores as threads (`set_cpu_threads`)."""
+    per-rank RNG streams. Every rank takes its share of the host's cores as threads (`set_cpu_threads`);
+    on `cpu`, cpu_compat.enable() runs first."""
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 
@@ -113,7 +113,9 @@ def init_parallel(*, device: str, layout: ParallelLayout, seed: int, timeout_s: 
         from trinity.distributed import cpu_compat
 
         cpu_compat.enable()
-        set_cpu_threads()
+    # On GPUs too: torchrun leaves each of several local ranks one intra-op thread, and the host
+    # optimizer (`optimizer_offload` in SFT) steps AdamW on the CPU with torch's threads.
+    set_cpu_threads()
     _init_process_group(device, timeout_s)
     world = dist.get_world_size()
     try:
