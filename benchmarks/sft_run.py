@@ -97,12 +97,16 @@ def main() -> None:
     megatron = {"torch_compile": args.compile, **dict(_key_value(kv, ap) for kv in args.megatron)}
 
     results = []
+    where = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    extra = " ".join(args.megatron) or "defaults"
+    print(f"trinity run (SFT) on {where}, shape {args.shape}, seq {args.seq}, {args.mbs} rows per DP rank, "
+          f"{args.steps} steps, torch_compile {args.compile}, megatron: {extra}, torch {torch.__version__}", flush=True)
+    ranks = [int(r) for r in args.lora_rank.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         model = make_job_model(args.shape, root, args.device)
         hf = json.loads((model / "config.json").read_text())
         params = sum(p.numel() for p in _meta_model(model).parameters())
-        ranks = [int(r) for r in args.lora_rank.split(",")]
         cases = [(layout, off, rank) for layout in layouts for off in args.optimizer_offload.split(",") for rank in ranks]
         for layout, off, rank in cases:
             if off not in ("no", "yes"):
@@ -146,23 +150,26 @@ def main() -> None:
                             "tflops_per_gpu": flops / step_s / 1e12 / gpus,
                             "peak_gib": max(r["mem_peak_gib"] for r in rows),
                             "loss": (rows[0]["loss"], rows[-1]["loss"])})
+            # each row as its case ends: a run cut short (a device call's time limit) keeps what it measured
+            print("case: " + _row(results[-1], results), flush=True)
 
-    base = {(off, rank): next((r["tokens_per_s"] for r in results if r["gpus"] == 1 and r["offload"] == off
-                               and r["lora"] == rank), None) for off in ("no", "yes") for rank in ranks}
-    where = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-    extra = " ".join(args.megatron) or "defaults"
-    print(f"\ntrinity run (SFT) on {where}, shape {args.shape}, seq {args.seq}, {args.mbs} rows per DP rank, "
-          f"{args.steps} steps, torch_compile {args.compile}, megatron: {extra}, torch {torch.__version__}")
     # TFLOP/s count full training's 6 x params x tokens also for LoRA (which skips the base weight gradients)
-    print("layout | optimizer offload | lora rank | gpus | step s | host optim s | tokens/s | tokens/s per gpu | "
+    print("\nlayout | optimizer offload | lora rank | gpus | step s | host optim s | tokens/s | tokens/s per gpu | "
           "efficiency | TFLOP/s per gpu | peak GiB (rank 0) | loss first -> last")
     for r in results:
-        per_gpu = r["tokens_per_s"] / r["gpus"]
-        b = base[(r["offload"], r["lora"])]
-        eff = f"{per_gpu / b:.2f}" if b else "-"
-        print(f"{r['layout']} | {r['offload']} | {r['lora']} | {r['gpus']} | {r['step_s']:.4f} | {r['host_s']:.4f} | "
-              f"{r['tokens_per_s']:.0f} | {per_gpu:.0f} | {eff} | "
-              f"{r['tflops_per_gpu']:.1f} | {r['peak_gib']:.2f} | {r['loss'][0]:.3f} -> {r['loss'][1]:.3f}")
+        print(_row(r, results))
+
+
+def _row(r: dict, results: list[dict]) -> str:
+    """One table row; efficiency = tokens/s per GPU against the one-GPU case of the same offload and LoRA
+    rank ("-" until that case has run)."""
+    base = next((b["tokens_per_s"] for b in results if b["gpus"] == 1 and b["offload"] == r["offload"]
+                 and b["lora"] == r["lora"]), None)
+    per_gpu = r["tokens_per_s"] / r["gpus"]
+    eff = f"{per_gpu / base:.2f}" if base else "-"
+    return (f"{r['layout']} | {r['offload']} | {r['lora']} | {r['gpus']} | {r['step_s']:.4f} | {r['host_s']:.4f} | "
+            f"{r['tokens_per_s']:.0f} | {per_gpu:.0f} | {eff} | "
+            f"{r['tflops_per_gpu']:.1f} | {r['peak_gib']:.2f} | {r['loss'][0]:.3f} -> {r['loss'][1]:.3f}")
 
 
 def run_steps_only(cfg: dict, path: Path, timeout: int, steps: int) -> list[dict]:
