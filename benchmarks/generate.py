@@ -20,7 +20,7 @@ The floor of one decode step is (weight bytes + KV-cache bytes at the mean conte
 bandwidth, the bandwidth being the bytes a large device-to-device copy moves per second (its reads
 and writes both counted). On CPU the "bandwidth" is that of a memory copy. The weight bytes are those a
 step reads: all of them but an untied input embedding (the 7B shape's 1.09 GB), of which a step reads
-its tokens' rows only (counted whole before 2026-11-26, which made the 7B floor ~6% too high).
+its tokens' rows only (counted whole, the 7B floor would be ~6% too high).
 """
 
 from __future__ import annotations
@@ -40,13 +40,6 @@ SHAPES = {
     "1.5b": dict(num_hidden_layers=28, hidden_size=1536, intermediate_size=8960, num_attention_heads=12, num_key_value_heads=2, vocab_size=151936),
     "7b": dict(num_hidden_layers=28, hidden_size=3584, intermediate_size=18944, num_attention_heads=28, num_key_value_heads=4, vocab_size=152064),
 }
-
-
-def geometry(shape: str) -> tuple[int, int, int, int, int, int, int]:
-    """(hidden, ffn, layers, heads, query groups, head dim, vocab) of a SHAPES entry (the probes' form)."""
-    c = SHAPES[shape]
-    return (c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"], c["num_attention_heads"],
-            c["num_key_value_heads"], c["hidden_size"] // c["num_attention_heads"], c["vocab_size"])
 
 
 def bandwidth(device: torch.device) -> float:
@@ -75,30 +68,6 @@ def matmul_rate(device: torch.device) -> float:
         a @ a
     _sync(device)
     return 2 * n**3 * 20 / (time.perf_counter() - t0)
-
-
-def graph_ms(fn, reps: int) -> float:
-    """Milliseconds per replay of fn() captured as one CUDA graph (the probes' timing: launch gaps count as
-    they do in a decode step's graph). fn runs twice on a side stream first, as torch advises before a
-    capture (lazy initialisations, Triton compiles)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps
 
 
 def _sync(device: torch.device) -> None:

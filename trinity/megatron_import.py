@@ -1,7 +1,7 @@
 """Importing megatron-core without the ~3 s it spends on code trinity never runs at import.
 
 `import megatron.core` took 4.3-5.4 s on a 2-core CI runner, against 1.7-1.9 s with the two changes
-below (measured 2026-11-26, torch 2.13.0 CPU wheel, megatron-core 0.16.1). Every process of a job
+below (torch 2.13.0 CPU wheel, megatron-core 0.16.1). Every process of a job
 imports it (each torchrun rank, the CLI when it converts), and the CPU test suite starts hundreds:
 - `megatron.core.jit` sets `jit_fuser = torch.compile`, and megatron-core decorates its fused
   pointwise functions with it at import (bias-SwiGLU, bias-GeLU, bias-dropout-add, ...). Decorating

@@ -22,8 +22,9 @@ def test_plain_ladder():
 def test_a_bucket_slower_than_a_larger_one_is_left_out():
     cands = [128, 192, 256, 320, 384, 448, 512]
     # a 7B decode step's GEMMs on an H100, us: 28 x (QKV + output + gate/up + down) + the LM head, from
-    # `benchmarks/decode_gemv_probe.py --sweep-blas --shape 7b --rows 128 192 256 320 384 448 512`
-    # (docs/performance.md, 2026-11-27). 448 rows took 1.36x the time of 512; 192 rows 1.01x that of 256
+    # `benchmarks/decode_gemv_probe.py --sweep-blas --shape 7b --rows 128 192 256 320 384 448 512` (a probe
+    # removed from benchmarks/, in git at f15ad23; docs/performance.md, "Per batch bucket").
+    # 448 rows took 1.36x the time of 512; 192 rows 1.01x that of 256
     times = [5932.0, 6750.0, 6653.0, 7710.0, 8311.0, 14833.0, 10932.0]
     keep, dropped = choose(cands, times)
     assert keep == [128, 192, 256, 320, 384, 512]

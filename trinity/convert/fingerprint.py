@@ -1,6 +1,6 @@
 """The identity of an HF folder's weights, in a module of its own: `trinity run` checks its conversion
 cache with it before every launch, and importing `trinity.convert.dist_ckpt` (torch, megatron-core) for
-that cost ~5.7 s of CPU in the CLI process of every job (py-spy, a 2-rank CPU job, 2026-11-26)."""
+that cost ~5.7 s of CPU in the CLI process of every job (py-spy, a 2-rank CPU job)."""
 
 from __future__ import annotations
 

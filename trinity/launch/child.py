@@ -104,7 +104,7 @@ def start_watchdog(environ: dict[str, str] | None = None) -> threading.Thread | 
 
     # A fork keeps no thread but the caller's: megatron-core's checkpoint writer forks a process per
     # save (filesystem_async.write_preloaded_data_multiproc), which, when its rank was stopped mid-save,
-    # waited on its queue under PID 1 for good (found after the kill -9 test, 2026-11-26). Each forked
+    # waited on its queue under PID 1 for good (the kill -9 test showed it). Each forked
     # child watches `trinity run` too.
     def start_in_fork() -> None:
         # Arm the fork's parent-death signal (forks_die_with_this_process) before its watchdog thread

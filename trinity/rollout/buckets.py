@@ -4,8 +4,8 @@ The ladder: powers of two up to 64, then multiples of 64 up to the slot count (f
 padding). A step runs the smallest bucket that holds its highest live slot.
 
 Why the ladder is tuned on CUDA: cuBLAS's heuristics give some row counts a slow kernel. On an H100
-(torch 2.11+cu130, 2026-11-27) the 7B gate/up projection took 358 us at 448 rows against 217 us at 512,
-and a 448-row decode step 18.9 ms against 15.2 ms at 512 (docs/performance.md, "2026-11-27"). So
+(torch 2.11+cu130) the 7B gate/up projection took 358 us at 448 rows against 217 us at 512,
+and a 448-row decode step 18.9 ms against 15.2 ms at 512 (docs/performance.md, "Per batch bucket"). So
 `decode_buckets` times the GEMMs of one decode step of this rank's layers at each bucket from 64 rows up
 and leaves a bucket out when a larger one takes less than (1 - MARGIN) of its time: its steps then run
 in that larger bucket, whose padding rows cost less than the slow kernel. The margin keeps timing noise

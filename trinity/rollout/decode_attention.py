@@ -128,7 +128,7 @@ def _self_check(device: torch.device, head_dim: int, per: int, dtype: torch.dtyp
 
 # rows x groups from which each (row, group) is one program, no splits and no merge kernel: ~one program per
 # SM of an H100 (132). Per layer that was 5-25% faster than splitting from 128 programs up; the rollouts
-# of 0.5B and 1.5B RL steps took 4.5-5% less than at the earlier 512 (docs/performance.md, 2026-11-27)
+# of 0.5B and 1.5B RL steps took 4.5-5% less than with 512 (docs/performance.md, "Decode kernels")
 _FULL_GRID = 128
 FULL_GRID_ENV = "TRINITY_DECODE_FULL_GRID"
 
