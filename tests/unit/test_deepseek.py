@@ -44,6 +44,13 @@ def test_facts_of_deepseek_configs():
     assert (v3.moe_num_groups, v3.moe_group_topk) == (4, 1) and v3.mla.q_lora_rank == 24
     # every group selected: no group limit in either library
     assert ModelFacts.from_hf_dict(_raw("deepseek_v3", n_group=1, topk_group=1)).moe_num_groups is None
+    # `trinity tiny-assets --family`'s configs are accepted as they are
+    from trinity.testing.tiny_assets import TINY_FAMILY_CONFIGS
+
+    for family in FAMILIES:
+        cfg = TINY_FAMILY_CONFIGS[family](320)
+        facts = ModelFacts.from_hf_dict({**cfg.to_dict(), "architectures": cfg.architectures or _raw(family)["architectures"]})
+        assert facts.family == family and facts.vocab_size == 320
 
 
 @pytest.mark.parametrize("family,over,field", [
@@ -90,6 +97,15 @@ def test_logits_round_trip_and_rollout_equal_hf(family, rope, tmp_path):
         tokens = random_tokens(facts.vocab_size)
         ours = mcore_logits(gpt, tokens, facts.vocab_size)
         assert (ours - hf_logits(src, tokens)).abs().max() <= 1e-5
+        # RL packs one row per micro batch: two documents in one row give each document's own logits
+        from trinity.models.attention import document_packed_params
+
+        row = tokens[0, :10].clone().unsqueeze(0)
+        packed = gpt(row, torch.arange(10).unsqueeze(0), None,
+                     packed_seq_params=document_packed_params(torch.tensor([[0] * 4 + [1] * 6])))
+        for lo, hi in ((0, 4), (4, 10)):
+            alone = mcore_logits(gpt, row[:, lo:hi], facts.vocab_size)
+            assert (packed[:, lo:hi, : facts.vocab_size] - alone).abs().max() <= 1e-5
         exported = dict(export_hf_weights([gpt], facts))
         original = load_file(str(src / "model.safetensors"))
         assert set(exported) == set(original)

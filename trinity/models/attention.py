@@ -380,3 +380,34 @@ class SDPACoreAttention(MegatronModule):
             with tensor_parallel.get_cuda_rng_tracker().fork():
                 return attend()
         return attend()
+
+
+def _mla_self_attention() -> type:
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+
+    class PackedMLASelfAttention(MLASelfAttention):
+        """megatron-core's MLASelfAttention taking our sbhd document packing (`document_packed_params`).
+
+        With packed_seq_params megatron's MLA assumes the thd layout and squeezes dim 1 of the latents (the
+        batch of a [t, 1, h] tensor): our packed rows are [s, b, h], so a one-row micro batch lost its batch
+        dimension (RL packs one row). For sbhd the projections and RoPE are those of unpacked rows (RoPE
+        depends on distance only), so they run without it; core attention still gets it from forward."""
+
+        def get_query_key_value_tensors(self, hidden_states, key_value_states=None, position_ids=None,
+                                        packed_seq_params=None, inference_context=None, **kwargs):
+            if packed_seq_params is not None and packed_seq_params.qkv_format == "sbhd":
+                packed_seq_params = None
+            return super().get_query_key_value_tensors(hidden_states, key_value_states, position_ids,
+                                                       packed_seq_params, inference_context, **kwargs)
+
+    return PackedMLASelfAttention
+
+
+_MLA_CLASS: list[type] = []
+
+
+def mla_self_attention() -> type:
+    """The MLA attention class of our layer spec (built once: spec identity matters to megatron)."""
+    if not _MLA_CLASS:
+        _MLA_CLASS.append(_mla_self_attention())
+    return _MLA_CLASS[0]

@@ -46,7 +46,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-from trinity.models.attention import SDPACoreAttention
+from trinity.models.attention import SDPACoreAttention, mla_self_attention
 from trinity.models.facts import ModelFacts
 
 BACKEND_TE = "transformer_engine"
@@ -137,6 +137,7 @@ def layer_spec(facts: ModelFacts, config: TransformerConfig, *, moe: bool | None
     attn = sub.self_attention.submodules
     attn.core_attention = SDPACoreAttention
     if mla:  # the RMSNorms on MLA's q and kv latents (q_a_layernorm, kv_a_layernorm)
+        sub.self_attention.module = mla_self_attention()
         attn.q_layernorm = TorchNorm
         attn.kv_layernorm = TorchNorm
     elif config.qk_layernorm:

@@ -113,6 +113,11 @@ def check_lora(cfg: JobConfig, facts: ModelFacts | None, problems: list[str], ch
         return
     if not targets:
         problems.append(f"{p}.target_modules: is empty; name at least one linear (e.g. all-linear)")
+    if facts is not None and facts.mla is not None and "linear_qkv" in targets:
+        problems.append(
+            f"{p}.target_modules: linear_qkv (q_proj, k_proj, v_proj) does not exist in {facts.architecture}'s "
+            "multi-latent attention, whose latent projections take no adapters; target linear_proj (o_proj)"
+        )
     mlp = sorted(set(targets) & {"linear_fc1", "linear_fc2"})
     if facts is not None and facts.is_moe and mlp:
         problems.append(

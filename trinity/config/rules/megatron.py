@@ -43,6 +43,9 @@ def check_megatron(
             f"{p}.context_parallel_size: context parallelism is not supported: the SFT and RL loops do not "
             "split sequences across CP ranks; set it to 1 (use recompute or TP/PP for long sequences)"
         )
+    if m.use_mbridge and facts is not None and facts.mla is not None:
+        problems.append(f"{p}.use_mbridge: {facts.architecture} (multi-latent attention) loads through trinity's "
+                        "built-in weight map only (mbridge names MLA as TransformerEngine builds it); set it to false")
     if m.use_mbridge and m.use_dist_checkpointing:
         problems.append(f"{p}.use_mbridge: cannot be combined with use_dist_checkpointing; choose one weight source")
     if m.use_dist_checkpointing:
