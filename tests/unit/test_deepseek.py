@@ -61,6 +61,7 @@ def test_facts_of_deepseek_configs():
     ("deepseek_v2", {"topk_method": "noaux_tc"}, "topk_method"),
     ("deepseek_v2", {"attention_bias": True}, "attention_bias"),
     ("deepseek_v2", {"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_scaling"),
+    ("deepseek_v3", {"quantization_config": {"quant_method": "fp8"}}, "quantization_config"),
 ])
 def test_unsupported_deepseek_configs_are_refused_naming_the_field(family, over, field):
     with pytest.raises(UserError, match=rf"config.json: {field}: "):
@@ -133,3 +134,31 @@ def test_convert_api_round_trip_through_a_dist_checkpoint(tmp_path):
     assert report.max_abs_diff is not None and report.max_abs_diff <= 1e-4
     back = mcore_to_hf(str(tmp_path / "mc"), str(tmp_path / "back"), verify=True)
     assert "bit for bit" in (back.verified or "")
+
+
+def test_validate_v2_lite_config_and_refusals(tmp_path, write_job):
+    """DeepSeek-V2-Lite's config.json (its auto_map removed: transformers ships the class): validate reads it
+    (YaRN factor 40 with mscale = mscale_all_dim, 64 experts, 2 shared); LoRA on q/k/v and mbridge are refused."""
+    from tests.conftest import HF_CONFIGS
+    from trinity.config.loader import load_config
+
+    facts = ModelFacts.from_hf_dir(HF_CONFIGS / "deepseek_v2_lite")
+    assert (facts.num_experts, facts.moe_router_topk, facts.moe_shared_ffn_hidden_size) == (64, 6, 2816)
+    assert facts.mla.q_lora_rank is None and facts.rope_scaling["factor"] == 40
+    assert 15.0e9 < facts.num_parameters() < 16.5e9  # "16B" (15.7B)
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"prompt": "a", "response": "b"}\n')
+    job = {
+        "model": {"path": str(HF_CONFIGS / "deepseek_v2_lite")},
+        "data": {"train_files": [str(data)], "seq_length": 512},
+        "cluster": {"device": "cuda", "nproc_per_node": 8},
+        "trainer": {"global_batch_size": 16, "micro_batch_size": 1},
+        "actor_rollout_ref": {"actor": {"megatron": {"expert_model_parallel_size": 8}}},
+    }
+    load_config(write_job(job), check_paths=False)
+    job["actor_rollout_ref"]["actor"]["lora"] = {"rank": 8, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
+    job["actor_rollout_ref"]["actor"]["megatron"]["use_mbridge"] = True
+    with pytest.raises(UserError) as err:
+        load_config(write_job(job), check_paths=False)
+    assert "lora.target_modules: linear_qkv (q_proj, k_proj, v_proj) does not exist" in str(err.value)
+    assert "megatron.use_mbridge: DeepseekV2ForCausalLM (multi-latent attention)" in str(err.value)

@@ -49,6 +49,9 @@ def read_deepseek(raw: dict[str, Any], source: str) -> dict[str, Any]:
     def refuse(field: str, why: str) -> UserError:
         return UserError(f"{source}: {field}: {why}")
 
+    if raw.get("quantization_config"):
+        raise refuse("quantization_config", "quantized checkpoints (e.g. DeepSeek-V3's FP8 release) are not "
+                     "supported; convert the weights to bf16 first")
     for flag in ("attention_bias", "mlp_bias"):
         if raw.get(flag):
             raise refuse(flag, "true is not supported for DeepSeek (megatron-core's MLA and MLP have no biases)")
