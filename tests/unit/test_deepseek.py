@@ -41,7 +41,8 @@ def test_facts_of_deepseek_configs():
     v3 = ModelFacts.from_hf_dict(_raw("deepseek_v3", q_lora_rank=24, n_group=4, topk_group=1,
                                       num_nextn_predict_layers=1, rope_parameters=YARN))
     assert v3.moe_score_function == "sigmoid" and v3.moe_expert_bias and v3.mtp_layers == 1
-    assert (v3.moe_num_groups, v3.moe_group_topk) == (4, 1) and v3.mla.q_lora_rank == 24
+    assert (v3.moe_num_groups, v3.moe_group_topk, v3.moe_group_score_topk) == (4, 1, 2) and v3.mla.q_lora_rank == 24
+    assert v2.moe_group_score_topk == 1
     # every group selected: no group limit in either library
     assert ModelFacts.from_hf_dict(_raw("deepseek_v3", n_group=1, topk_group=1)).moe_num_groups is None
     # `trinity tiny-assets --family`'s configs are accepted as they are
@@ -56,8 +57,7 @@ def test_facts_of_deepseek_configs():
 @pytest.mark.parametrize("family,over,field", [
     ("deepseek_v3", {"rope_interleave": False}, "rope_interleave"),
     ("deepseek_v3", {"norm_topk_prob": False}, "norm_topk_prob"),
-    ("deepseek_v3", {"n_group": 4, "topk_group": 2}, "topk_group"),  # top-1 sums vs HF's top-2
-    ("deepseek_v2", {"topk_method": "group_limited_greedy", "n_group": 4, "topk_group": 1}, "topk_group"),
+    ("deepseek_v3", {"n_group": 8, "topk_group": 2}, "n_group"),  # groups of one expert: no top-2 sum
     ("deepseek_v2", {"topk_method": "noaux_tc"}, "topk_method"),
     ("deepseek_v2", {"attention_bias": True}, "attention_bias"),
     ("deepseek_v2", {"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_scaling"),
@@ -68,8 +68,14 @@ def test_unsupported_deepseek_configs_are_refused_naming_the_field(family, over,
         ModelFacts.from_hf_dict(_raw(family, **over))
 
 
-@pytest.mark.parametrize("family,rope", [("deepseek_v2", None), ("deepseek_v3", YARN)])
-def test_logits_round_trip_and_rollout_equal_hf(family, rope, tmp_path):
+# V2 greedy; V2 group_limited_greedy with top_k // topk_group = 2 (megatron's own router would rank groups by
+# top-2 sums, HF by their max); V3 with YaRN, 2 groups of 4, one chosen
+@pytest.mark.parametrize("family,rope,over", [
+    ("deepseek_v2", None, {}),
+    ("deepseek_v2", None, {"topk_method": "group_limited_greedy", "n_group": 2, "topk_group": 1}),
+    ("deepseek_v3", YARN, {}),
+])
+def test_logits_round_trip_and_rollout_equal_hf(family, rope, over, tmp_path):
     """HF -> megatron-core: fp32 logits within 1e-5 of transformers' (V3 with YaRN and its mscales, its
     score bias perturbed), export bit-exact; the static and continuous decoders' greedy tokens are HF
     generate's."""
@@ -85,7 +91,7 @@ def test_logits_round_trip_and_rollout_equal_hf(family, rope, tmp_path):
     from trinity.rollout.continuous import KVBudget, generate_continuous
     from trinity.rollout.generate import SamplingParams, generate
 
-    src = make_tiny_hf_model(family, tmp_path / "hf", **({"rope_parameters": rope} if rope else {}))
+    src = make_tiny_hf_model(family, tmp_path / "hf", **({"rope_parameters": rope} if rope else {}), **over)
     facts = ModelFacts.from_hf_dir(src)
     hf = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
     new = 6

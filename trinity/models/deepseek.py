@@ -15,9 +15,9 @@ differently.
 - Routing: V2 softmax over all experts, top-k without renormalisation (transformers 5.24's V2 router
   ignores norm_topk_prob) times routed_scaling_factor; V3 sigmoid + e_score_correction_bias (megatron's
   `expert_bias` buffer, frozen: bias update rate 0, HF keeps it a buffer too), renormalised top-k.
-  Group-limited routing: megatron ranks a group by the sum of its top (top_k // topk_group) scores; HF's
-  V2 `group_limited_greedy` by its top score, V3 by its top-2 sum. Configs where those differ are
-  refused (no group limit is needed when topk_group >= n_group).
+  Group-limited routing ranks a group as HF does (V2 `group_limited_greedy`: its top score, V3: the sum
+  of its top 2), through trinity.models.moe_router (megatron's own uses top_k // topk_group); no group
+  limit is needed when topk_group >= n_group.
 - V3's multi-token-prediction layers (`num_nextn_predict_layers`): transformers 5.24 does not build
   them either (it drops `model.layers.<num_hidden_layers>.*` on load); trinity trains the main model,
   leaves those tensors unloaded (logged) and exports none.
@@ -89,11 +89,10 @@ def read_deepseek(raw: dict[str, Any], source: str) -> dict[str, Any]:
         if not n_group or not topk_group:
             raise refuse("n_group", "group-limited routing needs n_group and topk_group")
         n_group, topk_group = int(n_group), int(topk_group)
-        if topk_group < n_group:
-            if topk // topk_group != per_group_score:
-                raise refuse("topk_group", f"{topk_group} with num_experts_per_tok={topk}: megatron-core scores "
-                             f"a group by the sum of its top {topk // topk_group}, transformers by its top "
-                             f"{per_group_score}; not supported")
+        if experts % n_group or experts // n_group < per_group_score:
+            raise refuse("n_group", f"{n_group} groups of {experts} experts: transformers scores a group by its "
+                         f"top {per_group_score}, so each group needs at least that many experts")
+        if topk_group < n_group:  # else every group is eligible: plain top-k
             groups, group_topk = n_group, topk_group
     shared = int(raw.get("n_shared_experts") or 0)
     moe_ffn = int(need("moe_intermediate_size"))
@@ -105,6 +104,7 @@ def read_deepseek(raw: dict[str, Any], source: str) -> dict[str, Any]:
         moe_scaling_factor=float(raw.get("routed_scaling_factor") or 1.0),
         moe_num_groups=groups,
         moe_group_topk=group_topk,
+        moe_group_score_topk=per_group_score if groups else None,
         moe_expert_bias=bias,
         moe_norm_topk_prob=norm,
         mtp_layers=int(raw.get("num_nextn_predict_layers") or 0) if v3 else 0,

@@ -116,6 +116,7 @@ class ModelFacts:
     moe_scaling_factor: float | None = None  # routed_scaling_factor
     moe_num_groups: int | None = None  # group-limited routing: n_group, topk_group
     moe_group_topk: int | None = None
+    moe_group_score_topk: int | None = None  # a group's score: the sum of its top-k (V2 1, V3 2)
     moe_expert_bias: bool = False  # V3: e_score_correction_bias
     mtp_layers: int = 0  # V3 multi-token-prediction layers in the checkpoint (not loaded)
 

@@ -34,6 +34,7 @@ and `mlp.linear_fc1.layer_norm_weight` (dense layers).
 from __future__ import annotations
 
 import copy
+import functools
 import importlib.util
 
 import torch
@@ -136,6 +137,10 @@ def layer_spec(facts: ModelFacts, config: TransformerConfig, *, moe: bool | None
     sub.pre_mlp_layernorm = TorchNorm
     attn = sub.self_attention.submodules
     attn.core_attention = SDPACoreAttention
+    if moe and facts.moe_group_score_topk:  # DeepSeek's group-limited routing, as transformers ranks groups
+        from trinity.models.moe_router import GroupScoreRouter
+
+        sub.mlp.submodules.router = functools.partial(GroupScoreRouter, group_score_topk=facts.moe_group_score_topk)
     if mla:  # the RMSNorms on MLA's q and kv latents (q_a_layernorm, kv_a_layernorm)
         sub.self_attention.module = mla_self_attention()
         attn.q_layernorm = TorchNorm
