@@ -141,9 +141,11 @@ def linear_shape(facts: Any, target: str) -> tuple[int, int]:
     h, hd = facts.hidden_size, facts.head_dim
     q, kv = facts.num_attention_heads * hd, facts.num_query_groups * hd
     gated = getattr(facts, "hidden_act", "silu") in ("silu", "gelu_gated", "swiglu")
+    mla = getattr(facts, "mla", None)
     return {
         "linear_qkv": (h, q + 2 * kv),
-        "linear_proj": (q, h),
+        # MLA's output projection reads the heads' values (v_head_dim wide), not head_dim
+        "linear_proj": (facts.num_attention_heads * mla.v_head_dim if mla else q, h),
         "linear_fc1": (h, facts.ffn_hidden_size * (2 if gated else 1)),
         "linear_fc2": (facts.ffn_hidden_size, h),
     }[target]
