@@ -168,3 +168,33 @@ def test_validate_v2_lite_config_and_refusals(tmp_path, write_job):
         load_config(write_job(job), check_paths=False)
     assert "lora.target_modules: linear_qkv (q_proj, k_proj, v_proj) does not exist" in str(err.value)
     assert "megatron.use_mbridge: DeepseekV2ForCausalLM (multi-latent attention)" in str(err.value)
+
+
+def test_mtp_tensors_are_left_unloaded_with_a_warning(tmp_path, caplog):
+    """A V3 checkpoint with its multi-token-prediction layer (model.layers.<num_hidden_layers>.*) loads
+    without it, saying so; the same tensor in a model without MTP layers is refused, naming it."""
+    from safetensors.torch import load_file, save_file
+
+    from trinity.config.megatron import MegatronConfig
+    from trinity.convert.builtin import load_hf_weights
+    from trinity.distributed.layout import ParallelLayout
+    from trinity.distributed.parallel import destroy, init_parallel
+    from trinity.models.build import build_model
+
+    src = make_tiny_hf_model("deepseek_v3", tmp_path / "hf")
+    tensors = load_file(str(src / "model.safetensors"))
+    tensors["model.layers.2.eh_proj.weight"] = torch.zeros(64, 128)
+    save_file(tensors, str(src / "model.safetensors"), metadata={"format": "pt"})
+    facts = ModelFacts.from_hf_dir(src)
+    init_parallel(device="cpu", layout=ParallelLayout(), seed=3)
+    try:
+        (gpt,) = build_model(facts, MegatronConfig(), device="cpu", dtype=torch.float32)
+        with caplog.at_level("WARNING"):
+            load_hf_weights([gpt], src, facts)
+        assert "multi-token-prediction layers (num_nextn_predict_layers=1, model.layers.2+) are not loaded" in caplog.text
+        cfg = json.loads((src / "config.json").read_text())
+        (src / "config.json").write_text(json.dumps({**cfg, "num_nextn_predict_layers": 0}))
+        with pytest.raises(UserError, match=r"tensor 'model.layers.2.eh_proj.weight' is not in the weight map"):
+            load_hf_weights([gpt], src, ModelFacts.from_hf_dir(src))
+    finally:
+        destroy()
