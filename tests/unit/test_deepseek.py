@@ -62,6 +62,7 @@ def test_facts_of_deepseek_configs():
     ("deepseek_v2", {"attention_bias": True}, "attention_bias"),
     ("deepseek_v2", {"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_scaling"),
     ("deepseek_v3", {"quantization_config": {"quant_method": "fp8"}}, "quantization_config"),
+    ("deepseek_v3", {"head_dim": 32}, "head_dim"),
 ])
 def test_unsupported_deepseek_configs_are_refused_naming_the_field(family, over, field):
     with pytest.raises(UserError, match=rf"config.json: {field}: "):

@@ -65,6 +65,11 @@ def read_deepseek(raw: dict[str, Any], source: str) -> dict[str, Any]:
         qk_rope_head_dim=int(need("qk_rope_head_dim")),
         v_head_dim=int(need("v_head_dim")),
     )
+    head_dim = raw.get("head_dim")
+    if head_dim is not None and int(head_dim) != mla.qk_rope_head_dim:
+        # transformers' rotary table has head_dim features and rotates the qk_rope_head_dim ones with it
+        raise refuse("head_dim", f"{head_dim} differs from qk_rope_head_dim {mla.qk_rope_head_dim}; transformers' "
+                     "DeepSeek sizes its RoPE by head_dim, so the two must be equal")
     _check_rope(raw, source)
     layers = int(need("num_hidden_layers"))
     topk = int(need("num_experts_per_tok"))
