@@ -1,7 +1,7 @@
 """DeepSeek-V2 / V3 over two gloo processes: TP=2 (with and without sequence parallel: MLA's split down
 projections and their gathers), PP=2 (a dense stage and an MoE stage) and EP=2 (each rank half of the
 routed experts) give transformers' fp32 logits, as TP=PP=EP=1 does (tests/unit/test_deepseek.py); the
-EP=2 export is the HF checkpoint bit for bit; at TP=2 and PP=2 the static and continuous rollout engines'
+export at each layout is the HF checkpoint bit for bit; at TP=2 and PP=2 the static and continuous rollout engines'
 greedy tokens are HF generate's."""
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ NEW = 5
 def _logits(model_dir: Path, block, rollout: bool) -> tuple[torch.Tensor | None, list | None]:
     """fp32 logits [b, s, vocab] on the last pipeline stage (None elsewhere), HF weights loaded; with
     `rollout`, the greedy responses of the static and the continuous engine (every rank)."""
-    from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from trinity.convert.builtin import export_hf_weights, load_hf_weights
@@ -45,13 +44,13 @@ def _logits(model_dir: Path, block, rollout: bool) -> tuple[torch.Tensor | None,
 
     get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter([TOKENS]), model=chunks,
                                 num_microbatches=1, seq_length=s, micro_batch_size=b, forward_only=True)
-    exported = dict(export_hf_weights(chunks, facts))  # every rank iterates it (collectives)
-    if block.expert_model_parallel_size > 1 and ps.get_data_parallel_rank() == 0:
-        from safetensors.torch import load_file
+    # every rank iterates the export (collectives) and gets the whole HF checkpoint, bit for bit
+    exported = dict(export_hf_weights(chunks, facts))
+    from safetensors.torch import load_file
 
-        source = load_file(str(model_dir / "model.safetensors"))
-        assert set(exported) == set(source)
-        assert all(torch.equal(exported[n], t) for n, t in source.items())
+    source = load_file(str(model_dir / "model.safetensors"))
+    assert set(exported) == set(source)
+    assert all(torch.equal(exported[n], t) for n, t in source.items())
     responses = None
     if rollout:  # MLA's decode path at TP=2 (the latents' gathers) and PP=2
         from trinity.rollout.continuous import KVBudget, generate_continuous

@@ -19,7 +19,9 @@ Two ways through a layer, same weights:
   output GEMMs give partial sums, all-reduced over the TP group before the residual add, as megatron's
   RowParallelLinear does (`_row_parallel_add`); the rollout runs with sequence parallel off;
 - the module path (MoE layers, TransformerEngine's fused-norm layers) calls the submodules
-  themselves (`get_query_key_value_tensors` with its QK-norms, `linear_proj`, the MLP or MoE layer).
+  themselves (`get_query_key_value_tensors` with its QK-norms, `linear_proj`, the MLP or MoE layer);
+  DeepSeek's multi-latent attention takes it too, its per-head keys and values expanded from the latent
+  (`trinity.rollout.decode_mla`), without CUDA graphs.
 Both compute megatron's attention block: RMSNorm, QKV, QK-norm, RoPE by cache slot (megatron's table
 and formula), softmax attention, output projection, SwiGLU MLP. Masking follows `generate`'s
 left-padding rules: a padding key is masked, except for the padding query at the same slot (a row with
