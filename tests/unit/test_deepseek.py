@@ -163,12 +163,18 @@ def test_validate_v2_lite_config_and_refusals(tmp_path, write_job):
         "actor_rollout_ref": {"actor": {"megatron": {"expert_model_parallel_size": 8}}},
     }
     load_config(write_job(job), check_paths=False)
-    job["actor_rollout_ref"]["actor"]["lora"] = {"rank": 8, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
+    job["actor_rollout_ref"]["actor"]["lora"] = {"rank": 8, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj",
+                                                                               "kv_b_proj", "q_a_proj"]}
     job["actor_rollout_ref"]["actor"]["megatron"]["use_mbridge"] = True
     with pytest.raises(UserError) as err:
         load_config(write_job(job), check_paths=False)
     assert "lora.target_modules: linear_qkv (q_proj, k_proj, v_proj) does not exist" in str(err.value)
     assert "megatron.use_mbridge: DeepseekV2ForCausalLM (multi-latent attention)" in str(err.value)
+    assert "q_a_proj / q_b_proj do not exist in this model (q_lora_rank is null)" in str(err.value)
+    assert "exist only in multi-latent attention" not in str(err.value)  # kv_b_proj: a target of this model
+    job["actor_rollout_ref"]["actor"]["lora"]["target_modules"] = ["o_proj", "kv_a_proj_with_mqa", "kv_b_proj"]
+    del job["actor_rollout_ref"]["actor"]["megatron"]["use_mbridge"]
+    load_config(write_job(job), check_paths=False)
 
 
 def test_mtp_tensors_are_left_unloaded_with_a_warning(tmp_path, caplog):
@@ -199,3 +205,48 @@ def test_mtp_tensors_are_left_unloaded_with_a_warning(tmp_path, caplog):
             load_hf_weights([gpt], src, ModelFacts.from_hf_dir(src))
     finally:
         destroy()
+
+
+def test_lora_on_mla_projections_gives_peft_logits(tmp_path):
+    """Adapters on MLA's latent projections and o_proj (random A and B): our logits = transformers + PEFT
+    loading our PEFT folder, whose targets are HF's module names."""
+    from types import SimpleNamespace
+
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from trinity.config.megatron import MegatronConfig
+    from trinity.convert.builtin import load_hf_weights
+    from trinity.convert.verify import mcore_logits, random_tokens
+    from trinity.distributed.layout import ParallelLayout
+    from trinity.distributed.parallel import destroy, init_parallel
+    from trinity.models.build import build_model
+    from trinity.models.lora import apply_lora, lora_modules
+    from trinity.models.peft_io import save_peft_folder
+
+    src = make_tiny_hf_model("deepseek_v3", tmp_path / "hf")
+    facts = ModelFacts.from_hf_dir(src)
+    tokens = random_tokens(facts.vocab_size)
+    targets = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
+    init_parallel(device="cpu", layout=ParallelLayout(), seed=3)
+    try:
+        (gpt,) = build_model(facts, MegatronConfig(), device="cpu", dtype=torch.float32)
+        load_hf_weights([gpt], src, facts)
+        apply_lora([gpt], SimpleNamespace(rank=4, alpha=8.0, dropout=0.0, target_modules=targets))
+        assert len(list(lora_modules([gpt]))) == 5 * facts.num_layers
+        g = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for _, _, a in lora_modules([gpt]):
+                a.lora_A.copy_(torch.randn(a.lora_A.shape, generator=g) * 0.2)
+                a.lora_B.copy_(torch.randn(a.lora_B.shape, generator=g) * 0.2)
+        ours = mcore_logits(gpt, tokens, facts.vocab_size)
+        folder = save_peft_folder([gpt], facts, tmp_path / "peft", rank=4, alpha=8.0, dropout=0.0, base_model=str(src))
+    finally:
+        destroy()
+    assert json.loads((folder / "adapter_config.json").read_text())["target_modules"] == sorted(targets)
+    base = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32)
+    with torch.no_grad():
+        plain = base(tokens).logits.float()
+        theirs = PeftModel.from_pretrained(base, str(folder)).eval()(tokens).logits.float()
+    assert (ours - plain).abs().max() > 1e-2  # the adapters matter
+    assert (ours - theirs).abs().max() < 1e-4
