@@ -172,6 +172,15 @@ def test_validate_v2_lite_config_and_refusals(tmp_path, write_job):
     assert "megatron.use_mbridge: DeepseekV2ForCausalLM (multi-latent attention)" in str(err.value)
     assert "q_a_proj / q_b_proj do not exist in this model (q_lora_rank is null)" in str(err.value)
     assert "exist only in multi-latent attention" not in str(err.value)  # kv_b_proj: a target of this model
+    # V2's full model routes group-limited: trinity's router, which has no aux loss
+    v2 = json.loads((HF_CONFIGS / "deepseek_v2_lite" / "config.json").read_text())
+    (tmp_path / "v2").mkdir()
+    (tmp_path / "v2" / "config.json").write_text(json.dumps(
+        {**v2, "topk_method": "group_limited_greedy", "n_group": 8, "topk_group": 3}))
+    grouped = {**job, "model": {"path": str(tmp_path / "v2")}, "actor_rollout_ref": {"actor": {"megatron": {
+        "expert_model_parallel_size": 8, "override_transformer_config": {"moe_router_load_balancing_type": "aux_loss"}}}}}
+    with pytest.raises(UserError, match=r"override_transformer_config.moe_router_load_balancing_type: with DeepSeek's"):
+        load_config(write_job(grouped), check_paths=False)
     job["actor_rollout_ref"]["actor"]["lora"]["target_modules"] = ["o_proj", "kv_a_proj_with_mqa", "kv_b_proj"]
     del job["actor_rollout_ref"]["actor"]["megatron"]["use_mbridge"]
     load_config(write_job(job), check_paths=False)
