@@ -52,8 +52,9 @@ def test_config_errors_name_the_key(small_job):
     assert _problems(small_job, {"rank": 8}) == []
     assert _problems(small_job, {"rank": 8, "target_modules": ["q_proj", "lm_head"]}) == [
         "actor_rollout_ref.actor.lora.target_modules: unknown target module(s) ['lm_head']; valid: linear_qkv, "
-        "linear_proj, linear_fc1, linear_fc2, q_proj, k_proj, v_proj, qkv_proj, o_proj, gate_proj, up_proj, "
-        "gate_up_proj, down_proj, all-linear"
+        "linear_proj, linear_fc1, linear_fc2, linear_q_down_proj, linear_q_up_proj, linear_kv_down_proj, "
+        "linear_kv_up_proj, q_proj, k_proj, v_proj, qkv_proj, o_proj, gate_proj, up_proj, "
+        "gate_up_proj, down_proj, q_a_proj, q_b_proj, kv_a_proj_with_mqa, kv_b_proj, all-linear"
     ]
     assert _problems(small_job, {"alpha": 32.0, "target_modules": ["q_proj"]}) == [
         "actor_rollout_ref.actor.lora.alpha: has no effect while actor_rollout_ref.actor.lora.rank is 0 (LoRA off); "

@@ -10,6 +10,7 @@ broadcasting the full tensor so that every rank yields the same (name, tensor) s
 
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +36,8 @@ from trinity.distributed import collectives
 from trinity.errors import UserError
 from trinity.models.build import unwrap
 from trinity.models.facts import ModelFacts
+
+log = logging.getLogger(__name__)
 
 Progress = Callable[[str, int], None]  # (tensor name, bytes) after each tensor
 
@@ -108,7 +111,10 @@ def _entries(models: list[torch.nn.Module], facts: ModelFacts, wmap: WeightMap, 
     for chunk in models:
         model = unwrap(chunk)
         layers = [layer.layer_number - 1 for layer in model.decoder.layers] if hasattr(model, "decoder") else []
-        for name, param in model.named_parameters():
+        # Buffers that are HF weights (DeepSeek-V3's router score-correction bias) join the parameters;
+        # other buffers (RoPE tables, token counters) are no weights.
+        buffers = [(n, b) for n, b in model.named_buffers() if wmap.for_mcore(n, facts.tie_word_embeddings)]
+        for name, param in [*model.named_parameters(), *buffers]:
             if ".lora.lora_" in name:
                 # LoRA adapters (trinity.models.lora) are no HF weight: a LoRA job's HF export merges them
                 # into the base weights first (trinity.trainer.export), its PEFT folder holds them apart.
@@ -226,6 +232,12 @@ def _check_all_consumed(ckpt: HFCheckpoint, consumed: set[str], facts: ModelFact
     leftover = [n for n in ckpt.names() if n not in consumed]
     # Some tied checkpoints still carry lm_head.weight (a copy of the embeddings): nothing to load.
     leftover = [n for n in leftover if not (facts.tie_word_embeddings and n == "lm_head.weight")]
+    mtp = [n for n in leftover if _mtp_tensor(n, facts)]
+    if mtp:
+        log.warning("%s: %d tensors of the multi-token-prediction layers (num_nextn_predict_layers=%d, "
+                    "model.layers.%d+) are not loaded: trinity trains and exports the main model only",
+                    ckpt.folder, len(mtp), facts.mtp_layers, facts.num_layers)
+        leftover = [n for n in leftover if n not in set(mtp)]
     if leftover:
         n = leftover[0]
         why = "matches a rule but the model has no such parameter" if wmap.covers_hf(n) else "is not in the weight map"
@@ -233,6 +245,12 @@ def _check_all_consumed(ckpt: HFCheckpoint, consumed: set[str], facts: ModelFact
         raise UserError(
             f"{ckpt.folder / ckpt.weight_map[n]}: tensor {n!r} {why} of family {wmap.family!r}{more}"
         )
+
+
+def _mtp_tensor(name: str, facts: ModelFacts) -> bool:
+    """A tensor of DeepSeek-V3's MTP layers, stored after the main layers (model.layers.<L>.*, L >= layers)."""
+    m = re.match(r"model\.layers\.(\d+)\.", name)
+    return facts.mtp_layers > 0 and m is not None and int(m.group(1)) >= facts.num_layers
 
 
 def export_hf_weights(

@@ -31,6 +31,9 @@ from trinity.models.facts import ModelFacts
 
 def make_bridge(hf_dir: str | Path, facts: ModelFacts, dtype: torch.dtype) -> Any:
     """An mbridge Bridge for `hf_dir` that understands our parameter names. Parallel state must be up."""
+    if facts.mla is not None:  # mbridge's DeepSeek-V3 map has TE's MLA names; V2 it does not know
+        raise UserError(f"{facts.source}: {facts.architecture} converts with the builtin backend only "
+                        "(mbridge names MLA as TransformerEngine builds it); use --backend builtin")
     from mbridge import AutoBridge
     from transformers import AutoConfig
 

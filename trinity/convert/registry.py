@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from trinity.convert.families import llama, mixtral, qwen2, qwen3, qwen3_moe
+from trinity.convert.families import deepseek, llama, mixtral, qwen2, qwen3, qwen3_moe
 from trinity.convert.weightmap import WeightMap
 from trinity.errors import UserError
 
 WEIGHT_MAPS: dict[str, WeightMap] = {
     m.WEIGHT_MAP.family: m.WEIGHT_MAP for m in (llama, qwen2, qwen3, qwen3_moe, mixtral)
 }
+WEIGHT_MAPS.update({w.family: w for w in (deepseek.WEIGHT_MAP_V2, deepseek.WEIGHT_MAP_V3)})
 
 
 def weight_map(family: str, source: str = "config.json") -> WeightMap:

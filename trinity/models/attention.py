@@ -143,13 +143,13 @@ def _document_attention(query: Tensor, key: Tensor, value: Tensor, docs: Documen
     sq, b, heads, d = query.shape
 
     def per_document(x: Tensor) -> Tensor:  # [s, b, h, d] -> [n, h, longest, d]
-        return x.transpose(0, 1).reshape(b * sq, x.size(2), d)[docs.index].transpose(1, 2)
+        return x.transpose(0, 1).reshape(b * sq, x.size(2), x.size(3))[docs.index].transpose(1, 2)
 
     out = F.scaled_dot_product_attention(per_document(query), per_document(key), per_document(value),
                                          attn_mask=docs.mask, dropout_p=dropout_p, scale=scale,
                                          enable_gqa=heads != key.size(2))
-    out = out.transpose(1, 2)[docs.valid]  # [b * s, heads, d], the flat tokens in order
-    return out.view(b, sq, heads * d).transpose(0, 1).contiguous()
+    out = out.transpose(1, 2)[docs.valid]  # [b * s, heads, d_v], the flat tokens in order
+    return out.view(b, sq, heads * value.size(3)).transpose(0, 1).contiguous()
 
 
 def _varlen_available() -> bool:
@@ -252,13 +252,13 @@ def _varlen_attention(query: Tensor, key: Tensor, value: Tensor, params: Documen
     sq, b, heads, d = query.shape
 
     def flat(x: Tensor) -> Tensor:
-        return x.transpose(0, 1).reshape(b * sq, x.size(2), d)
+        return x.transpose(0, 1).reshape(b * sq, x.size(2), x.size(3))
 
     # Inside a compiled layer the longest document would be a new constant (a recompile) per batch;
     # the row length bounds it, and the kernel's blocks past a document's end return at once.
     longest = sq if torch.compiler.is_compiling() else params.doc_max_seqlen
     out = _FlashVarlen.apply(flat(query), flat(key), flat(value), params.doc_cu_seqlens, longest, scale)
-    return out.view(b, sq, heads, d).transpose(0, 1)
+    return out.view(b, sq, heads, value.size(3)).transpose(0, 1)
 
 
 def _flash_supports(query: Tensor) -> bool:
@@ -278,7 +278,11 @@ class SDPACoreAttention(MegatronModule):
         softmax_scale: Optional[float] = None,
         cp_comm_type: Optional[str] = None,
         pg_collection: Optional[ProcessGroupCollection] = None,
+        k_channels: Optional[int] = None,
+        v_channels: Optional[int] = None,
     ):
+        # k_channels / v_channels: MLA's query-key and value head sizes (they differ); the output is
+        # heads * v_channels wide
         super().__init__(config=config)
         if config.context_parallel_size != 1:
             raise ValueError("context parallelism needs TransformerEngine's attention; SDPA runs CP=1")
@@ -293,14 +297,14 @@ class SDPACoreAttention(MegatronModule):
         self.layer_number = max(1, layer_number)
         self.attn_mask_type = attn_mask_type
         self.attention_type = attention_type
-        projection_size = config.kv_channels * config.num_attention_heads
+        projection_size = (v_channels or config.kv_channels) * config.num_attention_heads
         self.hidden_size_per_partition = divide(projection_size, tp)
         self.num_attention_heads_per_partition = divide(config.num_attention_heads, tp)
         self.num_query_groups_per_partition = divide(config.num_query_groups, tp)
         # apply_query_key_layer_scaling divides the scale by the layer number and multiplies it back in
         # fp32 inside the softmax (an fp16 overflow guard): the net scale is the plain one.
         self.softmax_scale = (
-            softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
+            softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(k_channels or config.kv_channels)
         )
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
 
@@ -321,7 +325,8 @@ class SDPACoreAttention(MegatronModule):
             raise ValueError(THD_NEEDS_TE)
         kernel = None
         if packed is not None:
-            if packed.doc_cu_seqlens is not None and _flash_supports(query):
+            # flash's kernel needs one head size for q/k and v (MLA's differ: flex or the mask then)
+            if packed.doc_cu_seqlens is not None and _flash_supports(query) and value.size(-1) == query.size(-1):
                 kernel = "varlen"
             elif query.is_cuda and packed.block_mask is not None:
                 kernel = "flex"
@@ -375,3 +380,34 @@ class SDPACoreAttention(MegatronModule):
             with tensor_parallel.get_cuda_rng_tracker().fork():
                 return attend()
         return attend()
+
+
+def _mla_self_attention() -> type:
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+
+    class PackedMLASelfAttention(MLASelfAttention):
+        """megatron-core's MLASelfAttention taking our sbhd document packing (`document_packed_params`).
+
+        With packed_seq_params megatron's MLA assumes the thd layout and squeezes dim 1 of the latents (the
+        batch of a [t, 1, h] tensor): our packed rows are [s, b, h], so a one-row micro batch lost its batch
+        dimension (RL packs one row). For sbhd the projections and RoPE are those of unpacked rows (RoPE
+        depends on distance only), so they run without it; core attention still gets it from forward."""
+
+        def get_query_key_value_tensors(self, hidden_states, key_value_states=None, position_ids=None,
+                                        packed_seq_params=None, inference_context=None, **kwargs):
+            if packed_seq_params is not None and packed_seq_params.qkv_format == "sbhd":
+                packed_seq_params = None
+            return super().get_query_key_value_tensors(hidden_states, key_value_states, position_ids,
+                                                       packed_seq_params, inference_context, **kwargs)
+
+    return PackedMLASelfAttention
+
+
+_MLA_CLASS: list[type] = []
+
+
+def mla_self_attention() -> type:
+    """The MLA attention class of our layer spec (built once: spec identity matters to megatron)."""
+    if not _MLA_CLASS:
+        _MLA_CLASS.append(_mla_self_attention())
+    return _MLA_CLASS[0]

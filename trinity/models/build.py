@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from megatron.core import parallel_state as ps
 from megatron.core import tensor_parallel
 from megatron.core.models.gpt import GPTModel
-from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 from trinity.data.packing import block_causal_mask
 from trinity.errors import UserError
@@ -75,7 +75,7 @@ def _recompute_kwargs(override: Any) -> dict[str, Any]:
 
 def _rope_scaling_kwargs(facts: ModelFacts) -> dict[str, Any]:
     rs = facts.rope_scaling
-    if not rs:
+    if not rs or facts.mla is not None:  # MLA layers hold their own RoPE (trinity.models.deepseek)
         return {}
     kind = rs.get("rope_type") or rs.get("type")
     # megatron-core's built-in scaling is Llama 3.1's with fixed low/high frequency factors and 8192.
@@ -162,22 +162,28 @@ def transformer_config(
             moe_ffn_hidden_size=facts.moe_ffn_hidden_size,
             moe_router_topk=facts.moe_router_topk,
             moe_router_pre_softmax=not facts.moe_norm_topk_prob,
-            moe_router_score_function="softmax",
+            moe_router_score_function=facts.moe_score_function,
             moe_router_load_balancing_type="none",
             moe_aux_loss_coeff=0.0,
             moe_router_dtype="fp32",
             moe_grouped_gemm=bool(megatron.moe_grouped_gemm),
             moe_layer_recompute=bool(megatron.moe_layer_recompute),
         )
+    config_class = TransformerConfig
+    if facts.mla is not None:
+        from trinity.models import deepseek
+
+        kwargs.update(deepseek.config_kwargs(facts))
+        config_class = MLATransformerConfig
     kwargs.update(_recompute_kwargs(override))
     extra = dict(override.extra_fields())
-    known = set(TransformerConfig.__dataclass_fields__)
+    known = set(config_class.__dataclass_fields__)
     unknown = sorted(set(extra) - known)
     if unknown:
         raise UserError(f"override_transformer_config: unknown TransformerConfig field(s) {unknown}")
     kwargs.update(extra)
     try:
-        return TransformerConfig(**kwargs)
+        return config_class(**kwargs)
     except (ValueError, AssertionError) as exc:
         raise UserError(f"megatron settings rejected by megatron-core TransformerConfig: {exc}") from None
 

@@ -24,6 +24,8 @@ class ArchitectureInfo:
     qk_norm: bool = False  # Qwen3: RMSNorm on q and k per head
     qkv_bias: bool | None = None  # None: read `attention_bias` from the config (Llama)
     moe: bool = False
+    mla: bool = False  # DeepSeek: multi-latent attention, leading dense layers, shared experts
+
 
 
 # HF `architectures[0]` -> family facts. Adding an architecture means one row here and one weight-map
@@ -34,6 +36,8 @@ SUPPORTED_ARCHITECTURES: dict[str, ArchitectureInfo] = {
     "Qwen3ForCausalLM": ArchitectureInfo(family="qwen3", qk_norm=True, qkv_bias=False),
     "Qwen3MoeForCausalLM": ArchitectureInfo(family="qwen3_moe", qk_norm=True, qkv_bias=False, moe=True),
     "MixtralForCausalLM": ArchitectureInfo(family="mixtral", qkv_bias=False, moe=True),
+    "DeepseekV2ForCausalLM": ArchitectureInfo(family="deepseek_v2", qkv_bias=False, moe=True, mla=True),
+    "DeepseekV3ForCausalLM": ArchitectureInfo(family="deepseek_v3", qkv_bias=False, moe=True, mla=True),
 }
 
 
@@ -67,6 +71,17 @@ def refuse_custom_code(folder: str | Path) -> None:
 
 
 @dataclass(frozen=True)
+class MLAFacts:
+    """Multi-latent attention geometry (DeepSeek-V2/V3), HF names."""
+
+    q_lora_rank: int | None  # None: q_proj straight from the hidden state (V2-Lite)
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+
+
+@dataclass(frozen=True)
 class ModelFacts:
     """The numbers trinity needs from an HF causal-LM config."""
 
@@ -93,6 +108,17 @@ class ModelFacts:
     rope_scaling: dict[str, Any] | None = field(default=None, compare=False)
     torch_dtype: str | None = None
     source: str = ""  # the config.json this was read from
+    # DeepSeek (trinity.models.deepseek reads these; defaults describe every other family)
+    mla: MLAFacts | None = None
+    moe_dense_layers: int = 0  # first_k_dense_replace: leading layers with a dense MLP
+    moe_shared_ffn_hidden_size: int | None = None  # n_shared_experts * moe_intermediate_size
+    moe_score_function: str = "softmax"
+    moe_scaling_factor: float | None = None  # routed_scaling_factor
+    moe_num_groups: int | None = None  # group-limited routing: n_group, topk_group
+    moe_group_topk: int | None = None
+    moe_group_score_topk: int | None = None  # a group's score: the sum of its top-k (V2 1, V3 2)
+    moe_expert_bias: bool = False  # V3: e_score_correction_bias
+    mtp_layers: int = 0  # V3 multi-token-prediction layers in the checkpoint (not loaded)
 
     @property
     def is_moe(self) -> bool:
@@ -142,13 +168,22 @@ class ModelFacts:
         rope_scaling = raw.get("rope_scaling") or (rope_params if rope_type != "default" else None)
         qkv_bias = info.qkv_bias if info.qkv_bias is not None else bool(raw.get("attention_bias", False))
 
+        extra: dict[str, Any] = {}
+        if info.mla:
+            from trinity.models.deepseek import read_deepseek
+
+            extra = read_deepseek(raw, source)
+            head_dim = extra["mla"].qk_nope_head_dim + extra["mla"].qk_rope_head_dim
         num_experts = moe_ffn = topk = None
         if info.moe:
-            num_experts = int(raw.get("num_local_experts") or raw.get("num_experts") or 0) or None
+            num_experts = int(raw.get("num_local_experts") or raw.get("num_experts") or raw.get("n_routed_experts") or 0) or None
             if num_experts is None:
                 raise UserError(f"{source}: MoE architecture {arch} without num_experts/num_local_experts")
             moe_ffn = int(raw.get("moe_intermediate_size") or need("intermediate_size"))
             topk = int(need("num_experts_per_tok"))
+        # Mixtral always renormalises the top-k weights; Qwen3-MoE reads norm_topk_prob; DeepSeek decides.
+        norm_topk_prob = bool(raw.get("norm_topk_prob", True)) if info.moe else True
+        norm_topk_prob = extra.pop("moe_norm_topk_prob", norm_topk_prob)
         return cls(
             architecture=arch,
             family=info.family,
@@ -168,12 +203,12 @@ class ModelFacts:
             num_experts=num_experts,
             moe_ffn_hidden_size=moe_ffn,
             moe_router_topk=topk,
-            # Mixtral always renormalises the top-k weights; Qwen3-MoE reads norm_topk_prob.
-            moe_norm_topk_prob=bool(raw.get("norm_topk_prob", True)) if info.moe else True,
+            moe_norm_topk_prob=norm_topk_prob,
             hidden_act=str(raw.get("hidden_act", "silu")),
             rope_scaling=rope_scaling,
             torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
             source=source,
+            **extra,
         )
 
     def num_parameters(self) -> int:
@@ -183,10 +218,17 @@ class ModelFacts:
         kv = self.num_query_groups * self.head_dim
         attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.qkv_bias else 0)
         attn += 2 * self.head_dim if self.qk_norm else 0
+        if self.mla is not None:
+            from trinity.models.deepseek import mla_parameters
+
+            attn = mla_parameters(self)
+        dense = 3 * h * self.ffn_hidden_size
         if self.is_moe:
             mlp = self.num_experts * 3 * h * self.moe_ffn_hidden_size + h * self.num_experts
+            mlp += 3 * h * (self.moe_shared_ffn_hidden_size or 0)
         else:
-            mlp = 3 * h * self.ffn_hidden_size
+            mlp = dense
         norms = 2 * h
         embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return L * (attn + mlp + norms) + embed + h
+        dense_layers = min(self.moe_dense_layers, L)
+        return L * (attn + norms) + (L - dense_layers) * mlp + dense_layers * dense + embed + h

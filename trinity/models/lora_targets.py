@@ -6,10 +6,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Iterable
 
-# megatron-core module names LoRA can target, and how each is split over TP.
-COLUMN_PARALLEL = ("linear_qkv", "linear_fc1")
+# megatron-core module names LoRA can target, and how each is split over TP. MLA (DeepSeek) has no
+# linear_qkv: its latent projections are the targets there (all column-parallel; V2-Lite's q_proj without a
+# q LoRA takes no adapter: HF's `q_proj` names GQA's fused linear_qkv here).
+MLA_TARGETS = ("linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj", "linear_kv_up_proj")
+COLUMN_PARALLEL = ("linear_qkv", "linear_fc1", *MLA_TARGETS)
 ROW_PARALLEL = ("linear_proj", "linear_fc2")
-MCORE_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+MCORE_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")  # what all-linear means
+LORA_TARGETS = (*MCORE_TARGETS, *MLA_TARGETS)  # every name a config may give, in resolution order
 # Hugging Face (PEFT) module names -> the megatron-core module that holds them (q, k and v are one
 # fused linear_qkv; gate and up are one linear_fc1: an adapter on either covers both).
 HF_TO_MCORE: dict[str, str] = {
@@ -22,28 +26,32 @@ HF_TO_MCORE: dict[str, str] = {
     "up_proj": "linear_fc1",
     "gate_up_proj": "linear_fc1",
     "down_proj": "linear_fc2",
+    "q_a_proj": "linear_q_down_proj",
+    "q_b_proj": "linear_q_up_proj",
+    "kv_a_proj_with_mqa": "linear_kv_down_proj",
+    "kv_b_proj": "linear_kv_up_proj",
 }
 ALL_LINEAR = "all-linear"
 
 
 def resolve_targets(names: Iterable[str]) -> list[str]:
-    """megatron-core target names (in MCORE_TARGETS order) for config names that may be HF names or
+    """megatron-core target names (in LORA_TARGETS order) for config names that may be HF names or
     `all-linear`; ValueError naming the unknown ones and the valid choices."""
     out: set[str] = set()
     unknown = []
     for name in names:
         if name == ALL_LINEAR:
             out.update(MCORE_TARGETS)
-        elif name in MCORE_TARGETS:
+        elif name in LORA_TARGETS:
             out.add(name)
         elif name in HF_TO_MCORE:
             out.add(HF_TO_MCORE[name])
         else:
             unknown.append(name)
     if unknown:
-        valid = [*MCORE_TARGETS, *HF_TO_MCORE, ALL_LINEAR]
+        valid = [*LORA_TARGETS, *HF_TO_MCORE, ALL_LINEAR]
         raise ValueError(f"unknown target module(s) {unknown}; valid: {', '.join(valid)}")
-    return [t for t in MCORE_TARGETS if t in out]
+    return [t for t in LORA_TARGETS if t in out]
 
 
 # A PEFT adapter folder (trinity.models.peft_io writes and reads it; config validation reads its config)
@@ -137,16 +145,27 @@ def check_shared_a(folder: str | Path) -> None:
 
 
 def linear_shape(facts: Any, target: str) -> tuple[int, int]:
-    """(in, out) of one layer's full (TP=1) megatron linear `target` of a dense model."""
-    h, hd = facts.hidden_size, facts.head_dim
-    q, kv = facts.num_attention_heads * hd, facts.num_query_groups * hd
+    """(in, out) of one layer's full (TP=1) megatron linear `target` of a dense model; (0, 0) for a target
+    the model has not (MLA's latent projections elsewhere, linear_qkv with MLA): no adapter there."""
+    h, hd, n = facts.hidden_size, facts.head_dim, facts.num_attention_heads
+    q, kv = n * hd, facts.num_query_groups * hd
     gated = getattr(facts, "hidden_act", "silu") in ("silu", "gelu_gated", "swiglu")
-    return {
+    shapes = {
         "linear_qkv": (h, q + 2 * kv),
         "linear_proj": (q, h),
         "linear_fc1": (h, facts.ffn_hidden_size * (2 if gated else 1)),
         "linear_fc2": (facts.ffn_hidden_size, h),
-    }[target]
+    }
+    mla = getattr(facts, "mla", None)
+    if mla is not None:
+        del shapes["linear_qkv"]
+        shapes["linear_proj"] = (n * mla.v_head_dim, h)  # the heads' values, v_head_dim wide
+        shapes["linear_kv_down_proj"] = (h, mla.kv_lora_rank + mla.qk_rope_head_dim)
+        shapes["linear_kv_up_proj"] = (mla.kv_lora_rank, n * (mla.qk_nope_head_dim + mla.v_head_dim))
+        if mla.q_lora_rank is not None:
+            shapes["linear_q_down_proj"] = (h, mla.q_lora_rank)
+            shapes["linear_q_up_proj"] = (mla.q_lora_rank, hd * n)
+    return shapes.get(target, (0, 0))
 
 
 def adapter_parameter_count(facts: Any, rank: int, targets: Iterable[str], *, layers: int | None = None) -> int:
@@ -167,7 +186,7 @@ def adapter_parameters_per_gpu(facts: Any, rank: int, targets: Iterable[str], *,
 
 
 __all__ = [
-    "ALL_LINEAR", "COLUMN_PARALLEL", "HF_TO_MCORE", "MCORE_TARGETS", "ROW_PARALLEL", "adapter_parameter_count",
+    "ALL_LINEAR", "COLUMN_PARALLEL", "HF_TO_MCORE", "LORA_TARGETS", "MCORE_TARGETS", "MLA_TARGETS", "ROW_PARALLEL", "adapter_parameter_count",
     "PEFT_CONFIG_FILE", "PEFT_WEIGHTS_FILE", "adapter_config_targets", "check_shared_a", "adapter_parameters_per_gpu", "linear_shape",
     "read_adapter_config", "resolve_targets",
 ]

@@ -21,6 +21,10 @@ Parameter names our spec produces (per layer N, 0-based within the chunk; MoE la
     decoder.layers.N.mlp.experts.local_experts.E.linear_fc1.weight   (MoE, moe_grouped_gemm=False)
     decoder.layers.N.mlp.experts.local_experts.E.linear_fc2.weight
     decoder.layers.N.mlp.experts.weight1 / weight2                    (MoE, moe_grouped_gemm=True)
+    decoder.layers.N.self_attention.linear_q_proj.weight / linear_q_down_proj / linear_q_up_proj,
+        q_layernorm, linear_kv_down_proj, kv_layernorm, linear_kv_up_proj   (MLA, instead of linear_qkv)
+    decoder.layers.N.mlp.shared_experts.linear_fc1.weight / linear_fc2.weight   (shared experts)
+    decoder.layers.N.mlp.router.expert_bias               (a buffer: sigmoid routing's score correction)
     decoder.final_layernorm.weight                        (post_process chunks)
     output_layer.weight                                   (post_process chunks, untied or value head)
 With TransformerEngine the two layer norms are fused instead: `self_attention.linear_qkv.layer_norm_weight`
@@ -30,6 +34,7 @@ and `mlp.linear_fc1.layer_norm_weight` (dense layers).
 from __future__ import annotations
 
 import copy
+import functools
 import importlib.util
 
 import torch
@@ -42,7 +47,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-from trinity.models.attention import SDPACoreAttention
+from trinity.models.attention import SDPACoreAttention, mla_self_attention
 from trinity.models.facts import ModelFacts
 
 BACKEND_TE = "transformer_engine"
@@ -60,7 +65,11 @@ def have_transformer_engine() -> bool:
 
 
 def backend(config: TransformerConfig) -> str:
-    """The layer implementation build_model uses: TE on CUDA when it imports, else ours."""
+    """The layer implementation build_model uses: TE on CUDA when it imports, else ours. MLA always runs
+    ours: TE's MLA spec keeps the q/kv down projections whole on every TP rank, ours splits them (megatron's
+    ColumnParallelLinear + gather), and one layout keeps one weight map."""
+    if getattr(config, "multi_latent_attention", False):
+        return BACKEND_LOCAL_SDPA
     if not config.use_cpu_initialization and torch.cuda.is_available() and have_transformer_engine():
         return BACKEND_TE
     return BACKEND_LOCAL_SDPA
@@ -100,15 +109,26 @@ def _define_missing_te_names() -> None:
 
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+    # multi_latent_attention imports TE's layer classes from megatron's extension, which without TE
+    # binds them to MagicMocks and still sets HAVE_TE; its `isinstance(linear_proj, TELinear)` then raises
+    # TypeError on building any MLA layer. Without TE it must read False.
+    import megatron.core.transformer.multi_latent_attention as mla
+
+    if not have_transformer_engine():
+        mla.HAVE_TE = False
 
 
-def layer_spec(facts: ModelFacts, config: TransformerConfig) -> ModuleSpec:
-    """Our transformer-layer spec for `facts` (every layer of the supported families is alike)."""
+def layer_spec(facts: ModelFacts, config: TransformerConfig, *, moe: bool | None = None) -> ModuleSpec:
+    """Our transformer-layer spec for `facts`; `moe`: whether this layer's MLP is the MoE one (default:
+    the model's; DeepSeek's first `moe_dense_layers` layers are dense)."""
     _define_missing_te_names()
+    moe = facts.is_moe if moe is None else moe
+    mla = facts.mla is not None
     spec = get_gpt_layer_local_spec(
-        num_experts=facts.num_experts,
+        num_experts=facts.num_experts if moe else None,
         moe_grouped_gemm=config.moe_grouped_gemm,
         qk_layernorm=config.qk_layernorm,
+        multi_latent_attention=mla,
         normalization="RMSNorm",
     )
     spec = copy.deepcopy(spec)  # megatron's spec objects are shared between calls
@@ -117,7 +137,15 @@ def layer_spec(facts: ModelFacts, config: TransformerConfig) -> ModuleSpec:
     sub.pre_mlp_layernorm = TorchNorm
     attn = sub.self_attention.submodules
     attn.core_attention = SDPACoreAttention
-    if config.qk_layernorm:
+    if moe and facts.moe_group_score_topk:  # DeepSeek's group-limited routing, as transformers ranks groups
+        from trinity.models.moe_router import GroupScoreRouter
+
+        sub.mlp.submodules.router = functools.partial(GroupScoreRouter, group_score_topk=facts.moe_group_score_topk)
+    if mla:  # the RMSNorms on MLA's q and kv latents (q_a_layernorm, kv_a_layernorm)
+        sub.self_attention.module = mla_self_attention()
+        attn.q_layernorm = TorchNorm
+        attn.kv_layernorm = TorchNorm
+    elif config.qk_layernorm:
         attn.q_layernorm = TorchNorm
         attn.k_layernorm = TorchNorm
     return spec
@@ -132,7 +160,12 @@ def block_spec(
             config, use_transformer_engine=True, normalization="RMSNorm", vp_stage=vp_stage, pp_rank=pp_rank
         )
     n = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
-    return TransformerBlockSubmodules(layer_specs=[layer_spec(facts, config)] * n, layer_norm=TorchNorm)
+    if facts.moe_dense_layers == 0:
+        return TransformerBlockSubmodules(layer_specs=[layer_spec(facts, config)] * n, layer_norm=TorchNorm)
+    first = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
+    dense, moe = layer_spec(facts, config, moe=False), layer_spec(facts, config)
+    specs = [moe if facts.is_moe and first + i >= facts.moe_dense_layers else dense for i in range(n)]
+    return TransformerBlockSubmodules(layer_specs=specs, layer_norm=TorchNorm)
 
 
 def layer_offset(config: TransformerConfig, *, vp_stage: int | None) -> int:

@@ -19,7 +19,9 @@ Two ways through a layer, same weights:
   output GEMMs give partial sums, all-reduced over the TP group before the residual add, as megatron's
   RowParallelLinear does (`_row_parallel_add`); the rollout runs with sequence parallel off;
 - the module path (MoE layers, TransformerEngine's fused-norm layers) calls the submodules
-  themselves (`get_query_key_value_tensors` with its QK-norms, `linear_proj`, the MLP or MoE layer).
+  themselves (`get_query_key_value_tensors` with its QK-norms, `linear_proj`, the MLP or MoE layer);
+  DeepSeek's multi-latent attention takes it too, its per-head keys and values expanded from the latent
+  (`trinity.rollout.decode_mla`), without CUDA graphs.
 Both compute megatron's attention block: RMSNorm, QKV, QK-norm, RoPE by cache slot (megatron's table
 and formula), softmax attention, output projection, SwiGLU MLP. Masking follows `generate`'s
 left-padding rules: a padding key is masked, except for the padding query at the same slot (a row with
@@ -48,6 +50,7 @@ import torch.nn.functional as F
 from trinity.distributed import collectives
 from trinity.models import lora  # the lean path's linears: base weight + active LoRA adapter
 from trinity.models.rope import rotate_half
+from trinity.rollout import decode_mla
 
 _CACHE_MULTIPLE = 64  # cache length granularity: aligned rows for the attention kernels' mask reads
 
@@ -141,25 +144,34 @@ class StageDecoder:
         self.layers = list(gpt.decoder.layers)
         first = self.layers[0].self_attention
         self.heads = first.num_attention_heads_per_partition
-        self.groups, self.head_dim = first.num_query_groups_per_partition, first.hidden_size_per_attention_head
+        # MLA (trinity.rollout.decode_mla): per-head keys and values from the latent, one head per group,
+        # values narrower than keys; its layers hold the RoPE table, YaRN's cos/sin factor `mscale`
+        self.mla = decode_mla.is_mla(gpt)
+        if self.mla:
+            self.groups = self.heads
+            self.head_dim, self.v_dim = decode_mla.head_dims(first)
+        else:
+            self.groups, self.head_dim = first.num_query_groups_per_partition, first.hidden_size_per_attention_head
+            self.v_dim = self.head_dim
         param = next(gpt.parameters())
         self.device, self.dtype = param.device, param.dtype
         shape = (rows, self.groups, cache_len, self.head_dim)
         self.keys = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
-        self.values = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
+        vshape = (rows, self.groups, cache_len, self.v_dim)
+        self.values = [torch.zeros(vshape, dtype=self.dtype, device=self.device) for _ in self.layers]
         # [cache_len, 1, 1, rot_dim]: megatron's rotary table (rope scaling included), indexed by position
-        self.freqs = gpt.rotary_pos_emb(cache_len)
+        self.freqs, self.mscale = decode_mla.rotary(gpt, cache_len) if self.mla else (gpt.rotary_pos_emb(cache_len), 1.0)
         rot = self.freqs.shape[-1]
         # megatron casts cos/sin of its table to the activations' dtype before rotating
         self.cos = torch.cos(self.freqs).to(self.dtype).view(cache_len, rot)
         self.sin = torch.sin(self.freqs).to(self.dtype).view(cache_len, rot)
-        self.scale = self.config.softmax_scale or self.head_dim**-0.5
-        self.lean = _lean_supported(gpt)
+        self.scale = first.softmax_scale if self.mla else (self.config.softmax_scale or self.head_dim**-0.5)
+        self.lean = not self.mla and _lean_supported(gpt)
         # the lean path's all-reduce after each row-parallel GEMM (None at TP=1)
         self.tp_group = ps.get_tensor_model_parallel_group() if ps.get_tensor_model_parallel_world_size() > 1 else None
         # no graphs with MoE routing (it syncs with the host); TP>1's all-reduces are captured with the layers
         dense = all(not hasattr(layer.mlp, "router") for layer in self.layers)
-        self.use_graph = cuda_graphs and self.device.type == "cuda" and dense
+        self.use_graph = cuda_graphs and self.device.type == "cuda" and dense and not self.mla
         self.first, self.last = gpt.pre_process, gpt.post_process
 
     def _residual_stream(self, x: torch.Tensor) -> torch.Tensor:
@@ -246,17 +258,20 @@ class StaticDecoder(StageDecoder):
         from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
 
         attn = layer.self_attention
-        q, k, v = attn.get_query_key_value_tensors(hidden, None)  # [s, b, heads|groups, d]
         freqs = self.freqs.index_select(0, slots)
-        q = apply_rotary_pos_emb(q, freqs, config=self.config)
-        k = apply_rotary_pos_emb(k, freqs, config=self.config)
+        if self.mla:
+            q, k, v = decode_mla.qkv(attn, hidden, freqs, self.mscale)
+        else:
+            q, k, v = attn.get_query_key_value_tensors(hidden, None)  # [s, b, heads|groups, d]
+            q = apply_rotary_pos_emb(q, freqs, config=self.config)
+            k = apply_rotary_pos_emb(k, freqs, config=self.config)
         self.keys[i].index_copy_(2, slots, k.permute(1, 2, 0, 3))
         self.values[i].index_copy_(2, slots, v.permute(1, 2, 0, 3))
         out = F.scaled_dot_product_attention(
             q.permute(1, 2, 0, 3), self.keys[i], self.values[i], attn_mask=mask, scale=self.scale, enable_gqa=True
         )  # [b, heads, s, d]
         s, b = hidden.shape[:2]
-        out, bias = attn.linear_proj(out.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.head_dim))
+        out, bias = attn.linear_proj(out.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.v_dim))
         return out if bias is None else out + bias
 
     def _module_forward(self, x: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,7 @@ import torch
 
 from trinity.distributed import collectives
 from trinity.errors import UserError
+from trinity.rollout import decode_mla
 
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.8
 
@@ -74,6 +75,8 @@ def kv_bytes_per_token(gpt: Any) -> int:
         return sum(kv_bytes_per_token(g) for g in gpt)
     first = gpt.decoder.layers[0].self_attention
     elem = next(gpt.parameters()).element_size()
+    if decode_mla.is_mla(gpt):  # per-head keys and values expanded from the latent (decode_mla)
+        return len(gpt.decoder.layers) * first.num_attention_heads_per_partition * sum(decode_mla.head_dims(first)) * elem
     return len(gpt.decoder.layers) * 2 * first.num_query_groups_per_partition * first.hidden_size_per_attention_head * elem
 
 

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from trinity.models import lora  # the lean path's linears: base weight + active LoRA adapter
+from trinity.rollout import decode_mla
 from trinity.rollout.decode import StageDecoder, capture_graph
 
 # the decode-step shapes this process has run once (SlotDecoder._capture warms a shape up only the first time)
@@ -73,7 +74,8 @@ class SlotDecoder(StageDecoder):
         self.captures, self.capture_s = 0, 0.0
         from trinity.rollout import decode_attention
 
-        self.split_kv = decode_attention.available(self.device, self.head_dim, self.heads // self.groups, self.dtype)
+        self.split_kv = not self.mla and decode_attention.available(
+            self.device, self.head_dim, self.heads // self.groups, self.dtype)
         self.attention = "triton split-KV" if self.split_kv else "sdpa"
         # a prompt's n samples each hold a copy of its keys (prefill copies them to every sample's slot); the
         # split-KV kernel reads one copy for all of them, so that neighbouring programs share it in L2
@@ -188,21 +190,24 @@ class SlotDecoder(StageDecoder):
         from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
 
         attn = layer.self_attention
-        q, k, v = attn.get_query_key_value_tensors(hidden, None)  # [s, b, heads|groups, d]
-        q = apply_rotary_pos_emb(q, freqs, config=self.config)
-        k = apply_rotary_pos_emb(k, freqs, config=self.config)
+        if self.mla:
+            q, k, v = decode_mla.qkv(attn, hidden, freqs, self.mscale)
+        else:
+            q, k, v = attn.get_query_key_value_tensors(hidden, None)  # [s, b, heads|groups, d]
+            q = apply_rotary_pos_emb(q, freqs, config=self.config)
+            k = apply_rotary_pos_emb(k, freqs, config=self.config)
         s, b = hidden.shape[:2]
         if ctx["decode"]:
             self.keys[i][self.rows[:b], :, self.pos[:b]] = k[0]
             self.values[i][self.rows[:b], :, self.pos[:b]] = v[0]
             per = self.heads // self.groups
             out = self._attend_decode(i, q[0].reshape(b, self.groups, per, self.head_dim), ctx)
-            out = out.reshape(b, self.heads, 1, self.head_dim)
+            out = out.reshape(b, self.heads, 1, self.v_dim)
         else:
             kk, vv = k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3)
             self._store_prefill(i, kk, vv, ctx["src"], ctx["dst"])
             out = self._attend_prefill(q.permute(1, 2, 0, 3), kk, vv)
-        out, bias = attn.linear_proj(out.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.head_dim))
+        out, bias = attn.linear_proj(out.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.v_dim))
         return out if bias is None else out + bias
 
     def _layers(self, x: torch.Tensor, positions: torch.Tensor, ctx: dict) -> torch.Tensor:

@@ -15,6 +15,7 @@ import json
 import random
 import shutil
 from pathlib import Path
+from typing import Any, Callable
 
 EOS_TOKEN = "<|endoftext|>"
 SPECIAL_TOKENS = (EOS_TOKEN, "<|im_start|>", "<|im_end|>")
@@ -151,6 +152,36 @@ def make_tiny_qwen2(
     model.save_pretrained(str(out), safe_serialization=True)
     tokenizer.save_pretrained(str(out))
     return out
+
+
+def _deepseek_v2_config(vocab_size: int) -> Any:
+    from transformers import DeepseekV2Config
+
+    # V2-Lite's shape in small: no q LoRA, layer 0 dense, then MoE layers with 2 shared experts
+    return DeepseekV2Config(vocab_size=vocab_size, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                            num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=32,
+                            qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, head_dim=16,
+                            n_routed_experts=8, n_shared_experts=2, num_experts_per_tok=2, moe_intermediate_size=64,
+                            first_k_dense_replace=1, topk_method="greedy", max_position_embeddings=1024)
+
+
+def _deepseek_v3_config(vocab_size: int) -> Any:
+    from transformers import DeepseekV3Config
+
+    # V3's routing in small: sigmoid + score bias, 4 groups of 2 experts, the top 2 groups' experts eligible
+    return DeepseekV3Config(vocab_size=vocab_size, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                            num_attention_heads=4, num_key_value_heads=4, q_lora_rank=48, kv_lora_rank=32,
+                            qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, head_dim=16,
+                            n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=4, moe_intermediate_size=64,
+                            first_k_dense_replace=1, n_group=4, topk_group=2, max_position_embeddings=1024)
+
+
+# `trinity tiny-assets --family NAME`: family -> the HF config of its tiny model for a vocabulary size (the
+# tiny tokenizer's, rounded up); transformers' AutoModelForCausalLM builds the model from it.
+TINY_FAMILY_CONFIGS: dict[str, Callable[[int], Any]] = {
+    "deepseek_v2": _deepseek_v2_config,
+    "deepseek_v3": _deepseek_v3_config,
+}
 
 
 def make_quickstart_assets(out_dir: str | Path, *, seed: int = 0) -> dict[str, Path]:

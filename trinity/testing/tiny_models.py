@@ -47,6 +47,20 @@ FAMILIES: dict[str, TinyFamily] = {
         "MixtralConfig", "MixtralForCausalLM",
         {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None},
     ),
+    # DeepSeek: MLA (V2-Lite's q_proj without a q LoRA; V3's q_a/q_b), layer 0 dense then MoE layers with
+    # a shared expert; V2 softmax greedy top-2, V3 sigmoid + score bias with group-limited routing.
+    "deepseek_v2": TinyFamily(
+        "DeepseekV2Config", "DeepseekV2ForCausalLM",
+        {**_MOE, "num_key_value_heads": 4, "n_routed_experts": 4, "n_shared_experts": 1, "first_k_dense_replace": 1,
+         "q_lora_rank": None, "kv_lora_rank": 16, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16,
+         "topk_method": "greedy", "routed_scaling_factor": 1.5, "head_dim": 8},
+    ),
+    "deepseek_v3": TinyFamily(
+        "DeepseekV3Config", "DeepseekV3ForCausalLM",
+        {**_MOE, "num_key_value_heads": 4, "n_routed_experts": 8, "n_shared_experts": 1, "first_k_dense_replace": 1,
+         "q_lora_rank": 24, "kv_lora_rank": 16, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16,
+         "n_group": 2, "topk_group": 1, "norm_topk_prob": True, "routed_scaling_factor": 2.5, "head_dim": 8},
+    ),
 }
 
 
@@ -71,6 +85,9 @@ def make_tiny_hf_model(
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.02)
+        for name, buf in model.named_buffers():  # DeepSeek-V3's router score bias: make it matter
+            if name.endswith("e_score_correction_bias"):
+                buf.copy_(torch.randn_like(buf) * 0.1)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)

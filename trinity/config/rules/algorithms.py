@@ -113,6 +113,21 @@ def check_lora(cfg: JobConfig, facts: ModelFacts | None, problems: list[str], ch
         return
     if not targets:
         problems.append(f"{p}.target_modules: is empty; name at least one linear (e.g. all-linear)")
+    from trinity.models.lora_targets import HF_TO_MCORE, MLA_TARGETS
+
+    named = {HF_TO_MCORE.get(n, n) for n in lora.target_modules}  # all-linear: whatever the model has
+    if facts is not None and facts.mla is not None:
+        if "linear_qkv" in named:
+            problems.append(
+                f"{p}.target_modules: linear_qkv (q_proj, k_proj, v_proj) does not exist in {facts.architecture}'s "
+                "multi-latent attention; target its latent projections (q_a_proj, q_b_proj, kv_a_proj_with_mqa, "
+                "kv_b_proj) and linear_proj (o_proj)"
+            )
+        if facts.mla.q_lora_rank is None and named & {"linear_q_down_proj", "linear_q_up_proj"}:
+            problems.append(f"{p}.target_modules: q_a_proj / q_b_proj do not exist in this model (q_lora_rank is null)")
+    elif named & set(MLA_TARGETS):
+        problems.append(f"{p}.target_modules: {', '.join(sorted(named & set(MLA_TARGETS)))} exist only in "
+                        "multi-latent attention (DeepSeek-V2/V3)")
     mlp = sorted(set(targets) & {"linear_fc1", "linear_fc2"})
     if facts is not None and facts.is_moe and mlp:
         problems.append(

@@ -68,7 +68,12 @@ def check_kv_budget(cfg: JobConfig, facts: ModelFacts, problems: list[str]) -> N
     tp, pp = actor.tensor_model_parallel_size, actor.pipeline_model_parallel_size
     elem = 4 if cfg.model.dtype == "fp32" or (cfg.model.dtype == "auto" and cfg.cluster.device == "cpu") else 2
     cache_len = -(-(cfg.data.max_prompt_length + ro.response_length) // 64) * 64
-    per_slot = (-(-facts.num_layers // pp)) * 2 * (-(-facts.num_query_groups // tp)) * facts.head_dim * elem * cache_len
+    # per token and layer: keys and values of this rank's query groups (MLA: every head's key and value,
+    # expanded from the latent as trinity.rollout.decode_mla caches them)
+    width = 2 * (-(-facts.num_query_groups // tp)) * facts.head_dim
+    if facts.mla is not None:
+        width = (-(-facts.num_attention_heads // tp)) * (facts.head_dim + facts.mla.v_head_dim)
+    per_slot = (-(-facts.num_layers // pp)) * width * elem * cache_len
     budget = ro.kv_cache_memory_gib * 2**30
     if budget < per_slot:
         problems.append(

@@ -43,6 +43,9 @@ def check_megatron(
             f"{p}.context_parallel_size: context parallelism is not supported: the SFT and RL loops do not "
             "split sequences across CP ranks; set it to 1 (use recompute or TP/PP for long sequences)"
         )
+    if m.use_mbridge and facts is not None and facts.mla is not None:
+        problems.append(f"{p}.use_mbridge: {facts.architecture} (multi-latent attention) loads through trinity's "
+                        "built-in weight map only (mbridge names MLA as TransformerEngine builds it); set it to false")
     if m.use_mbridge and m.use_dist_checkpointing:
         problems.append(f"{p}.use_mbridge: cannot be combined with use_dist_checkpointing; choose one weight source")
     if m.use_dist_checkpointing:
@@ -70,6 +73,13 @@ def check_megatron(
 def _check_against_model(p: str, m: MegatronConfig, f: ModelFacts, problems: list[str], warnings: list[str]) -> None:
     for field, text in layout_problems(m.layout(), f, sequence_parallel=m.sequence_parallel):
         problems.append(f"{p}.{field}: {text}")
+    if f.moe_group_score_topk:  # trinity.models.moe_router, DeepSeek's group-limited routing
+        extra = m.override_transformer_config.extra_fields()
+        for name, default in (("moe_router_load_balancing_type", "none"), ("moe_expert_capacity_factor", None),
+                              ("moe_router_fusion", False)):
+            if name in extra and extra[name] != default:
+                problems.append(f"{p}.override_transformer_config.{name}: with DeepSeek's group-limited routing is "
+                                "not supported; leave it at its default")
     if f.is_moe and m.moe_grouped_gemm and not any(
         importlib.util.find_spec(mod) for mod in ("grouped_gemm", "transformer_engine")
     ):
