@@ -8,6 +8,12 @@ step throughput at 0.9B and a quarter of the memory (docs/../shared notes gpu-me
 Conventions are megatron's: q [sq, b, heads, d], k/v [sk, b, groups, d], output [sq, b, heads*d];
 `attention_mask` is boolean with True = masked out, broadcastable to [b, 1|heads, sq, sk].
 
+Options per layer (ModuleSpec params, Gemma): `window` limits a query to its last `window` keys (itself
+included: transformers' sliding window), `softcap` caps the scores to softcap * tanh(scores / softcap)
+before the softmax. SDPA cannot cap scores, so a capped layer runs `softcapped_attention` (the ops of
+transformers' eager attention); a window becomes part of the boolean mask. Both take the dense mask for
+packed rows.
+
 Packed rows (several documents per row) have two forms:
 - a dense block-diagonal boolean mask (`packed_causal_mask`): simple, but SDPA then runs its masked
   (memory-efficient) kernel and reads an [b, 1, s, s] mask in every layer (2.6x the causal
@@ -57,6 +63,34 @@ def packed_causal_mask(doc_ids: Tensor) -> Tensor:
     same_doc = doc_ids.unsqueeze(2) == doc_ids.unsqueeze(1)
     s = doc_ids.size(1)
     return ~same_doc.unsqueeze(1) | causal_mask(s, device=doc_ids.device)
+
+
+def window_mask(sq: int, sk: int, window: int, device: torch.device | str = "cpu") -> Tensor:
+    """Boolean [1, 1, sq, sk], True = masked: keys `window` or more positions before the query (queries
+    are the last sq positions of the sk keys, as in `causal_mask`)."""
+    q_pos = torch.arange(sk - sq, sk, device=device).unsqueeze(1)
+    k_pos = torch.arange(sk, device=device).unsqueeze(0)
+    return (q_pos - k_pos >= window).view(1, 1, sq, sk)
+
+
+def softcapped_attention(q: Tensor, k: Tensor, v: Tensor, attend: Optional[Tensor], scale: float,
+                         softcap: Optional[float], dropout_p: float = 0.0) -> Tensor:
+    """Attention with the scores capped to softcap * tanh(scores / softcap) (None: not capped), the ops
+    and roundings of transformers' eager attention (Gemma 2): scores in q's dtype, softmax in fp32.
+    q [b, heads, sq, d], k/v [b, groups, sk, d]; `attend` boolean, True = attend, broadcastable to
+    [b, heads, sq, sk] (None: every key). Returns [b, heads, sq, d]."""
+    rep = q.size(1) // k.size(1)
+    if rep > 1:
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if attend is not None:
+        scores = scores.masked_fill(~attend, torch.finfo(scores.dtype).min)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    if dropout_p > 0.0:
+        probs = F.dropout(probs, p=dropout_p)
+    return torch.matmul(probs, v)
 
 
 THD_NEEDS_TE = (
@@ -278,8 +312,11 @@ class SDPACoreAttention(MegatronModule):
         softmax_scale: Optional[float] = None,
         cp_comm_type: Optional[str] = None,
         pg_collection: Optional[ProcessGroupCollection] = None,
+        window: Optional[int] = None,
+        softcap: Optional[float] = None,
     ):
         super().__init__(config=config)
+        self.window, self.softcap = window, softcap
         if config.context_parallel_size != 1:
             raise ValueError("context parallelism needs TransformerEngine's attention; SDPA runs CP=1")
         if config.softmax_type != "vanilla":
@@ -320,7 +357,10 @@ class SDPACoreAttention(MegatronModule):
         if packed is not None and not isinstance(packed, DocumentPackedParams):
             raise ValueError(THD_NEEDS_TE)
         kernel = None
-        if packed is not None:
+        eager = self.window is not None or self.softcap is not None  # options the packed kernels lack
+        if packed is not None and eager:
+            attention_mask = packed.dense_mask()
+        elif packed is not None:
             if packed.doc_cu_seqlens is not None and _flash_supports(query):
                 kernel = "varlen"
             elif query.is_cuda and packed.block_mask is not None:
@@ -359,6 +399,16 @@ class SDPACoreAttention(MegatronModule):
         enable_gqa = heads != k.size(1)
         if kernel == "flex":
             out = _flex_attention(q, k, v, packed.block_mask, self.softmax_scale, enable_gqa)
+            return out.permute(2, 0, 1, 3).reshape(sq, b, self.hidden_size_per_partition)
+        if eager:
+            if mask is None and is_causal:
+                mask, is_causal = ~causal_mask(sq, sk, device=query.device), False
+            if self.window is not None:
+                outside = window_mask(sq, sk, self.window, device=query.device)
+                mask = ~outside if mask is None else mask & ~outside
+        if self.softcap is not None:
+            out = self._with_dropout_rng(dropout_p, lambda: softcapped_attention(
+                q, k, v, mask, self.softmax_scale, self.softcap, dropout_p))
             return out.permute(2, 0, 1, 3).reshape(sq, b, self.hidden_size_per_partition)
 
         out = self._with_dropout_rng(dropout_p, lambda: F.scaled_dot_product_attention(

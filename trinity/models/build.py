@@ -39,7 +39,12 @@ from trinity.models.facts import ModelFacts
 
 log = logging.getLogger(__name__)
 
-_ACTIVATIONS = {"silu": F.silu}
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """transformers' gelu_pytorch_tanh (Gemma's MLP activation)."""
+    return F.gelu(x, approximate="tanh")
+
+
+_ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": gelu_tanh}
 # torch.compile scope (megatron block field `torch_compile`): "layers" compiles each TransformerLayer
 # (one graph reused by every layer: short compile, works with recompute and pipeline chunks), "model"
 # the whole GPTModel (fuses across layer boundaries too).
@@ -91,7 +96,9 @@ def transformer_config(
     """The megatron-core TransformerConfig for `facts` under the role's parallel/recompute settings.
     `weights_only`: see `build_model`."""
     if facts.hidden_act not in _ACTIVATIONS:
-        raise UserError(f"{facts.source}: hidden_act {facts.hidden_act!r} is not supported (silu only)")
+        raise UserError(
+            f"{facts.source}: hidden_act {facts.hidden_act!r} is not supported (one of {sorted(_ACTIVATIONS)})"
+        )
     on_cpu = device == "cpu"
     if on_cpu and dtype != torch.float32 and not weights_only:
         raise UserError(f"model.dtype: {dtype} on cpu; CPU runs in float32")
@@ -106,6 +113,9 @@ def transformer_config(
         kv_channels=facts.head_dim,
         normalization="RMSNorm",
         layernorm_epsilon=facts.rms_norm_eps,
+        # Gemma's norms scale by (1 + weight): trinity.models.layer.ZeroCenteredRMSNorm
+        layernorm_zero_centered_gamma=facts.gemma,
+        softmax_scale=facts.query_pre_attn_scalar**-0.5 if facts.query_pre_attn_scalar else None,
         gated_linear_unit=True,
         activation_func=_ACTIVATIONS[facts.hidden_act],
         add_bias_linear=False,
@@ -148,7 +158,8 @@ def transformer_config(
         # fused op there measured slower (H200, per-layer compile: 0.5B 0.097 -> 0.118 s, 1.5B
         # 0.174 -> 0.191 s per step). CPU keeps megatron's unfused reference numerics.
         apply_rope_fusion=not on_cpu and compile_scope(megatron) == "none" and rope.install(),
-        bias_activation_fusion=not on_cpu,
+        # megatron fuses bias + SwiGLU (and exact GELU), not GELU-tanh
+        bias_activation_fusion=not on_cpu and facts.hidden_act == "silu",
         bias_dropout_fusion=not on_cpu,
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
@@ -226,6 +237,33 @@ def packed_attention(model: torch.nn.Module, doc_ids: torch.Tensor, device: torc
     return {"attention_mask": None, "packed_seq_params": document_packed_params(doc_ids, device=device)}
 
 
+def _scale_embedding(scale: float) -> Any:
+    def hook(module: torch.nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
+        # in the activations' dtype, as transformers multiplies (the scale rounded to bf16 in bf16)
+        return out * torch.tensor(scale, dtype=torch.float32, device=out.device).to(out.dtype)
+
+    return hook
+
+
+def _softcap_logits(cap: float) -> Any:
+    def hook(module: torch.nn.Module, args: Any, out: tuple[torch.Tensor, Any]) -> tuple[torch.Tensor, Any]:
+        logits, bias = out
+        return torch.tanh(logits / cap) * cap, bias
+
+    return hook
+
+
+def _model_options(model: GPTModel, facts: ModelFacts, *, value_head: bool) -> None:
+    """Model-level options GPTModel lacks, as forward hooks on its submodules (so that every caller of
+    `embedding` / `output_layer`, the rollout decoders included, gets them): Gemma's embedding scale
+    sqrt(hidden) and final-logit soft-capping (elementwise, so any TP shard of the vocabulary caps alike;
+    not on the critic's value head)."""
+    if facts.gemma and model.pre_process:
+        model.embedding.register_forward_hook(_scale_embedding(facts.hidden_size**0.5))
+    if facts.final_logit_softcapping is not None and model.post_process and not value_head:
+        model.output_layer.register_forward_hook(_softcap_logits(facts.final_logit_softcapping))
+
+
 def compile_scope(megatron: Any) -> str:
     """The `torch_compile` scope the role asks for (True / False from older configs mean layers / none)."""
     scope = getattr(megatron, "torch_compile", "none")
@@ -270,12 +308,12 @@ def build_model(
     if config.moe_grouped_gemm and facts.is_moe:
         from megatron.core.transformer.moe import grouped_gemm_util
 
-        if specs.backend(config) != specs.BACKEND_TE and not grouped_gemm_util.grouped_gemm_is_available():
+        if specs.backend(config, facts) != specs.BACKEND_TE and not grouped_gemm_util.grouped_gemm_is_available():
             raise UserError(
                 "megatron.moe_grouped_gemm: needs TransformerEngine or the grouped_gemm package; "
                 "set it to false (experts then run as a loop of linear layers)"
             )
-    chosen = specs.backend(config)
+    chosen = specs.backend(config, facts)
     if config.context_parallel_size > 1 and chosen != specs.BACKEND_TE:
         raise UserError("megatron.context_parallel_size > 1 needs TransformerEngine, which is not installed")
     scope = compile_scope(megatron)
@@ -302,6 +340,7 @@ def build_model(
         )
         if value_head and post:
             model.output_layer = ValueHead(config)
+        _model_options(model, facts, value_head=value_head)
         model.to(device=device)
         _apply_compile(model, scope)
         model.trinity_backend = chosen  # which layer implementation built it (logged, tested)

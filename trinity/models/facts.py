@@ -24,6 +24,16 @@ class ArchitectureInfo:
     qk_norm: bool = False  # Qwen3: RMSNorm on q and k per head
     qkv_bias: bool | None = None  # None: read `attention_bias` from the config (Llama)
     moe: bool = False
+    # Gemma: RMSNorm scales by (1 + weight) (megatron's zero-centred gamma), the embedding output is
+    # multiplied by sqrt(hidden), each block has a norm after attention and after the MLP too
+    # ("sandwich"), and `query_pre_attn_scalar` / logit soft-capping / sliding windows are read.
+    gemma: bool = False
+    # When config.json has no `layer_types`: every `global_every`-th layer (1-based) attends globally,
+    # the others over `sliding_window` (transformers' own default for the architecture).
+    global_every: int | None = None
+    local_rope: bool = False  # sliding layers have their own RoPE base (Gemma 3's rope_local_base_freq)
+    # (final_logit_softcapping, attn_logit_softcapping) where config.json lacks the keys
+    softcapping_defaults: tuple[float | None, float | None] = (None, None)
 
 
 # HF `architectures[0]` -> family facts. Adding an architecture means one row here and one weight-map
@@ -34,6 +44,17 @@ SUPPORTED_ARCHITECTURES: dict[str, ArchitectureInfo] = {
     "Qwen3ForCausalLM": ArchitectureInfo(family="qwen3", qk_norm=True, qkv_bias=False),
     "Qwen3MoeForCausalLM": ArchitectureInfo(family="qwen3_moe", qk_norm=True, qkv_bias=False, moe=True),
     "MixtralForCausalLM": ArchitectureInfo(family="mixtral", qkv_bias=False, moe=True),
+    "Gemma2ForCausalLM": ArchitectureInfo(
+        family="gemma2", gemma=True, global_every=2, softcapping_defaults=(30.0, 50.0)
+    ),
+}
+
+# Architectures refused with a reason of their own (a closer alternative than the supported list).
+REFUSED_ARCHITECTURES: dict[str, str] = {
+    "Gemma3ForConditionalGeneration": (
+        "multimodal Gemma 3 (vision tower and projector) is not supported; use a text-only "
+        "Gemma3ForCausalLM checkpoint (the 270M and 1B models)"
+    ),
 }
 
 
@@ -93,6 +114,14 @@ class ModelFacts:
     rope_scaling: dict[str, Any] | None = field(default=None, compare=False)
     torch_dtype: str | None = None
     source: str = ""  # the config.json this was read from
+    # Gemma (ArchitectureInfo.gemma): (1 + w) norms, scaled embeddings, sandwich norms
+    gemma: bool = False
+    final_logit_softcapping: float | None = None  # logits -> cap * tanh(logits / cap)
+    attn_logit_softcapping: float | None = None  # attention scores -> cap * tanh(scores / cap)
+    query_pre_attn_scalar: float | None = None  # attention scale = query_pre_attn_scalar ** -0.5
+    sliding_window: int | None = None  # a sliding layer's query sees its last `sliding_window` keys
+    sliding_layers: tuple[bool, ...] = ()  # per layer (0-based): attends over sliding_window only
+    rope_local_theta: float | None = None  # RoPE base of the sliding layers (None: rope_theta)
 
     @property
     def is_moe(self) -> bool:
@@ -120,6 +149,8 @@ class ModelFacts:
     def from_hf_dict(cls, raw: dict[str, Any], source: str = "config.json") -> "ModelFacts":
         archs = raw.get("architectures") or []
         arch = archs[0] if archs else None
+        if arch in REFUSED_ARCHITECTURES:
+            raise UserError(f"{source}: architecture {arch!r}: {REFUSED_ARCHITECTURES[arch]}")
         if arch not in SUPPORTED_ARCHITECTURES:
             raise UserError(
                 f"{source}: architecture {arch!r} is not supported; supported: {supported_list()}"
@@ -134,7 +165,8 @@ class ModelFacts:
         heads = int(need("num_attention_heads"))
         hidden = int(need("hidden_size"))
         kv_heads = int(raw.get("num_key_value_heads") or heads)
-        head_dim = int(raw.get("head_dim") or hidden // heads)
+        # Gemma's head size is its own (256 by transformers' default), not hidden / heads
+        head_dim = int(raw.get("head_dim") or (256 if info.gemma else hidden // heads))
         # transformers 5 moved rope_theta into rope_parameters; older configs keep it at top level.
         rope_params = raw.get("rope_parameters") or {}
         rope_theta = float(raw.get("rope_theta") or rope_params.get("rope_theta") or 10000.0)
@@ -162,7 +194,7 @@ class ModelFacts:
             max_position_embeddings=int(raw.get("max_position_embeddings") or 4096),
             rope_theta=rope_theta,
             rms_norm_eps=float(raw.get("rms_norm_eps") or 1e-6),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", info.gemma)),  # Gemma ties by default
             qkv_bias=qkv_bias,
             qk_norm=info.qk_norm,
             num_experts=num_experts,
@@ -170,11 +202,22 @@ class ModelFacts:
             moe_router_topk=topk,
             # Mixtral always renormalises the top-k weights; Qwen3-MoE reads norm_topk_prob.
             moe_norm_topk_prob=bool(raw.get("norm_topk_prob", True)) if info.moe else True,
-            hidden_act=str(raw.get("hidden_act", "silu")),
+            # Gemma's config names it hidden_activation (older ones carry both spellings)
+            hidden_act=str(raw.get("hidden_activation") or raw.get("hidden_act", "silu")),
             rope_scaling=rope_scaling,
             torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
             source=source,
+            **(_gemma_fields(raw, info, source, int(need("num_hidden_layers"))) if info.gemma else {}),
         )
+
+    @property
+    def sandwich_norms(self) -> bool:
+        """A norm after attention and after the MLP too, before each residual add (Gemma)."""
+        return self.gemma
+
+    def is_sliding(self, layer: int) -> bool:
+        """Whether global layer `layer` (0-based) attends over a sliding window."""
+        return bool(self.sliding_layers) and self.sliding_layers[layer]
 
     def num_parameters(self) -> int:
         """Parameter count of the HF model (used by the memory estimate)."""
@@ -187,6 +230,40 @@ class ModelFacts:
             mlp = self.num_experts * 3 * h * self.moe_ffn_hidden_size + h * self.num_experts
         else:
             mlp = 3 * h * self.ffn_hidden_size
-        norms = 2 * h
+        norms = (4 if self.sandwich_norms else 2) * h
         embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return L * (attn + mlp + norms) + embed + h
+
+
+def _optional_float(raw: dict[str, Any], key: str, default: float | None) -> float | None:
+    value = raw.get(key, default)
+    return None if value is None else float(value)
+
+
+def _gemma_fields(raw: dict[str, Any], info: ArchitectureInfo, source: str, layers: int) -> dict[str, Any]:
+    """The Gemma fields of ModelFacts, with transformers' class defaults where config.json lacks a key
+    (Gemma2Config / Gemma3TextConfig), and the features trinity cannot run refused naming the field."""
+    if raw.get("use_bidirectional_attention"):
+        raise UserError(f"{source}: use_bidirectional_attention=true is not supported (causal decoders only)")
+    window = raw.get("sliding_window", 4096)
+    types = raw.get("layer_types")
+    if types is None:
+        every = int(raw.get("sliding_window_pattern") or info.global_every or 1)
+        types = ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(layers)]
+    unknown = sorted({t for t in types} - {"sliding_attention", "full_attention"})
+    if len(types) != layers or unknown:
+        raise UserError(
+            f"{source}: layer_types must list 'sliding_attention' or 'full_attention' for each of the "
+            f"{layers} layers (got {len(types)} entries{', unknown ' + str(unknown) if unknown else ''})"
+        )
+    sliding = tuple(t == "sliding_attention" for t in types)
+    if any(sliding) and window is None:
+        raise UserError(f"{source}: layer_types has sliding_attention layers but sliding_window is null")
+    return dict(
+        gemma=True,
+        final_logit_softcapping=_optional_float(raw, "final_logit_softcapping", info.softcapping_defaults[0]),
+        attn_logit_softcapping=_optional_float(raw, "attn_logit_softcapping", info.softcapping_defaults[1]),
+        query_pre_attn_scalar=float(raw.get("query_pre_attn_scalar") or 256),
+        sliding_window=int(window) if any(sliding) else None,
+        sliding_layers=sliding if any(sliding) else (),
+    )

@@ -25,11 +25,19 @@ Parameter names our spec produces (per layer N, 0-based within the chunk; MoE la
     output_layer.weight                                   (post_process chunks, untied or value head)
 With TransformerEngine the two layer norms are fused instead: `self_attention.linear_qkv.layer_norm_weight`
 and `mlp.linear_fc1.layer_norm_weight` (dense layers).
+
+Gemma (`facts.gemma`) adds per layer `post_self_attn_layernorm.weight` and `post_mlp_layernorm.weight`
+(sandwich norms, trinity.models.layer.TransformerLayer), its norms scale by (1 + weight)
+(`ZeroCenteredRMSNorm`), and its core attention takes per-layer options: a sliding window on the
+sliding layers, tanh soft-capping of the scores. Layers differ (sliding / global), so `block_spec` builds
+one spec per layer from `layer_spec(..., layer=i)`. TransformerEngine's spec has none of these: Gemma
+always runs our spec.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import importlib.util
 
 import torch
@@ -44,6 +52,7 @@ from megatron.core.transformer.transformer_layer import get_transformer_layer_of
 
 from trinity.models.attention import SDPACoreAttention
 from trinity.models.facts import ModelFacts
+from trinity.models.layer import LayerSubmodules, TransformerLayer, ZeroCenteredRMSNorm
 
 BACKEND_TE = "transformer_engine"
 BACKEND_LOCAL_SDPA = "local+sdpa"
@@ -59,9 +68,11 @@ def have_transformer_engine() -> bool:
     return True
 
 
-def backend(config: TransformerConfig) -> str:
-    """The layer implementation build_model uses: TE on CUDA when it imports, else ours."""
-    if not config.use_cpu_initialization and torch.cuda.is_available() and have_transformer_engine():
+def backend(config: TransformerConfig, facts: ModelFacts | None = None) -> str:
+    """The layer implementation build_model uses: TE on CUDA when it imports, else ours (always ours for
+    features only our spec has: Gemma's)."""
+    ours_only = facts is not None and facts.gemma
+    if not ours_only and not config.use_cpu_initialization and torch.cuda.is_available() and have_transformer_engine():
         return BACKEND_TE
     return BACKEND_LOCAL_SDPA
 
@@ -78,15 +89,18 @@ class TorchNorm:
         zero_centered_gamma: bool = False,
         normalization: str = "LayerNorm",
     ) -> torch.nn.Module:
-        if config.layernorm_zero_centered_gamma:
-            raise ValueError("layernorm_zero_centered_gamma needs apex or TransformerEngine norms")
         norms = {"RMSNorm": torch.nn.RMSNorm, "LayerNorm": torch.nn.LayerNorm}
         if config.normalization not in norms:
             raise ValueError(f"normalization {config.normalization!r}: one of {sorted(norms)}")
         device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
-        norm = norms[config.normalization](
-            normalized_shape=hidden_size, eps=eps, device=device, dtype=config.params_dtype
-        )
+        if config.layernorm_zero_centered_gamma:
+            if config.normalization != "RMSNorm":
+                raise ValueError("layernorm_zero_centered_gamma: our torch norms have it for RMSNorm only")
+            norm = ZeroCenteredRMSNorm(hidden_size, eps, device=device, dtype=config.params_dtype)
+        else:
+            norm = norms[config.normalization](
+                normalized_shape=hidden_size, eps=eps, device=device, dtype=config.params_dtype
+            )
         for p in norm.parameters():
             p.sequence_parallel = config.sequence_parallel
         return norm
@@ -102,8 +116,9 @@ def _define_missing_te_names() -> None:
         moe_utils.te_general_gemm = None
 
 
-def layer_spec(facts: ModelFacts, config: TransformerConfig) -> ModuleSpec:
-    """Our transformer-layer spec for `facts` (every layer of the supported families is alike)."""
+def layer_spec(facts: ModelFacts, config: TransformerConfig, layer: int = 0) -> ModuleSpec:
+    """Our transformer-layer spec for global layer `layer` (0-based) of `facts`: the same for every
+    layer except Gemma's sliding / global options."""
     _define_missing_te_names()
     spec = get_gpt_layer_local_spec(
         num_experts=facts.num_experts,
@@ -120,19 +135,38 @@ def layer_spec(facts: ModelFacts, config: TransformerConfig) -> ModuleSpec:
     if config.qk_layernorm:
         attn.q_layernorm = TorchNorm
         attn.k_layernorm = TorchNorm
-    return spec
+    if not facts.gemma:
+        return spec
+    sliding = facts.is_sliding(layer)
+    attn.core_attention = ModuleSpec(
+        module=SDPACoreAttention,
+        params={"window": facts.sliding_window if sliding else None, "softcap": facts.attn_logit_softcapping},
+    )
+    local_base = facts.rope_local_theta if sliding else None
+    return ModuleSpec(
+        module=TransformerLayer,
+        params={"rotary_base": local_base} if local_base is not None else {},
+        submodules=LayerSubmodules(
+            **{f.name: getattr(sub, f.name) for f in dataclasses.fields(sub)},
+            post_self_attn_layernorm=TorchNorm,
+            post_mlp_layernorm=TorchNorm,
+        ),
+    )
 
 
 def block_spec(
     facts: ModelFacts, config: TransformerConfig, *, vp_stage: int | None, pp_rank: int | None = None
 ) -> TransformerBlockSubmodules:
     """The decoder-block spec for one model chunk (the layers of this PP rank / VPP stage)."""
-    if backend(config) == BACKEND_TE:
+    if backend(config, facts) == BACKEND_TE:
         return get_gpt_decoder_block_spec(
             config, use_transformer_engine=True, normalization="RMSNorm", vp_stage=vp_stage, pp_rank=pp_rank
         )
     n = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
-    return TransformerBlockSubmodules(layer_specs=[layer_spec(facts, config)] * n, layer_norm=TorchNorm)
+    first = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
+    return TransformerBlockSubmodules(
+        layer_specs=[layer_spec(facts, config, first + i) for i in range(n)], layer_norm=TorchNorm
+    )
 
 
 def layer_offset(config: TransformerConfig, *, vp_stage: int | None) -> int:

@@ -47,6 +47,14 @@ FAMILIES: dict[str, TinyFamily] = {
         "MixtralConfig", "MixtralForCausalLM",
         {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None},
     ),
+    # every feature on at tiny scale: a window shorter than the test prompts + responses, soft caps
+    # that bite (scores and logits of a few units), a query_pre_attn_scalar unlike head_dim
+    "gemma2": TinyFamily(
+        "Gemma2Config", "Gemma2ForCausalLM",
+        {"sliding_window": 4, "attn_logit_softcapping": 2.0, "final_logit_softcapping": 3.0,
+         "query_pre_attn_scalar": 24, "num_hidden_layers": 3, "attention_bias": False,
+         "initializer_range": 0.1},
+    ),
 }
 
 
