@@ -129,14 +129,17 @@ def _job_ep2(hf_dir: str, out: str) -> None:
 @pytest.mark.multiproc
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_tp2_and_pp2_layouts_match_hf(tmp_path):
+# gemma2: its sliding / global layers, sandwich norms and soft caps split over TP and over PP stages
+# (4 layers: 2 per stage, each stage a sliding and a global one)
+@pytest.mark.parametrize("family,shape", [("qwen2", {}), ("gemma2", {"num_hidden_layers": 4})])
+def test_tp2_and_pp2_layouts_match_hf(tmp_path, family, shape):
     import torch
 
     from trinity.convert.verify import hf_logits, random_tokens
     from trinity.testing.tiny_models import make_tiny_hf_model
 
     # Untied: build_model with PP=2 and tied embeddings calls .cuda() in megatron (cpu_compat gap).
-    src = make_tiny_hf_model("qwen2", tmp_path / "hf")
+    src = make_tiny_hf_model(family, tmp_path / "hf", **shape)
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            __file__, str(src), str(tmp_path)]
