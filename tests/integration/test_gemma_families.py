@@ -50,3 +50,86 @@ def test_greedy_static_and_continuous_equal_hf_generate(family, tmp_path):
         assert cont.responses[i].tolist() == want, i
     assert (static.logprobs - full.logprobs).abs().max().item() <= 1e-5
     assert (static.logprobs - cont.logprobs).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("family", GEMMA)
+def test_training_lowers_the_loss_and_peft_adapters_give_our_logits(family, tmp_path):
+    """Three Adam steps through megatron's schedule and optimizer lower the loss (gradients through the
+    capped attention, sandwich norms and capped logits); LoRA on the HF target names, saved as a PEFT
+    folder, gives PEFT-on-transformers the logits of our adapted model."""
+    from types import SimpleNamespace
+
+    from tests.integration.test_models_cpu_compat import train_steps
+    from tests.unit.test_lora_peft import TOKENS, _peft_logits, _randomise
+    from trinity.config.megatron import MegatronConfig
+    from trinity.convert.builtin import load_hf_weights
+    from trinity.distributed.layout import ParallelLayout
+    from trinity.distributed.parallel import destroy, init_parallel
+    from trinity.models.build import build_model, causal_mask
+    from trinity.models.lora import apply_lora
+    from trinity.models.peft_io import save_peft_folder
+    from trinity.testing.tiny_models import make_tiny_hf_model
+
+    hf_dir = make_tiny_hf_model(family, tmp_path / "hf", tie_word_embeddings=True)
+    facts = ModelFacts.from_hf_dir(hf_dir)
+    init_parallel(device="cpu", layout=ParallelLayout(), seed=4)
+    try:
+        losses = [loss for loss, _ in train_steps(hf_dir, distributed_optimizer=False)]
+        assert losses[2] < losses[1] < losses[0], losses
+        chunks = build_model(facts, MegatronConfig(), device="cpu", dtype=torch.float32)
+        load_hf_weights(chunks, hf_dir, facts)
+        lora = SimpleNamespace(rank=4, alpha=8.0, dropout=0.0, target_modules=["q_proj", "o_proj", "up_proj", "down_proj"])
+        apply_lora(chunks, lora)
+        _randomise(chunks)
+        pos = torch.arange(TOKENS.shape[1]).expand_as(TOKENS)
+        with torch.no_grad():
+            ours = chunks[0](TOKENS, pos, causal_mask(TOKENS.shape[1]))[..., :facts.vocab_size]
+        folder = save_peft_folder(chunks, facts, tmp_path / "adapter", rank=4, alpha=8.0, dropout=0.0,
+                                  base_model=str(hf_dir))
+    finally:
+        destroy()
+    cfg = json.loads((folder / "adapter_config.json").read_text())
+    assert cfg["target_modules"] == ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
+    assert (_peft_logits(hf_dir, folder) - ours).abs().max() < 1e-4
+
+
+def _config(family: str, tmp_path, **changes) -> dict:
+    from trinity.testing.tiny_models import make_tiny_hf_model
+
+    path = make_tiny_hf_model(family, tmp_path / family)
+    raw = json.loads((path / "config.json").read_text())
+    raw.update(changes)
+    return raw
+
+
+@pytest.mark.parametrize("family,changes,message", [
+    ("gemma2", {"use_bidirectional_attention": True}, "use_bidirectional_attention=true is not supported"),
+    ("gemma2", {"layer_types": ["sliding_attention", "chunked_attention", "full_attention"]},
+     "layer_types must list 'sliding_attention' or 'full_attention'"),
+    ("gemma2", {"architectures": ["Gemma3ForConditionalGeneration"]},
+     "multimodal Gemma 3 (vision tower and projector) is not supported; use a text-only Gemma3ForCausalLM"),
+])
+def test_unsupported_features_are_refused_naming_the_field(family, changes, message, tmp_path):
+    with pytest.raises(UserError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        ModelFacts.from_hf_dict(_config(family, tmp_path, **changes))
+
+
+def test_gemma2_facts_follow_transformers_defaults(tmp_path):
+    """Keys an older config.json lacks take Gemma2Config's defaults: soft caps 30 / 50, every other layer
+    sliding from layer 0, query_pre_attn_scalar 256, head_dim 256, tied embeddings."""
+    raw = _config("gemma2", tmp_path)
+    for key in ("layer_types", "final_logit_softcapping", "attn_logit_softcapping", "query_pre_attn_scalar",
+                "head_dim", "tie_word_embeddings", "sliding_window"):
+        raw.pop(key)
+    facts = ModelFacts.from_hf_dict(raw)
+    assert (facts.final_logit_softcapping, facts.attn_logit_softcapping) == (30.0, 50.0)
+    assert facts.sliding_layers == (True, False, True) and facts.sliding_window == 4096
+    assert (facts.query_pre_attn_scalar, facts.head_dim, facts.tie_word_embeddings) == (256.0, 256, True)
+
+
+def test_mbridge_backend_is_refused_for_gemma(tmp_path):
+    from trinity.convert.api import check_layout
+
+    facts = ModelFacts.from_hf_dict(_config("gemma2", tmp_path))
+    with pytest.raises(UserError, match="--backend: mbridge has no name map for Gemma2ForCausalLM"):
+        check_layout(facts, tp=1, pp=1, vpp=None, ep=1, backend="mbridge", device="cpu")

@@ -70,6 +70,9 @@ def check_megatron(
 def _check_against_model(p: str, m: MegatronConfig, f: ModelFacts, problems: list[str], warnings: list[str]) -> None:
     for field, text in layout_problems(m.layout(), f, sequence_parallel=m.sequence_parallel):
         problems.append(f"{p}.{field}: {text}")
+    if m.use_mbridge and f.gemma:
+        problems.append(f"{p}.use_mbridge: mbridge has no name map for {f.architecture} (sandwich norms); "
+                        "set it to false (the built-in weight map loads it)")
     if f.is_moe and m.moe_grouped_gemm and not any(
         importlib.util.find_spec(mod) for mod in ("grouped_gemm", "transformer_engine")
     ):
