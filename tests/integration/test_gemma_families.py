@@ -19,7 +19,7 @@ from trinity.rollout.generate import SamplingParams, generate
 
 pytestmark = pytest.mark.timeout(180)
 
-GEMMA = ["gemma2"]
+GEMMA = ["gemma2", "gemma3"]
 # prompts of different lengths (left padding in the static batch), the longest past the window
 PROMPTS = [[5, 9, 17, 3, 44, 2, 8, 11], [7, 1], [100, 12, 8, 60]]
 NEW = 8
@@ -108,6 +108,14 @@ def _config(family: str, tmp_path, **changes) -> dict:
      "layer_types must list 'sliding_attention' or 'full_attention'"),
     ("gemma2", {"architectures": ["Gemma3ForConditionalGeneration"]},
      "multimodal Gemma 3 (vision tower and projector) is not supported; use a text-only Gemma3ForCausalLM"),
+    ("gemma3", {"rope_parameters": {"full_attention": {"rope_type": "yarn", "factor": 4.0},
+                                    "sliding_attention": {"rope_type": "default"}}},
+     "rope_parameters.full_attention: rope_type 'yarn' of the global layers is not supported"),
+    ("gemma3", {"rope_parameters": {"full_attention": {"rope_type": "default"},
+                                    "sliding_attention": {"rope_type": "linear", "factor": 2.0}}},
+     "rope_parameters.sliding_attention: rope_type 'linear' of the sliding layers is not supported"),
+    ("gemma3", {"rope_parameters": None, "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}},
+     "rope_scaling: rope_type 'dynamic' of the global layers is not supported"),
 ])
 def test_unsupported_features_are_refused_naming_the_field(family, changes, message, tmp_path):
     with pytest.raises(UserError, match=message.replace("(", r"\(").replace(")", r"\)")):
@@ -133,3 +141,20 @@ def test_mbridge_backend_is_refused_for_gemma(tmp_path):
     facts = ModelFacts.from_hf_dict(_config("gemma2", tmp_path))
     with pytest.raises(UserError, match="--backend: mbridge has no name map for Gemma2ForCausalLM"):
         check_layout(facts, tp=1, pp=1, vpp=None, ep=1, backend="mbridge", device="cpu")
+
+
+def test_gemma3_facts_read_both_config_formats(tmp_path):
+    """transformers 5's nested rope_parameters and layer_types, and an older config.json's rope_theta,
+    rope_local_base_freq, rope_scaling and sliding_window_pattern, give the same facts."""
+    raw = _config("gemma3", tmp_path)
+    new = ModelFacts.from_hf_dict(raw)
+    assert new.sliding_layers == (True,) * 5 + (False,) and new.qk_norm
+    assert (new.rope_theta, new.rope_local_theta, new.global_rope_factor) == (50000.0, 100.0, 4.0)
+    assert new.final_logit_softcapping is None and new.attn_logit_softcapping is None
+    for key in ("rope_parameters", "layer_types"):
+        raw.pop(key)
+    raw.update(rope_theta=50000.0, rope_local_base_freq=100.0, rope_scaling={"rope_type": "linear", "factor": 4.0},
+               sliding_window_pattern=6)
+    assert ModelFacts.from_hf_dict(raw) == new
+    raw.pop("sliding_window_pattern")  # Gemma3TextConfig's default pattern: 6
+    assert ModelFacts.from_hf_dict(raw).sliding_layers == new.sliding_layers

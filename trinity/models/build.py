@@ -257,9 +257,15 @@ def _model_options(model: GPTModel, facts: ModelFacts, *, value_head: bool) -> N
     """Model-level options GPTModel lacks, as forward hooks on its submodules (so that every caller of
     `embedding` / `output_layer`, the rollout decoders included, gets them): Gemma's embedding scale
     sqrt(hidden) and final-logit soft-capping (elementwise, so any TP shard of the vocabulary caps alike;
-    not on the critic's value head)."""
+    not on the critic's value head); Gemma 3's linear RoPE scaling of the global layers (the model's
+    table; its sliding layers have their own, trinity.models.layer)."""
     if facts.gemma and model.pre_process:
         model.embedding.register_forward_hook(_scale_embedding(facts.hidden_size**0.5))
+    if facts.global_rope_factor is not None:
+        # linear RoPE scaling as transformers computes it (inverse frequencies / factor; megatron's
+        # seq_len_interpolation_factor divides the positions instead, which rounds differently), before
+        # the first forward fills the table's cache
+        model.rotary_pos_emb.inv_freq = model.rotary_pos_emb.inv_freq / facts.global_rope_factor
     if facts.final_logit_softcapping is not None and model.post_process and not value_head:
         model.output_layer.register_forward_hook(_softcap_logits(facts.final_logit_softcapping))
 

@@ -47,6 +47,8 @@ SUPPORTED_ARCHITECTURES: dict[str, ArchitectureInfo] = {
     "Gemma2ForCausalLM": ArchitectureInfo(
         family="gemma2", gemma=True, global_every=2, softcapping_defaults=(30.0, 50.0)
     ),
+    # text-only Gemma 3 (270M, 1B); Gemma3TextConfig's sliding_window_pattern default is 6
+    "Gemma3ForCausalLM": ArchitectureInfo(family="gemma3", gemma=True, qk_norm=True, global_every=6, local_rope=True),
 }
 
 # Architectures refused with a reason of their own (a closer alternative than the supported list).
@@ -122,6 +124,7 @@ class ModelFacts:
     sliding_window: int | None = None  # a sliding layer's query sees its last `sliding_window` keys
     sliding_layers: tuple[bool, ...] = ()  # per layer (0-based): attends over sliding_window only
     rope_local_theta: float | None = None  # RoPE base of the sliding layers (None: rope_theta)
+    global_rope_factor: float | None = None  # linear RoPE scaling of the global layers (Gemma 3)
 
     @property
     def is_moe(self) -> bool:
@@ -181,7 +184,7 @@ class ModelFacts:
                 raise UserError(f"{source}: MoE architecture {arch} without num_experts/num_local_experts")
             moe_ffn = int(raw.get("moe_intermediate_size") or need("intermediate_size"))
             topk = int(need("num_experts_per_tok"))
-        return cls(
+        fields: dict[str, Any] = dict(
             architecture=arch,
             family=info.family,
             num_layers=int(need("num_hidden_layers")),
@@ -207,8 +210,10 @@ class ModelFacts:
             rope_scaling=rope_scaling,
             torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
             source=source,
-            **(_gemma_fields(raw, info, source, int(need("num_hidden_layers"))) if info.gemma else {}),
         )
+        if info.gemma:  # Gemma's own fields, and its RoPE where the config nests it per layer type
+            fields.update(_gemma_fields(raw, info, source, fields["num_layers"]))
+        return cls(**fields)
 
     @property
     def sandwich_norms(self) -> bool:
@@ -259,11 +264,56 @@ def _gemma_fields(raw: dict[str, Any], info: ArchitectureInfo, source: str, laye
     sliding = tuple(t == "sliding_attention" for t in types)
     if any(sliding) and window is None:
         raise UserError(f"{source}: layer_types has sliding_attention layers but sliding_window is null")
+    rope = _gemma3_rope(raw, source) if info.local_rope else {}
     return dict(
+        **rope,
         gemma=True,
         final_logit_softcapping=_optional_float(raw, "final_logit_softcapping", info.softcapping_defaults[0]),
         attn_logit_softcapping=_optional_float(raw, "attn_logit_softcapping", info.softcapping_defaults[1]),
         query_pre_attn_scalar=float(raw.get("query_pre_attn_scalar") or 256),
         sliding_window=int(window) if any(sliding) else None,
         sliding_layers=sliding if any(sliding) else (),
+    )
+
+
+_GEMMA3_THETA = {"full_attention": 1_000_000.0, "sliding_attention": 10_000.0}  # Gemma3TextConfig.default_theta
+
+
+def _gemma3_rope(raw: dict[str, Any], source: str) -> dict[str, Any]:
+    """Gemma 3's two RoPEs: global layers at `rope_theta` (linear scaling allowed), sliding layers at
+    `rope_local_base_freq` (default RoPE only). transformers 5 writes them as
+    rope_parameters = {"full_attention": {...}, "sliding_attention": {...}}; older configs as rope_theta,
+    rope_local_base_freq and rope_scaling (of the global layers), which transformers reads the same way."""
+    nested = raw.get("rope_parameters")
+    if isinstance(nested, dict) and ("full_attention" in nested or "sliding_attention" in nested):
+        params = {k: dict(nested.get(k) or {}) for k in _GEMMA3_THETA}
+        where = {k: f"rope_parameters.{k}" for k in _GEMMA3_THETA}
+    else:
+        legacy = dict(nested or {})
+        full = {**legacy, **(raw.get("rope_scaling") or {})}
+        if raw.get("rope_theta") is not None:
+            full["rope_theta"] = raw["rope_theta"]
+        local = {"rope_type": "default"}
+        if raw.get("rope_local_base_freq") is not None:
+            local["rope_theta"] = raw["rope_local_base_freq"]
+        params = {"full_attention": full, "sliding_attention": local}
+        where = {"full_attention": "rope_scaling", "sliding_attention": "rope_local_base_freq"}
+    kinds = {k: p.get("rope_type") or p.get("type") or "default" for k, p in params.items()}
+    if kinds["full_attention"] not in ("default", "linear"):
+        raise UserError(
+            f"{source}: {where['full_attention']}: rope_type {kinds['full_attention']!r} of the global layers is not "
+            "supported (default or linear)"
+        )
+    if kinds["sliding_attention"] != "default":
+        raise UserError(
+            f"{source}: {where['sliding_attention']}: rope_type {kinds['sliding_attention']!r} of the sliding layers "
+            "is not supported (default only)"
+        )
+    full = params["full_attention"]
+    factor = float(full.get("factor", 1.0)) if kinds["full_attention"] == "linear" else None
+    return dict(
+        rope_theta=float(full.get("rope_theta") or _GEMMA3_THETA["full_attention"]),
+        rope_local_theta=float(params["sliding_attention"].get("rope_theta") or _GEMMA3_THETA["sliding_attention"]),
+        global_rope_factor=factor if factor != 1.0 else None,
+        rope_scaling=None,  # taken apart above: global_rope_factor
     )

@@ -55,6 +55,16 @@ FAMILIES: dict[str, TinyFamily] = {
          "query_pre_attn_scalar": 24, "num_hidden_layers": 3, "attention_bias": False,
          "initializer_range": 0.1},
     ),
+    # 6 layers of the 5:1 local:global pattern (transformers' default layer_types), q/k norms, the local
+    # RoPE base unlike the global one, linear RoPE scaling on the global layers, a window of 4; Gemma 3
+    # has no soft caps by default
+    "gemma3": TinyFamily(
+        "Gemma3TextConfig", "Gemma3ForCausalLM",
+        {"sliding_window": 4, "query_pre_attn_scalar": 24, "num_hidden_layers": 6, "attention_bias": False,
+         "initializer_range": 0.1,
+         "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 50000.0},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}}},
+    ),
 }
 
 
