@@ -8,11 +8,12 @@ step throughput at 0.9B and a quarter of the memory (docs/../shared notes gpu-me
 Conventions are megatron's: q [sq, b, heads, d], k/v [sk, b, groups, d], output [sq, b, heads*d];
 `attention_mask` is boolean with True = masked out, broadcastable to [b, 1|heads, sq, sk].
 
-Options per layer (ModuleSpec params, Gemma): `window` limits a query to its last `window` keys (itself
-included: transformers' sliding window), `softcap` caps the scores to softcap * tanh(scores / softcap)
-before the softmax. SDPA cannot cap scores, so a capped layer runs `softcapped_attention` (the ops of
-transformers' eager attention); a window becomes part of the boolean mask. Both take the dense mask for
-packed rows.
+Sliding windows are megatron-core's TransformerConfig fields: `window_size[0]` keys before the query
+(transformers' sliding_window minus one: its window counts the query itself) on the layers
+`window_attn_skip_freq` names (`layer_window`); the window becomes part of the boolean mask. `softcap`
+(a ModuleSpec param, Gemma 2) caps the scores to softcap * tanh(scores / softcap) before the softmax;
+SDPA cannot, so a capped layer runs `softcapped_attention` (the ops of transformers' eager attention).
+Both take the dense mask for packed rows.
 
 Packed rows (several documents per row) have two forms:
 - a dense block-diagonal boolean mask (`packed_causal_mask`): simple, but SDPA then runs its masked
@@ -65,12 +66,21 @@ def packed_causal_mask(doc_ids: Tensor) -> Tensor:
     return ~same_doc.unsqueeze(1) | causal_mask(s, device=doc_ids.device)
 
 
-def window_mask(sq: int, sk: int, window: int, device: torch.device | str = "cpu") -> Tensor:
-    """Boolean [1, 1, sq, sk], True = masked: keys `window` or more positions before the query (queries
-    are the last sq positions of the sk keys, as in `causal_mask`)."""
+def outside_window(sq: int, window: int, sk: int | None = None, device: torch.device | str = "cpu") -> Tensor:
+    """[1, 1, sq, sk] boolean, True where a key lies more than `window` positions before its query (queries
+    are the last sq of the sk keys): what a sliding window masks on top of the causal mask."""
+    sk = sq if sk is None else sk
     q_pos = torch.arange(sk - sq, sk, device=device).unsqueeze(1)
     k_pos = torch.arange(sk, device=device).unsqueeze(0)
-    return (q_pos - k_pos >= window).view(1, 1, sq, sk)
+    return (k_pos < q_pos - window).view(1, 1, sq, sk)
+
+
+def layer_window(config: TransformerConfig, layer_number: int) -> int | None:
+    """How many keys before the query a layer's attention sees (megatron-core's `window_size[0]` where
+    `window_attn_skip_freq` makes layer `layer_number`, 1-based and global, a window layer), None: all."""
+    if is_layer_window_attention(config.window_size, config.window_attn_skip_freq, layer_number):
+        return int(config.window_size[0])
+    return None
 
 
 def softcapped_attention(q: Tensor, k: Tensor, v: Tensor, attend: Optional[Tensor], scale: float,
@@ -312,17 +322,18 @@ class SDPACoreAttention(MegatronModule):
         softmax_scale: Optional[float] = None,
         cp_comm_type: Optional[str] = None,
         pg_collection: Optional[ProcessGroupCollection] = None,
-        window: Optional[int] = None,
         softcap: Optional[float] = None,
     ):
         super().__init__(config=config)
-        self.window, self.softcap = window, softcap
+        self.softcap = softcap
         if config.context_parallel_size != 1:
             raise ValueError("context parallelism needs TransformerEngine's attention; SDPA runs CP=1")
         if config.softmax_type != "vanilla":
             raise ValueError(f"softmax_type={config.softmax_type!r} is not supported by SDPACoreAttention")
-        if is_layer_window_attention(config.window_size, config.window_attn_skip_freq, layer_number):
-            raise ValueError("sliding-window attention is not supported by SDPACoreAttention")
+        # sliding window: a query sees itself and the `window` keys before it
+        self.window = layer_window(config, layer_number)
+        if self.window is not None and config.window_size[1] != 0:
+            raise ValueError(f"window_size {config.window_size}: SDPACoreAttention attends causally (right 0)")
         if pg_collection is None:
             pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"])
         self.pg_collection = pg_collection
@@ -404,7 +415,7 @@ class SDPACoreAttention(MegatronModule):
             if mask is None and is_causal:
                 mask, is_causal = ~causal_mask(sq, sk, device=query.device), False
             if self.window is not None:
-                outside = window_mask(sq, sk, self.window, device=query.device)
+                outside = outside_window(sq, self.window, sk, device=query.device)
                 mask = ~outside if mask is None else mask & ~outside
         if self.softcap is not None:
             out = self._with_dropout_rng(dropout_p, lambda: softcapped_attention(

@@ -90,6 +90,14 @@ def _rope_scaling_kwargs(facts: ModelFacts) -> dict[str, Any]:
     raise UserError(f"{facts.source}: rope scaling {rs} is not supported (only Llama 3.1's llama3)")
 
 
+def _window_kwargs(facts: ModelFacts) -> dict[str, Any]:
+    """megatron's sliding-window fields: transformers' window counts the query itself, megatron's
+    window_size[0] the keys before it; a per-layer list says which layers slide (1 = sliding)."""
+    if not facts.sliding_layers:
+        return {}
+    return {"window_size": (facts.sliding_window - 1, 0), "window_attn_skip_freq": [int(s) for s in facts.sliding_layers]}
+
+
 def transformer_config(
     facts: ModelFacts, megatron: Any, *, device: str, dtype: torch.dtype, weights_only: bool = False
 ) -> TransformerConfig:
@@ -116,6 +124,7 @@ def transformer_config(
         # Gemma's norms scale by (1 + weight): trinity.models.layer.ZeroCenteredRMSNorm
         layernorm_zero_centered_gamma=facts.gemma,
         softmax_scale=facts.query_pre_attn_scalar**-0.5 if facts.query_pre_attn_scalar else None,
+        **_window_kwargs(facts),
         gated_linear_unit=True,
         activation_func=_ACTIVATIONS[facts.hidden_act],
         add_bias_linear=False,

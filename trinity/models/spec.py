@@ -28,9 +28,10 @@ and `mlp.linear_fc1.layer_norm_weight` (dense layers).
 
 Gemma (`facts.gemma`) adds per layer `post_self_attn_layernorm.weight` and `post_mlp_layernorm.weight`
 (sandwich norms, trinity.models.layer.TransformerLayer), its norms scale by (1 + weight)
-(`ZeroCenteredRMSNorm`), and its core attention takes per-layer options: a sliding window on the
-sliding layers, tanh soft-capping of the scores. Layers differ (sliding / global), so `block_spec` builds
-one spec per layer from `layer_spec(..., layer=i)`. TransformerEngine's spec has none of these: Gemma
+(`ZeroCenteredRMSNorm`), its core attention caps the scores (`softcap`), and Gemma 3's sliding layers
+have their own RoPE base. Layers differ (sliding / global), so `block_spec` builds one spec per layer from
+`layer_spec(..., layer=i)`; the sliding window itself is megatron's config (`window_size`,
+`window_attn_skip_freq`, trinity.models.attention). TransformerEngine's spec has none of these: Gemma
 always runs our spec.
 """
 
@@ -137,12 +138,11 @@ def layer_spec(facts: ModelFacts, config: TransformerConfig, layer: int = 0) -> 
         attn.k_layernorm = TorchNorm
     if not facts.gemma:
         return spec
-    sliding = facts.is_sliding(layer)
-    attn.core_attention = ModuleSpec(
-        module=SDPACoreAttention,
-        params={"window": facts.sliding_window if sliding else None, "softcap": facts.attn_logit_softcapping},
-    )
-    local_base = facts.rope_local_theta if sliding else None
+    # the sliding window is the config's (window_size, window_attn_skip_freq); the score cap and a
+    # sliding layer's own RoPE base are this layer's options
+    if facts.attn_logit_softcapping is not None:
+        attn.core_attention = ModuleSpec(module=SDPACoreAttention, params={"softcap": facts.attn_logit_softcapping})
+    local_base = facts.rope_local_theta if facts.is_sliding(layer) else None
     return ModuleSpec(
         module=TransformerLayer,
         params={"rotary_base": local_base} if local_base is not None else {},

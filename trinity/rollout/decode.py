@@ -81,7 +81,8 @@ def _lean_supported(gpt: Any) -> bool:
 
 
 def _layer_options(layer: Any) -> tuple[int | None, float | None, bool, bool]:
-    """(sliding window, score cap, sandwich norms, own RoPE table) of a layer (trinity.models.layer)."""
+    """(sliding window: keys before the query, score cap, sandwich norms, own RoPE table) of a layer
+    (trinity.models.attention, trinity.models.layer)."""
     core = layer.self_attention.core_attention
     return (getattr(core, "window", None), getattr(core, "softcap", None), bool(getattr(layer, "sandwich", False)),
             getattr(layer, "rotary", None) is not None)
@@ -290,8 +291,8 @@ class StaticDecoder(StageDecoder):
         k = apply_rotary_pos_emb(k, freqs, config=self.config)
         self.keys[i].index_copy_(2, slots, k.permute(1, 2, 0, 3))
         self.values[i].index_copy_(2, slots, v.permute(1, 2, 0, 3))
-        if self.windows[i] is not None:  # keys `window` or more slots before the query's are out of reach
-            mask = mask & (slots.view(1, 1, -1, 1) - self.positions.view(1, 1, 1, -1) < self.windows[i])
+        if self.windows[i] is not None:  # keys more than `window` slots before the query's are out of reach
+            mask = mask & (slots.view(1, 1, -1, 1) - self.positions.view(1, 1, 1, -1) <= self.windows[i])
         out = attend(q.permute(1, 2, 0, 3), self.keys[i], self.values[i], mask, self.scale,
                      self.softcaps[i])  # [b, heads, s, d]
         s, b = hidden.shape[:2]

@@ -110,13 +110,13 @@ class SlotDecoder(StageDecoder):
         window, softcap = (None, None) if i is None else (self.windows[i], self.softcaps[i])
         if window is None and softcap is None:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=True)
-        from trinity.models.attention import causal_mask, window_mask
+        from trinity.models.attention import causal_mask, outside_window
         from trinity.rollout.decode import attend
 
         s = q.shape[2]
         allowed = ~causal_mask(s, device=q.device)
         if window is not None:
-            allowed = allowed & ~window_mask(s, s, window, device=q.device)
+            allowed = allowed & ~outside_window(s, window, device=q.device)
         return attend(q, k, v, allowed, self.scale, softcap)
 
     def _store_prefill(self, i: int, k: torch.Tensor, v: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
@@ -135,7 +135,7 @@ class SlotDecoder(StageDecoder):
 
             allowed = ctx["allowed"]
             if self.windows[i] is not None:
-                allowed = allowed & (self.kpos[:L].view(1, 1, 1, L) > self.pos[:b].view(b, 1, 1, 1) - self.windows[i])
+                allowed = allowed & (self.kpos[:L].view(1, 1, 1, L) >= self.pos[:b].view(b, 1, 1, 1) - self.windows[i])
             return attend(q, self.keys[i][:b, :, :L], self.values[i][:b, :, :L], allowed, self.scale, self.softcaps[i])
         if self.split_kv:
             from trinity.rollout.decode_attention import decode_attention
