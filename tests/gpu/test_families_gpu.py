@@ -20,6 +20,13 @@ SHAPES: dict[str, dict] = {
                    num_key_value_heads=4, head_dim=64, vocab_size=4096, max_position_embeddings=1024,
                    sliding_window=64, query_pre_attn_scalar=64, attn_logit_softcapping=50.0,
                    final_logit_softcapping=30.0, initializer_range=0.05),
+    # the 1B's pattern and RoPE bases (5 sliding : 1 global, local 10k, global 1M), linear scaling 8 as
+    # the larger Gemma 3 checkpoints have it
+    "gemma3": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=6, num_attention_heads=8,
+                   num_key_value_heads=2, head_dim=64, vocab_size=4096, max_position_embeddings=1024,
+                   sliding_window=64, query_pre_attn_scalar=64, initializer_range=0.05,
+                   rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                                    "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}),
 }
 SEQ = 256
 

@@ -15,6 +15,7 @@ import json
 import random
 import shutil
 from pathlib import Path
+from typing import Any, Callable
 
 EOS_TOKEN = "<|endoftext|>"
 SPECIAL_TOKENS = (EOS_TOKEN, "<|im_start|>", "<|im_end|>")
@@ -151,6 +152,31 @@ def make_tiny_qwen2(
     model.save_pretrained(str(out), safe_serialization=True)
     tokenizer.save_pretrained(str(out))
     return out
+
+
+def _gemma2_config(vocab_size: int) -> Any:
+    from transformers import Gemma2Config
+
+    return Gemma2Config(vocab_size=vocab_size, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=32,
+                        sliding_window=64, max_position_embeddings=1024, tie_word_embeddings=True)
+
+
+def _gemma3_config(vocab_size: int) -> Any:
+    from transformers import Gemma3TextConfig
+
+    # 6 layers: Gemma 3's 5 sliding : 1 global pattern once
+    return Gemma3TextConfig(vocab_size=vocab_size, hidden_size=128, intermediate_size=256, num_hidden_layers=6,
+                            num_attention_heads=4, num_key_value_heads=1, head_dim=32, query_pre_attn_scalar=32,
+                            sliding_window=64, max_position_embeddings=1024, tie_word_embeddings=True)
+
+
+# `trinity tiny-assets --family NAME`: family -> the HF config of its tiny model for a vocabulary size (the
+# tiny tokenizer's, rounded up); transformers' AutoModelForCausalLM builds the model from it.
+TINY_FAMILY_CONFIGS: dict[str, Callable[[int], Any]] = {
+    "gemma2": _gemma2_config,
+    "gemma3": _gemma3_config,
+}
 
 
 def make_quickstart_assets(out_dir: str | Path, *, seed: int = 0) -> dict[str, Path]:
