@@ -213,7 +213,6 @@ class SlotDecoder(StageDecoder):
         q = apply_rotary_pos_emb(q, freqs, config=self.config)
         k = apply_rotary_pos_emb(k, freqs, config=self.config)
         s, b = hidden.shape[:2]
-        i_opts = i if (self.windows[i] is not None or self.softcaps[i] is not None) else None
         if ctx["decode"]:
             self.keys[i][self.rows[:b], :, self.pos[:b]] = k[0]
             self.values[i][self.rows[:b], :, self.pos[:b]] = v[0]
@@ -223,7 +222,7 @@ class SlotDecoder(StageDecoder):
         else:
             kk, vv = k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3)
             self._store_prefill(i, kk, vv, ctx["src"], ctx["dst"])
-            out = self._attend_prefill(q.permute(1, 2, 0, 3), kk, vv, i_opts)
+            out = self._attend_prefill(q.permute(1, 2, 0, 3), kk, vv, i)
         out, bias = attn.linear_proj(out.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.head_dim))
         return out if bias is None else out + bias
 
