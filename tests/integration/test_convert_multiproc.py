@@ -131,8 +131,7 @@ def _job_ep2(hf_dir: str, out: str) -> None:
 @pytest.mark.timeout(240)
 # Gemma's options over TP and over PP stages: gemma2 (4 layers, a sliding and a global one per stage,
 # capped scores and logits), gemma3 (6 layers, 3 per stage: per-layer specs from the stage's layer offset,
-# the global layer with its scaled RoPE on stage 1; a capped final logit; no capped scores: transformers'
-# default SDPA attention for Gemma 3 leaves attn_logit_softcapping out)
+# the global layer with its scaled RoPE on stage 1; a capped final logit)
 @pytest.mark.parametrize("family,shape", [
     ("qwen2", {}), ("gemma2", {"num_hidden_layers": 4}), ("gemma3", {"final_logit_softcapping": 3.0}),
 ])

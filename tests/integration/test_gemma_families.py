@@ -116,6 +116,8 @@ def _config(family: str, tmp_path, **changes) -> dict:
      "rope_parameters.sliding_attention: rope_type 'linear' of the sliding layers is not supported"),
     ("gemma3", {"rope_parameters": None, "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}},
      "rope_scaling: rope_type 'dynamic' of the global layers is not supported"),
+    ("gemma3", {"attn_logit_softcapping": 50.0},
+     "attn_logit_softcapping=50.0: transformers' Gemma3ForCausalLM does not apply it"),
 ])
 def test_unsupported_features_are_refused_naming_the_field(family, changes, message, tmp_path):
     with pytest.raises(UserError, match=message.replace("(", r"\(").replace(")", r"\)")):

@@ -34,6 +34,8 @@ class ArchitectureInfo:
     local_rope: bool = False  # sliding layers have their own RoPE base (Gemma 3's rope_local_base_freq)
     # (final_logit_softcapping, attn_logit_softcapping) where config.json lacks the keys
     softcapping_defaults: tuple[float | None, float | None] = (None, None)
+    # transformers applies attn_logit_softcapping (Gemma 2); its Gemma 3 reads the key but never applies it
+    attn_softcapping: bool = False
 
 
 # HF `architectures[0]` -> family facts. Adding an architecture means one row here and one weight-map
@@ -45,7 +47,7 @@ SUPPORTED_ARCHITECTURES: dict[str, ArchitectureInfo] = {
     "Qwen3MoeForCausalLM": ArchitectureInfo(family="qwen3_moe", qk_norm=True, qkv_bias=False, moe=True),
     "MixtralForCausalLM": ArchitectureInfo(family="mixtral", qkv_bias=False, moe=True),
     "Gemma2ForCausalLM": ArchitectureInfo(
-        family="gemma2", gemma=True, global_every=2, softcapping_defaults=(30.0, 50.0)
+        family="gemma2", gemma=True, global_every=2, softcapping_defaults=(30.0, 50.0), attn_softcapping=True
     ),
     # text-only Gemma 3 (270M, 1B); Gemma3TextConfig's sliding_window_pattern default is 6
     "Gemma3ForCausalLM": ArchitectureInfo(family="gemma3", gemma=True, qk_norm=True, global_every=6, local_rope=True),
@@ -265,11 +267,17 @@ def _gemma_fields(raw: dict[str, Any], info: ArchitectureInfo, source: str, laye
     if any(sliding) and window is None:
         raise UserError(f"{source}: layer_types has sliding_attention layers but sliding_window is null")
     rope = _gemma3_rope(raw, source) if info.local_rope else {}
+    attn_cap = _optional_float(raw, "attn_logit_softcapping", info.softcapping_defaults[1])
+    if attn_cap is not None and not info.attn_softcapping:
+        raise UserError(
+            f"{source}: attn_logit_softcapping={attn_cap}: transformers' {raw['architectures'][0]} does not apply it "
+            "(its checkpoints have null); set it to null"
+        )
     return dict(
         **rope,
         gemma=True,
         final_logit_softcapping=_optional_float(raw, "final_logit_softcapping", info.softcapping_defaults[0]),
-        attn_logit_softcapping=_optional_float(raw, "attn_logit_softcapping", info.softcapping_defaults[1]),
+        attn_logit_softcapping=attn_cap,
         query_pre_attn_scalar=float(raw.get("query_pre_attn_scalar") or 256),
         sliding_window=int(window) if any(sliding) else None,
         sliding_layers=sliding if any(sliding) else (),
