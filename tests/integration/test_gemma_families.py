@@ -160,3 +160,26 @@ def test_gemma3_facts_read_both_config_formats(tmp_path):
     assert ModelFacts.from_hf_dict(raw) == new
     raw.pop("sliding_window_pattern")  # Gemma3TextConfig's default pattern: 6
     assert ModelFacts.from_hf_dict(raw).sliding_layers == new.sliding_layers
+
+
+@pytest.mark.parametrize("family", GEMMA)
+def test_packed_documents_equal_each_document_alone(family, tmp_path):
+    """Packed rows (the SFT loop's document_packed_params): a sliding or capped layer takes the dense
+    block-diagonal mask with its window, the others the packed kernel; each document's logits equal
+    those of the document alone, the second starting mid-row (RoPE is relative, the window counts keys)."""
+    from tests.unit.test_rollout_decode import _tiny_gpt
+    from trinity.models.attention import document_packed_params
+
+    with _tiny_gpt(family, tmp_path) as (gpt, facts):
+        gpt.eval()
+        ids = torch.randint(0, facts.vocab_size, (1, 14), generator=torch.Generator().manual_seed(2))
+        pos = torch.arange(14).unsqueeze(0)
+        doc_ids = torch.tensor([[0] * 6 + [1] * 8])
+        with torch.no_grad():
+            packed = gpt(ids, pos, None, packed_seq_params=document_packed_params(doc_ids))
+            first = gpt(ids[:, :6], pos[:, :6], None)
+            second = gpt(ids[:, 6:], pos[:, :8], None)
+            whole = gpt(ids, pos, None)
+    torch.testing.assert_close(packed[:, :6], first, atol=1e-5, rtol=0)
+    torch.testing.assert_close(packed[:, 6:], second, atol=1e-5, rtol=0)
+    assert not torch.allclose(packed[:, 6:], whole[:, 6:], atol=1e-3)  # the documents did not see each other
