@@ -17,7 +17,8 @@ pytestmark = [
 ]
 
 # Larger than the CPU tests' tiny models, so that bf16 rounding adds up as in a real model; each shape
-# keeps its family's features biting.
+# keeps its family's features biting (Gemma: sequences past the sliding window, several sliding/global
+# layers).
 SHAPES: dict[str, dict] = {
     # V2-Lite's layout: no q LoRA, a dense first layer, greedy softmax routing with 2 shared experts
     "deepseek_v2": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8,
@@ -36,6 +37,17 @@ SHAPES: dict[str, dict] = {
                         rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                          "original_max_position_embeddings": 256, "beta_fast": 32, "beta_slow": 1,
                                          "mscale": 1.0, "mscale_all_dim": 1.0}),
+    "gemma2": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8,
+                   num_key_value_heads=4, head_dim=64, vocab_size=4096, max_position_embeddings=1024,
+                   sliding_window=64, query_pre_attn_scalar=64, attn_logit_softcapping=50.0,
+                   final_logit_softcapping=30.0, initializer_range=0.05, tie_word_embeddings=True),
+    # the 1B's pattern and RoPE bases (5 sliding : 1 global, local 10k, global 1M), linear scaling 8 as
+    # the larger Gemma 3 checkpoints have it
+    "gemma3": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=6, num_attention_heads=8,
+                   num_key_value_heads=2, head_dim=64, vocab_size=4096, max_position_embeddings=1024,
+                   sliding_window=64, query_pre_attn_scalar=64, initializer_range=0.05, tie_word_embeddings=True,
+                   rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                                    "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}),
 }
 MOE = ("deepseek_v2", "deepseek_v3")
 SEQ = 256
@@ -93,8 +105,10 @@ def test_bf16_logits_within_hf_bf16_noise(cuda_tp1, tmp_path, family):
         ours = model(ids, pos, None)[..., : facts.vocab_size].float()
     theirs_err = (hf_bf16 - ref).abs()
     ours_err = (ours - ref).abs()
-    # HF's own bf16 noise bounds ours (max and mean), with a margin for a different order of the ops (and,
-    # for MoE, a token whose top-k flips on a near tie in either bf16 model)
+def test_decoding_equals_full_forwards(cuda_tp1, tmp_path, family):
+    """fp32 on CUDA: the static batch (a CUDA graph per decode step where the family allows) and the
+    continuous engine give the tokens and log-probs of full forwards, with prompts + responses past
+    Gemma's window (MLA: per-head K/V from the latent, module path)."""
     assert ours_err.max() <= 2.0 * theirs_err.max() + 1e-2, (ours_err.max().item(), theirs_err.max().item())
     assert ours_err.mean() <= 2.0 * theirs_err.mean() + 1e-3, (ours_err.mean().item(), theirs_err.mean().item())
 

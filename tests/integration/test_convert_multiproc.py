@@ -129,14 +129,20 @@ def _job_ep2(hf_dir: str, out: str) -> None:
 @pytest.mark.multiproc
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_tp2_and_pp2_layouts_match_hf(tmp_path):
+# Gemma's options over TP and over PP stages: gemma2 (4 layers, a sliding and a global one per stage,
+# capped scores and logits), gemma3 (6 layers, 3 per stage: per-layer specs from the stage's layer offset,
+# the global layer with its scaled RoPE on stage 1; a capped final logit)
+@pytest.mark.parametrize("family,shape", [
+    ("qwen2", {}), ("gemma2", {"num_hidden_layers": 4}), ("gemma3", {"final_logit_softcapping": 3.0}),
+])
+def test_tp2_and_pp2_layouts_match_hf(tmp_path, family, shape):
     import torch
 
     from trinity.convert.verify import hf_logits, random_tokens
     from trinity.testing.tiny_models import make_tiny_hf_model
 
     # Untied: build_model with PP=2 and tied embeddings calls .cuda() in megatron (cpu_compat gap).
-    src = make_tiny_hf_model("qwen2", tmp_path / "hf")
+    src = make_tiny_hf_model(family, tmp_path / "hf", **shape)
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            __file__, str(src), str(tmp_path)]

@@ -36,6 +36,8 @@ CASES = [  # family, tied embeddings (all tiny models are GQA: 4 heads, 2 KV hea
     ("qwen3", False),
     ("qwen3_moe", False),
     ("mixtral", True),
+    ("gemma2", True),
+    ("gemma3", True),
 ]
 
 

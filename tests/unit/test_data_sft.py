@@ -134,3 +134,21 @@ def test_raw_prompt_gets_the_bos_the_tokenizer_would_add():
     (sample,), _ = tokenize_sft([rec({"prompt": "1+2=", "response": "3"})], tok, max_seq_len=16)
     assert sample.input_ids == tok("1+2=")["input_ids"] + [vocab["3"], vocab["</s>"]]
     assert sample.loss_mask == [0, 0, 0, 0, 0, 1, 1]
+
+
+def test_raw_text_gets_the_bos_its_tokenizer_adds(tmp_path):
+    """`with_bos` (raw prompts of `trinity generate`, SFT and RL): a tokenizer that adds a BOS (Gemma's
+    <bos>; here the tiny tokenizer with a BOS post-processor) gets it as text, one that adds none nothing."""
+    from tokenizers import processors
+    from transformers import AutoTokenizer
+
+    from trinity.data.sft import tokenize_texts, with_bos
+    from trinity.testing.tiny_assets import make_tiny_tokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(make_tiny_tokenizer(tmp_path / "tok")))
+    assert with_bos(tok, "hi") == "hi"
+    tok.bos_token = tok.eos_token
+    tok._tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{tok.bos_token} $A", special_tokens=[(tok.bos_token, tok.bos_token_id)])
+    plain = tokenize_texts(tok, ["hi"])[0]
+    assert tokenize_texts(tok, [with_bos(tok, "hi")]) == [[tok.bos_token_id, *plain]]

@@ -161,7 +161,7 @@ def generate_answers(
     from trinity.convert.builtin import load_hf_weights
     from trinity.convert.dist_ckpt import load_model_checkpoint
     from trinity.data.loader import load_tokenizer, pad_token_id
-    from trinity.data.sft import has_chat_template, render_prompt, tokenize_texts
+    from trinity.data.sft import has_chat_template, render_prompt, tokenize_texts, with_bos
     from trinity.distributed.parallel import destroy, init_parallel
     from trinity.models.build import build_model
     from trinity.models.facts import ModelFacts
@@ -172,7 +172,8 @@ def generate_answers(
     tokenizer = load_tokenizer(source.hf_dir)
     if chat and not has_chat_template(tokenizer):
         raise UserError(f"--chat: the tokenizer in {source.hf_dir} has no chat template; drop --chat to send raw text")
-    texts = [render_prompt(tokenizer, p) for p in prompts] if chat else list(prompts)
+    # raw text gets the tokenizer's own BOS, as SFT and RL render raw prompts (trinity.data.sft)
+    texts = [render_prompt(tokenizer, p) if chat else with_bos(tokenizer, p) for p in prompts]
     ids = tokenize_texts(tokenizer, texts)
     if any(not p for p in ids):
         raise UserError("--prompt: a prompt encodes to no tokens; give some text")

@@ -112,6 +112,9 @@ def check_layout(facts: ModelFacts, *, tp: int, pp: int, vpp: int | None, ep: in
     (`layout_problems`); only the GPU count is the conversion's own."""
     from trinity.distributed.layout import ParallelLayout, layout_problems
 
+    if backend == "mbridge" and facts.gemma:
+        raise UserError(f"--backend: mbridge has no name map for {facts.architecture} (sandwich norms); "
+                        "use the builtin backend")
     lay = ParallelLayout(tp=tp, pp=pp, vpp=vpp, ep=ep)
     problems = layout_problems(lay, facts, name=lambda f: FLAGS.get(f, f))
     if problems:

@@ -90,6 +90,12 @@ def _bos_text(tokenizer: Any) -> str:
     return ""
 
 
+def with_bos(tokenizer: Any, text: str) -> str:
+    """Raw text as a model reads it: with the BOS the tokenizer itself adds (texts are tokenised without
+    special tokens). Gemma answers garbage without its <bos>."""
+    return _bos_text(tokenizer) + text
+
+
 def render_prompt(tokenizer: Any, prompt: str | list[dict[str, str]]) -> str:
     """The text a model is given to answer `prompt` (one user turn, or a chat without the answer).
 
@@ -98,7 +104,7 @@ def render_prompt(tokenizer: Any, prompt: str | list[dict[str, str]]) -> str:
     """
     if isinstance(prompt, str):
         if not has_chat_template(tokenizer):
-            return _bos_text(tokenizer) + prompt
+            return with_bos(tokenizer, prompt)
         prompt = [{"role": "user", "content": prompt}]
     return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
 

@@ -8,6 +8,13 @@ step throughput at 0.9B and a quarter of the memory (docs/../shared notes gpu-me
 Conventions are megatron's: q [sq, b, heads, d], k/v [sk, b, groups, d], output [sq, b, heads*d];
 `attention_mask` is boolean with True = masked out, broadcastable to [b, 1|heads, sq, sk].
 
+Sliding windows are megatron-core's TransformerConfig fields: `window_size[0]` keys before the query
+(transformers' sliding_window minus one: its window counts the query itself) on the layers
+`window_attn_skip_freq` names (`layer_window`); the window becomes part of the boolean mask. `softcap`
+(a ModuleSpec param, Gemma 2) caps the scores to softcap * tanh(scores / softcap) before the softmax;
+SDPA cannot, so a capped layer runs `softcapped_attention` (the ops of transformers' eager attention).
+Both take the dense mask for packed rows.
+
 Packed rows (several documents per row) have two forms:
 - a dense block-diagonal boolean mask (`packed_causal_mask`): simple, but SDPA then runs its masked
   (memory-efficient) kernel and reads an [b, 1, s, s] mask in every layer (2.6x the causal
@@ -57,6 +64,43 @@ def packed_causal_mask(doc_ids: Tensor) -> Tensor:
     same_doc = doc_ids.unsqueeze(2) == doc_ids.unsqueeze(1)
     s = doc_ids.size(1)
     return ~same_doc.unsqueeze(1) | causal_mask(s, device=doc_ids.device)
+
+
+def outside_window(sq: int, window: int, sk: int | None = None, device: torch.device | str = "cpu") -> Tensor:
+    """[1, 1, sq, sk] boolean, True where a key lies more than `window` positions before its query (queries
+    are the last sq of the sk keys): what a sliding window masks on top of the causal mask."""
+    sk = sq if sk is None else sk
+    q_pos = torch.arange(sk - sq, sk, device=device).unsqueeze(1)
+    k_pos = torch.arange(sk, device=device).unsqueeze(0)
+    return (k_pos < q_pos - window).view(1, 1, sq, sk)
+
+
+def layer_window(config: TransformerConfig, layer_number: int) -> int | None:
+    """How many keys before the query a layer's attention sees (megatron-core's `window_size[0]` where
+    `window_attn_skip_freq` makes layer `layer_number`, 1-based and global, a window layer), None: all."""
+    if is_layer_window_attention(config.window_size, config.window_attn_skip_freq, layer_number):
+        return int(config.window_size[0])
+    return None
+
+
+def softcapped_attention(q: Tensor, k: Tensor, v: Tensor, attend: Optional[Tensor], scale: float,
+                         softcap: Optional[float], dropout_p: float = 0.0) -> Tensor:
+    """Attention with the scores capped to softcap * tanh(scores / softcap) (None: not capped), the ops
+    and roundings of transformers' eager attention (Gemma 2): scores in q's dtype, softmax in fp32.
+    q [b, heads, sq, d], k/v [b, groups, sk, d]; `attend` boolean, True = attend, broadcastable to
+    [b, heads, sq, sk] (None: every key). Returns [b, heads, sq, d]."""
+    rep = q.size(1) // k.size(1)
+    if rep > 1:
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if attend is not None:
+        scores = scores.masked_fill(~attend, torch.finfo(scores.dtype).min)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    if dropout_p > 0.0:
+        probs = F.dropout(probs, p=dropout_p)
+    return torch.matmul(probs, v)
 
 
 THD_NEEDS_TE = (
@@ -280,16 +324,20 @@ class SDPACoreAttention(MegatronModule):
         pg_collection: Optional[ProcessGroupCollection] = None,
         k_channels: Optional[int] = None,
         v_channels: Optional[int] = None,
+        softcap: Optional[float] = None,
     ):
         # k_channels / v_channels: MLA's query-key and value head sizes (they differ); the output is
         # heads * v_channels wide
         super().__init__(config=config)
+        self.softcap = softcap
         if config.context_parallel_size != 1:
             raise ValueError("context parallelism needs TransformerEngine's attention; SDPA runs CP=1")
         if config.softmax_type != "vanilla":
             raise ValueError(f"softmax_type={config.softmax_type!r} is not supported by SDPACoreAttention")
-        if is_layer_window_attention(config.window_size, config.window_attn_skip_freq, layer_number):
-            raise ValueError("sliding-window attention is not supported by SDPACoreAttention")
+        # sliding window: a query sees itself and the `window` keys before it
+        self.window = layer_window(config, layer_number)
+        if self.window is not None and config.window_size[1] != 0:
+            raise ValueError(f"window_size {config.window_size}: SDPACoreAttention attends causally (right 0)")
         if pg_collection is None:
             pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"])
         self.pg_collection = pg_collection
@@ -324,7 +372,10 @@ class SDPACoreAttention(MegatronModule):
         if packed is not None and not isinstance(packed, DocumentPackedParams):
             raise ValueError(THD_NEEDS_TE)
         kernel = None
-        if packed is not None:
+        eager = self.window is not None or self.softcap is not None  # options the packed kernels lack
+        if packed is not None and eager:
+            attention_mask = packed.dense_mask()
+        elif packed is not None:
             # flash's kernel needs one head size for q/k and v (MLA's differ: flex or the mask then)
             if packed.doc_cu_seqlens is not None and _flash_supports(query) and value.size(-1) == query.size(-1):
                 kernel = "varlen"
@@ -364,6 +415,16 @@ class SDPACoreAttention(MegatronModule):
         enable_gqa = heads != k.size(1)
         if kernel == "flex":
             out = _flex_attention(q, k, v, packed.block_mask, self.softmax_scale, enable_gqa)
+            return out.permute(2, 0, 1, 3).reshape(sq, b, self.hidden_size_per_partition)
+        if eager:
+            if mask is None and is_causal:
+                mask, is_causal = ~causal_mask(sq, sk, device=query.device), False
+            if self.window is not None:
+                outside = outside_window(sq, self.window, sk, device=query.device)
+                mask = ~outside if mask is None else mask & ~outside
+        if self.softcap is not None:
+            out = self._with_dropout_rng(dropout_p, lambda: softcapped_attention(
+                q, k, v, mask, self.softmax_scale, self.softcap, dropout_p))
             return out.permute(2, 0, 1, 3).reshape(sq, b, self.hidden_size_per_partition)
 
         out = self._with_dropout_rng(dropout_p, lambda: F.scaled_dot_product_attention(

@@ -39,7 +39,12 @@ from trinity.models.facts import ModelFacts
 
 log = logging.getLogger(__name__)
 
-_ACTIVATIONS = {"silu": F.silu}
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """transformers' gelu_pytorch_tanh (Gemma's MLP activation)."""
+    return F.gelu(x, approximate="tanh")
+
+
+_ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": gelu_tanh}
 # torch.compile scope (megatron block field `torch_compile`): "layers" compiles each TransformerLayer
 # (one graph reused by every layer: short compile, works with recompute and pipeline chunks), "model"
 # the whole GPTModel (fuses across layer boundaries too).
@@ -85,13 +90,23 @@ def _rope_scaling_kwargs(facts: ModelFacts) -> dict[str, Any]:
     raise UserError(f"{facts.source}: rope scaling {rs} is not supported (only Llama 3.1's llama3)")
 
 
+def _window_kwargs(facts: ModelFacts) -> dict[str, Any]:
+    """megatron's sliding-window fields: transformers' window counts the query itself, megatron's
+    window_size[0] the keys before it; a per-layer list says which layers slide (1 = sliding)."""
+    if not facts.sliding_layers:
+        return {}
+    return {"window_size": (facts.sliding_window - 1, 0), "window_attn_skip_freq": [int(s) for s in facts.sliding_layers]}
+
+
 def transformer_config(
     facts: ModelFacts, megatron: Any, *, device: str, dtype: torch.dtype, weights_only: bool = False
 ) -> TransformerConfig:
     """The megatron-core TransformerConfig for `facts` under the role's parallel/recompute settings.
     `weights_only`: see `build_model`."""
     if facts.hidden_act not in _ACTIVATIONS:
-        raise UserError(f"{facts.source}: hidden_act {facts.hidden_act!r} is not supported (silu only)")
+        raise UserError(
+            f"{facts.source}: hidden_act {facts.hidden_act!r} is not supported (one of {sorted(_ACTIVATIONS)})"
+        )
     on_cpu = device == "cpu"
     if on_cpu and dtype != torch.float32 and not weights_only:
         raise UserError(f"model.dtype: {dtype} on cpu; CPU runs in float32")
@@ -106,6 +121,10 @@ def transformer_config(
         kv_channels=facts.head_dim,
         normalization="RMSNorm",
         layernorm_epsilon=facts.rms_norm_eps,
+        # Gemma's norms scale by (1 + weight): trinity.models.layer.ZeroCenteredRMSNorm
+        layernorm_zero_centered_gamma=facts.gemma,
+        softmax_scale=facts.query_pre_attn_scalar**-0.5 if facts.query_pre_attn_scalar else None,
+        **_window_kwargs(facts),
         gated_linear_unit=True,
         activation_func=_ACTIVATIONS[facts.hidden_act],
         add_bias_linear=False,
@@ -148,7 +167,8 @@ def transformer_config(
         # fused op there measured slower (H200, per-layer compile: 0.5B 0.097 -> 0.118 s, 1.5B
         # 0.174 -> 0.191 s per step). CPU keeps megatron's unfused reference numerics.
         apply_rope_fusion=not on_cpu and compile_scope(megatron) == "none" and rope.install(),
-        bias_activation_fusion=not on_cpu,
+        # megatron fuses bias + SwiGLU (and exact GELU), not GELU-tanh
+        bias_activation_fusion=not on_cpu and facts.hidden_act == "silu",
         bias_dropout_fusion=not on_cpu,
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
@@ -232,6 +252,39 @@ def packed_attention(model: torch.nn.Module, doc_ids: torch.Tensor, device: torc
     return {"attention_mask": None, "packed_seq_params": document_packed_params(doc_ids, device=device)}
 
 
+def _scale_embedding(scale: float) -> Any:
+    def hook(module: torch.nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
+        # in the activations' dtype, as transformers multiplies (the scale rounded to bf16 in bf16)
+        return out * torch.tensor(scale, dtype=torch.float32, device=out.device).to(out.dtype)
+
+    return hook
+
+
+def _softcap_logits(cap: float) -> Any:
+    def hook(module: torch.nn.Module, args: Any, out: tuple[torch.Tensor, Any]) -> tuple[torch.Tensor, Any]:
+        logits, bias = out
+        return torch.tanh(logits / cap) * cap, bias
+
+    return hook
+
+
+def _model_options(model: GPTModel, facts: ModelFacts, *, value_head: bool) -> None:
+    """Model-level options GPTModel lacks, as forward hooks on its submodules (so that every caller of
+    `embedding` / `output_layer`, the rollout decoders included, gets them): Gemma's embedding scale
+    sqrt(hidden) and final-logit soft-capping (elementwise, so any TP shard of the vocabulary caps alike;
+    not on the critic's value head); Gemma 3's linear RoPE scaling of the global layers (the model's
+    table; its sliding layers have their own, trinity.models.layer)."""
+    if facts.gemma and model.pre_process:
+        model.embedding.register_forward_hook(_scale_embedding(facts.hidden_size**0.5))
+    if facts.global_rope_factor is not None:
+        # linear RoPE scaling as transformers computes it (inverse frequencies / factor; megatron's
+        # seq_len_interpolation_factor divides the positions instead, which rounds differently), before
+        # the first forward fills the table's cache
+        model.rotary_pos_emb.inv_freq = model.rotary_pos_emb.inv_freq / facts.global_rope_factor
+    if facts.final_logit_softcapping is not None and model.post_process and not value_head:
+        model.output_layer.register_forward_hook(_softcap_logits(facts.final_logit_softcapping))
+
+
 def compile_scope(megatron: Any) -> str:
     """The `torch_compile` scope the role asks for (True / False from older configs mean layers / none)."""
     scope = getattr(megatron, "torch_compile", "none")
@@ -276,12 +329,12 @@ def build_model(
     if config.moe_grouped_gemm and facts.is_moe:
         from megatron.core.transformer.moe import grouped_gemm_util
 
-        if specs.backend(config) != specs.BACKEND_TE and not grouped_gemm_util.grouped_gemm_is_available():
+        if specs.backend(config, facts) != specs.BACKEND_TE and not grouped_gemm_util.grouped_gemm_is_available():
             raise UserError(
                 "megatron.moe_grouped_gemm: needs TransformerEngine or the grouped_gemm package; "
                 "set it to false (experts then run as a loop of linear layers)"
             )
-    chosen = specs.backend(config)
+    chosen = specs.backend(config, facts)
     if config.context_parallel_size > 1 and chosen != specs.BACKEND_TE:
         raise UserError("megatron.context_parallel_size > 1 needs TransformerEngine, which is not installed")
     scope = compile_scope(megatron)
@@ -308,6 +361,7 @@ def build_model(
         )
         if value_head and post:
             model.output_layer = ValueHead(config)
+        _model_options(model, facts, value_head=value_head)
         model.to(device=device)
         _apply_compile(model, scope)
         model.trinity_backend = chosen  # which layer implementation built it (logged, tested)

@@ -25,7 +25,18 @@ class ArchitectureInfo:
     qkv_bias: bool | None = None  # None: read `attention_bias` from the config (Llama)
     moe: bool = False
     mla: bool = False  # DeepSeek: multi-latent attention, leading dense layers, shared experts
-
+    # Gemma: RMSNorm scales by (1 + weight) (megatron's zero-centred gamma), the embedding output is
+    # multiplied by sqrt(hidden), each block has a norm after attention and after the MLP too
+    # ("sandwich"), and `query_pre_attn_scalar` / logit soft-capping / sliding windows are read.
+    gemma: bool = False
+    # When config.json has no `layer_types`: every `global_every`-th layer (1-based) attends globally,
+    # the others over `sliding_window` (transformers' own default for the architecture).
+    global_every: int | None = None
+    local_rope: bool = False  # sliding layers have their own RoPE base (Gemma 3's rope_local_base_freq)
+    # (final_logit_softcapping, attn_logit_softcapping) where config.json lacks the keys
+    softcapping_defaults: tuple[float | None, float | None] = (None, None)
+    # transformers applies attn_logit_softcapping (Gemma 2); its Gemma 3 reads the key but never applies it
+    attn_softcapping: bool = False
 
 
 # HF `architectures[0]` -> family facts. Adding an architecture means one row here and one weight-map
@@ -38,6 +49,19 @@ SUPPORTED_ARCHITECTURES: dict[str, ArchitectureInfo] = {
     "MixtralForCausalLM": ArchitectureInfo(family="mixtral", qkv_bias=False, moe=True),
     "DeepseekV2ForCausalLM": ArchitectureInfo(family="deepseek_v2", qkv_bias=False, moe=True, mla=True),
     "DeepseekV3ForCausalLM": ArchitectureInfo(family="deepseek_v3", qkv_bias=False, moe=True, mla=True),
+    "Gemma2ForCausalLM": ArchitectureInfo(
+        family="gemma2", gemma=True, global_every=2, softcapping_defaults=(30.0, 50.0), attn_softcapping=True
+    ),
+    # text-only Gemma 3 (270M, 1B); Gemma3TextConfig's sliding_window_pattern default is 6
+    "Gemma3ForCausalLM": ArchitectureInfo(family="gemma3", gemma=True, qk_norm=True, global_every=6, local_rope=True),
+}
+
+# Architectures refused with a reason of their own (a closer alternative than the supported list).
+REFUSED_ARCHITECTURES: dict[str, str] = {
+    "Gemma3ForConditionalGeneration": (
+        "multimodal Gemma 3 (vision tower and projector) is not supported; use a text-only "
+        "Gemma3ForCausalLM checkpoint (the 270M and 1B models)"
+    ),
 }
 
 
@@ -119,6 +143,15 @@ class ModelFacts:
     moe_group_score_topk: int | None = None  # a group's score: the sum of its top-k (V2 1, V3 2)
     moe_expert_bias: bool = False  # V3: e_score_correction_bias
     mtp_layers: int = 0  # V3 multi-token-prediction layers in the checkpoint (not loaded)
+    # Gemma (ArchitectureInfo.gemma): (1 + w) norms, scaled embeddings, sandwich norms
+    gemma: bool = False
+    final_logit_softcapping: float | None = None  # logits -> cap * tanh(logits / cap)
+    attn_logit_softcapping: float | None = None  # attention scores -> cap * tanh(scores / cap)
+    query_pre_attn_scalar: float | None = None  # attention scale = query_pre_attn_scalar ** -0.5
+    sliding_window: int | None = None  # a sliding layer's query sees its last `sliding_window` keys
+    sliding_layers: tuple[bool, ...] = ()  # per layer (0-based): attends over sliding_window only
+    rope_local_theta: float | None = None  # RoPE base of the sliding layers (None: rope_theta)
+    global_rope_factor: float | None = None  # linear RoPE scaling of the global layers (Gemma 3)
 
     @property
     def is_moe(self) -> bool:
@@ -146,6 +179,8 @@ class ModelFacts:
     def from_hf_dict(cls, raw: dict[str, Any], source: str = "config.json") -> "ModelFacts":
         archs = raw.get("architectures") or []
         arch = archs[0] if archs else None
+        if arch in REFUSED_ARCHITECTURES:
+            raise UserError(f"{source}: architecture {arch!r}: {REFUSED_ARCHITECTURES[arch]}")
         if arch not in SUPPORTED_ARCHITECTURES:
             raise UserError(
                 f"{source}: architecture {arch!r} is not supported; supported: {supported_list()}"
@@ -160,7 +195,8 @@ class ModelFacts:
         heads = int(need("num_attention_heads"))
         hidden = int(need("hidden_size"))
         kv_heads = int(raw.get("num_key_value_heads") or heads)
-        head_dim = int(raw.get("head_dim") or hidden // heads)
+        # Gemma's head size is its own (256 by transformers' default), not hidden / heads
+        head_dim = int(raw.get("head_dim") or (256 if info.gemma else hidden // heads))
         # transformers 5 moved rope_theta into rope_parameters; older configs keep it at top level.
         rope_params = raw.get("rope_parameters") or {}
         rope_theta = float(raw.get("rope_theta") or rope_params.get("rope_theta") or 10000.0)
@@ -184,7 +220,7 @@ class ModelFacts:
         # Mixtral always renormalises the top-k weights; Qwen3-MoE reads norm_topk_prob; DeepSeek decides.
         norm_topk_prob = bool(raw.get("norm_topk_prob", True)) if info.moe else True
         norm_topk_prob = extra.pop("moe_norm_topk_prob", norm_topk_prob)
-        return cls(
+        fields: dict[str, Any] = dict(
             architecture=arch,
             family=info.family,
             num_layers=int(need("num_hidden_layers")),
@@ -197,19 +233,32 @@ class ModelFacts:
             max_position_embeddings=int(raw.get("max_position_embeddings") or 4096),
             rope_theta=rope_theta,
             rms_norm_eps=float(raw.get("rms_norm_eps") or 1e-6),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", info.gemma)),  # Gemma ties by default
             qkv_bias=qkv_bias,
             qk_norm=info.qk_norm,
             num_experts=num_experts,
             moe_ffn_hidden_size=moe_ffn,
             moe_router_topk=topk,
             moe_norm_topk_prob=norm_topk_prob,
-            hidden_act=str(raw.get("hidden_act", "silu")),
+            # Gemma's config names it hidden_activation (older ones carry both spellings)
+            hidden_act=str(raw.get("hidden_activation") or raw.get("hidden_act", "silu")),
             rope_scaling=rope_scaling,
             torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
             source=source,
             **extra,
         )
+        if info.gemma:  # Gemma's own fields, and its RoPE where the config nests it per layer type
+            fields.update(_gemma_fields(raw, info, source, fields["num_layers"]))
+        return cls(**fields)
+
+    @property
+    def sandwich_norms(self) -> bool:
+        """A norm after attention and after the MLP too, before each residual add (Gemma)."""
+        return self.gemma
+
+    def is_sliding(self, layer: int) -> bool:
+        """Whether global layer `layer` (0-based) attends over a sliding window."""
+        return bool(self.sliding_layers) and self.sliding_layers[layer]
 
     def num_parameters(self) -> int:
         """Parameter count of the HF model (used by the memory estimate)."""
@@ -228,7 +277,92 @@ class ModelFacts:
             mlp += 3 * h * (self.moe_shared_ffn_hidden_size or 0)
         else:
             mlp = dense
-        norms = 2 * h
+        norms = (4 if self.sandwich_norms else 2) * h
         embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         dense_layers = min(self.moe_dense_layers, L)
         return L * (attn + norms) + (L - dense_layers) * mlp + dense_layers * dense + embed + h
+
+
+def _optional_float(raw: dict[str, Any], key: str, default: float | None) -> float | None:
+    value = raw.get(key, default)
+    return None if value is None else float(value)
+
+
+def _gemma_fields(raw: dict[str, Any], info: ArchitectureInfo, source: str, layers: int) -> dict[str, Any]:
+    """The Gemma fields of ModelFacts, with transformers' class defaults where config.json lacks a key
+    (Gemma2Config / Gemma3TextConfig), and the features trinity cannot run refused naming the field."""
+    if raw.get("use_bidirectional_attention"):
+        raise UserError(f"{source}: use_bidirectional_attention=true is not supported (causal decoders only)")
+    window = raw.get("sliding_window", 4096)
+    types = raw.get("layer_types")
+    if types is None:
+        every = int(raw.get("sliding_window_pattern") or info.global_every or 1)
+        types = ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(layers)]
+    unknown = sorted({t for t in types} - {"sliding_attention", "full_attention"})
+    if len(types) != layers or unknown:
+        raise UserError(
+            f"{source}: layer_types must list 'sliding_attention' or 'full_attention' for each of the "
+            f"{layers} layers (got {len(types)} entries{', unknown ' + str(unknown) if unknown else ''})"
+        )
+    sliding = tuple(t == "sliding_attention" for t in types)
+    if any(sliding) and window is None:
+        raise UserError(f"{source}: layer_types has sliding_attention layers but sliding_window is null")
+    rope = _gemma3_rope(raw, source) if info.local_rope else {}
+    attn_cap = _optional_float(raw, "attn_logit_softcapping", info.softcapping_defaults[1])
+    if attn_cap is not None and not info.attn_softcapping:
+        raise UserError(
+            f"{source}: attn_logit_softcapping={attn_cap}: transformers' {raw['architectures'][0]} does not apply it "
+            "(its checkpoints have null); set it to null"
+        )
+    return dict(
+        **rope,
+        gemma=True,
+        final_logit_softcapping=_optional_float(raw, "final_logit_softcapping", info.softcapping_defaults[0]),
+        attn_logit_softcapping=attn_cap,
+        query_pre_attn_scalar=float(raw.get("query_pre_attn_scalar") or 256),
+        sliding_window=int(window) if any(sliding) else None,
+        sliding_layers=sliding if any(sliding) else (),
+    )
+
+
+_GEMMA3_THETA = {"full_attention": 1_000_000.0, "sliding_attention": 10_000.0}  # Gemma3TextConfig.default_theta
+
+
+def _gemma3_rope(raw: dict[str, Any], source: str) -> dict[str, Any]:
+    """Gemma 3's two RoPEs: global layers at `rope_theta` (linear scaling allowed), sliding layers at
+    `rope_local_base_freq` (default RoPE only). transformers 5 writes them as
+    rope_parameters = {"full_attention": {...}, "sliding_attention": {...}}; older configs as rope_theta,
+    rope_local_base_freq and rope_scaling (of the global layers), which transformers reads the same way."""
+    nested = raw.get("rope_parameters")
+    if isinstance(nested, dict) and ("full_attention" in nested or "sliding_attention" in nested):
+        params = {k: dict(nested.get(k) or {}) for k in _GEMMA3_THETA}
+        where = {k: f"rope_parameters.{k}" for k in _GEMMA3_THETA}
+    else:
+        legacy = dict(nested or {})
+        full = {**legacy, **(raw.get("rope_scaling") or {})}
+        if raw.get("rope_theta") is not None:
+            full["rope_theta"] = raw["rope_theta"]
+        local = {"rope_type": "default"}
+        if raw.get("rope_local_base_freq") is not None:
+            local["rope_theta"] = raw["rope_local_base_freq"]
+        params = {"full_attention": full, "sliding_attention": local}
+        where = {"full_attention": "rope_scaling", "sliding_attention": "rope_local_base_freq"}
+    kinds = {k: p.get("rope_type") or p.get("type") or "default" for k, p in params.items()}
+    if kinds["full_attention"] not in ("default", "linear"):
+        raise UserError(
+            f"{source}: {where['full_attention']}: rope_type {kinds['full_attention']!r} of the global layers is not "
+            "supported (default or linear)"
+        )
+    if kinds["sliding_attention"] != "default":
+        raise UserError(
+            f"{source}: {where['sliding_attention']}: rope_type {kinds['sliding_attention']!r} of the sliding layers "
+            "is not supported (default only)"
+        )
+    full = params["full_attention"]
+    factor = float(full.get("factor", 1.0)) if kinds["full_attention"] == "linear" else None
+    return dict(
+        rope_theta=float(full.get("rope_theta") or _GEMMA3_THETA["full_attention"]),
+        rope_local_theta=float(params["sliding_attention"].get("rope_theta") or _GEMMA3_THETA["sliding_attention"]),
+        global_rope_factor=factor if factor != 1.0 else None,
+        rope_scaling=None,  # taken apart above: global_rope_factor
+    )

@@ -29,11 +29,20 @@ Parameter names our spec produces (per layer N, 0-based within the chunk; MoE la
     output_layer.weight                                   (post_process chunks, untied or value head)
 With TransformerEngine the two layer norms are fused instead: `self_attention.linear_qkv.layer_norm_weight`
 and `mlp.linear_fc1.layer_norm_weight` (dense layers).
+
+Gemma (`facts.gemma`) adds per layer `post_self_attn_layernorm.weight` and `post_mlp_layernorm.weight`
+(sandwich norms, trinity.models.layer.TransformerLayer), its norms scale by (1 + weight)
+(`ZeroCenteredRMSNorm`), its core attention caps the scores (`softcap`), and Gemma 3's sliding layers
+have their own RoPE base. Layers differ (sliding / global), so `block_spec` builds one spec per layer from
+`layer_spec(..., layer=i)`; the sliding window itself is megatron's config (`window_size`,
+`window_attn_skip_freq`, trinity.models.attention). TransformerEngine's spec has none of these: Gemma
+always runs our spec.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import importlib.util
 
@@ -49,6 +58,7 @@ from megatron.core.transformer.transformer_layer import get_transformer_layer_of
 
 from trinity.models.attention import SDPACoreAttention, mla_self_attention
 from trinity.models.facts import ModelFacts
+from trinity.models.layer import LayerSubmodules, TransformerLayer, ZeroCenteredRMSNorm
 
 BACKEND_TE = "transformer_engine"
 BACKEND_LOCAL_SDPA = "local+sdpa"
@@ -64,13 +74,13 @@ def have_transformer_engine() -> bool:
     return True
 
 
-def backend(config: TransformerConfig) -> str:
-    """The layer implementation build_model uses: TE on CUDA when it imports, else ours. MLA always runs
-    ours: TE's MLA spec keeps the q/kv down projections whole on every TP rank, ours splits them (megatron's
-    ColumnParallelLinear + gather), and one layout keeps one weight map."""
-    if getattr(config, "multi_latent_attention", False):
-        return BACKEND_LOCAL_SDPA
-    if not config.use_cpu_initialization and torch.cuda.is_available() and have_transformer_engine():
+def backend(config: TransformerConfig, facts: ModelFacts | None = None) -> str:
+    """The layer implementation build_model uses: TE on CUDA when it imports, else ours. Always ours for
+    features only our spec has (Gemma's) and for MLA: TE's MLA spec keeps the q/kv down projections whole on
+    every TP rank, ours splits them (megatron's ColumnParallelLinear + gather), and one layout keeps one
+    weight map."""
+    ours_only = (facts is not None and facts.gemma) or getattr(config, "multi_latent_attention", False)
+    if not ours_only and not config.use_cpu_initialization and torch.cuda.is_available() and have_transformer_engine():
         return BACKEND_TE
     return BACKEND_LOCAL_SDPA
 
@@ -87,15 +97,18 @@ class TorchNorm:
         zero_centered_gamma: bool = False,
         normalization: str = "LayerNorm",
     ) -> torch.nn.Module:
-        if config.layernorm_zero_centered_gamma:
-            raise ValueError("layernorm_zero_centered_gamma needs apex or TransformerEngine norms")
         norms = {"RMSNorm": torch.nn.RMSNorm, "LayerNorm": torch.nn.LayerNorm}
         if config.normalization not in norms:
             raise ValueError(f"normalization {config.normalization!r}: one of {sorted(norms)}")
         device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
-        norm = norms[config.normalization](
-            normalized_shape=hidden_size, eps=eps, device=device, dtype=config.params_dtype
-        )
+        if config.layernorm_zero_centered_gamma:
+            if config.normalization != "RMSNorm":
+                raise ValueError("layernorm_zero_centered_gamma: our torch norms have it for RMSNorm only")
+            norm = ZeroCenteredRMSNorm(hidden_size, eps, device=device, dtype=config.params_dtype)
+        else:
+            norm = norms[config.normalization](
+                normalized_shape=hidden_size, eps=eps, device=device, dtype=config.params_dtype
+            )
         for p in norm.parameters():
             p.sequence_parallel = config.sequence_parallel
         return norm
@@ -118,11 +131,11 @@ def _define_missing_te_names() -> None:
         mla.HAVE_TE = False
 
 
-def layer_spec(facts: ModelFacts, config: TransformerConfig, *, moe: bool | None = None) -> ModuleSpec:
-    """Our transformer-layer spec for `facts`; `moe`: whether this layer's MLP is the MoE one (default:
-    the model's; DeepSeek's first `moe_dense_layers` layers are dense)."""
+def layer_spec(facts: ModelFacts, config: TransformerConfig, layer: int = 0) -> ModuleSpec:
+    """Our transformer-layer spec for global layer `layer` (0-based) of `facts`: the same for every
+    layer except Gemma's sliding / global options and DeepSeek's first `moe_dense_layers` dense layers."""
     _define_missing_te_names()
-    moe = facts.is_moe if moe is None else moe
+    moe = facts.is_moe and layer >= facts.moe_dense_layers
     mla = facts.mla is not None
     spec = get_gpt_layer_local_spec(
         num_experts=facts.num_experts if moe else None,
@@ -148,24 +161,37 @@ def layer_spec(facts: ModelFacts, config: TransformerConfig, *, moe: bool | None
     elif config.qk_layernorm:
         attn.q_layernorm = TorchNorm
         attn.k_layernorm = TorchNorm
-    return spec
+    if not facts.gemma:
+        return spec
+    # the sliding window is the config's (window_size, window_attn_skip_freq); the score cap and a
+    # sliding layer's own RoPE base are this layer's options
+    if facts.attn_logit_softcapping is not None:
+        attn.core_attention = ModuleSpec(module=SDPACoreAttention, params={"softcap": facts.attn_logit_softcapping})
+    local_base = facts.rope_local_theta if facts.is_sliding(layer) else None
+    return ModuleSpec(
+        module=TransformerLayer,
+        params={"rotary_base": local_base} if local_base is not None else {},
+        submodules=LayerSubmodules(
+            **{f.name: getattr(sub, f.name) for f in dataclasses.fields(sub)},
+            post_self_attn_layernorm=TorchNorm,
+            post_mlp_layernorm=TorchNorm,
+        ),
+    )
 
 
 def block_spec(
     facts: ModelFacts, config: TransformerConfig, *, vp_stage: int | None, pp_rank: int | None = None
 ) -> TransformerBlockSubmodules:
     """The decoder-block spec for one model chunk (the layers of this PP rank / VPP stage)."""
-    if backend(config) == BACKEND_TE:
+    if backend(config, facts) == BACKEND_TE:
         return get_gpt_decoder_block_spec(
             config, use_transformer_engine=True, normalization="RMSNorm", vp_stage=vp_stage, pp_rank=pp_rank
         )
     n = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
-    if facts.moe_dense_layers == 0:
-        return TransformerBlockSubmodules(layer_specs=[layer_spec(facts, config)] * n, layer_norm=TorchNorm)
     first = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
-    dense, moe = layer_spec(facts, config, moe=False), layer_spec(facts, config)
-    specs = [moe if facts.is_moe and first + i >= facts.moe_dense_layers else dense for i in range(n)]
-    return TransformerBlockSubmodules(layer_specs=specs, layer_norm=TorchNorm)
+    return TransformerBlockSubmodules(
+        layer_specs=[layer_spec(facts, config, first + i) for i in range(n)], layer_norm=TorchNorm
+    )
 
 
 def layer_offset(config: TransformerConfig, *, vp_stage: int | None) -> int:

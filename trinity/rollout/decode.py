@@ -22,6 +22,10 @@ Two ways through a layer, same weights:
   themselves (`get_query_key_value_tensors` with its QK-norms, `linear_proj`, the MLP or MoE layer);
   DeepSeek's multi-latent attention takes it too, its per-head keys and values expanded from the latent
   (`trinity.rollout.decode_mla`), without CUDA graphs.
+Gemma's layer options take the module path: a layer's own RoPE table (`rope_table`, Gemma 3's sliding
+layers), its core attention's sliding window (a band in the mask) and score cap (`softcapped_attention`
+instead of SDPA), its post-norms (sandwich layers); the embedding scale and the final-logit cap are
+hooks on megatron's modules (trinity.models.build), which the decoders call.
 Both compute megatron's attention block: RMSNorm, QKV, QK-norm, RoPE by cache slot (megatron's table
 and formula), softmax attention, output projection, SwiGLU MLP. Masking follows `generate`'s
 left-padding rules: a padding key is masked, except for the padding query at the same slot (a row with
@@ -67,6 +71,8 @@ def _lean_supported(gpt: Any) -> bool:
     norms = [gpt.decoder.final_layernorm] if gpt.post_process else []
     for layer in gpt.decoder.layers:
         attn, mlp = layer.self_attention, layer.mlp
+        if _layer_options(layer) != (None, None, False, False):
+            return False
         if hasattr(mlp, "router") or not hasattr(mlp, "linear_fc1"):
             return False
         norms += [layer.input_layernorm, layer.pre_mlp_layernorm]
@@ -75,6 +81,30 @@ def _lean_supported(gpt: Any) -> bool:
         if getattr(mlp.linear_fc1, "bias", None) is not None or getattr(mlp.linear_fc2, "bias", None) is not None:
             return False
     return all(type(n) is torch.nn.RMSNorm for n in norms)
+
+
+def _layer_options(layer: Any) -> tuple[int | None, float | None, bool, bool]:
+    """(sliding window: keys before the query, score cap, sandwich norms, own RoPE table) of a layer
+    (trinity.models.attention, trinity.models.layer)."""
+    core = layer.self_attention.core_attention
+    return (getattr(core, "window", None), getattr(core, "softcap", None), bool(getattr(layer, "sandwich", False)),
+            getattr(layer, "rotary", None) is not None)
+
+
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None, scale: float,
+           softcap: float | None) -> torch.Tensor:
+    """The module path's attention: q [b, heads, s, d], k/v [b, groups, keys, d], `allowed` boolean (True =
+    attend) or an additive mask; SDPA, or the capped scores of `softcapped_attention` (Gemma 2)."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    from trinity.models.attention import softcapped_attention
+
+    assert allowed is None or allowed.dtype == torch.bool
+    return softcapped_attention(q, k, v, allowed, scale, softcap)
 
 
 def _rms(x: torch.Tensor, norm: torch.nn.RMSNorm) -> torch.Tensor:
@@ -166,6 +196,15 @@ class StageDecoder:
         self.cos = torch.cos(self.freqs).to(self.dtype).view(cache_len, rot)
         self.sin = torch.sin(self.freqs).to(self.dtype).view(cache_len, rot)
         self.scale = first.softmax_scale if self.mla else (self.config.softmax_scale or self.head_dim**-0.5)
+        # per layer (Gemma's options, `_layer_options`): its RoPE table, sliding window, score cap and
+        # the norms after attention and after the MLP (identities without sandwich norms)
+        self.layer_freqs = [layer.rope_table(self.freqs) if hasattr(layer, "rope_table") else self.freqs
+                            for layer in self.layers]
+        options = [_layer_options(layer) for layer in self.layers]
+        self.windows = [o[0] for o in options]
+        self.softcaps = [o[1] for o in options]
+        self.post_norms = [(layer.post_self_attn_layernorm, layer.post_mlp_layernorm) if o[2] else (_identity, _identity)
+                           for layer, o in zip(self.layers, options)]
         self.lean = not self.mla and _lean_supported(gpt)
         # the lean path's all-reduce after each row-parallel GEMM (None at TP=1)
         self.tp_group = ps.get_tensor_model_parallel_group() if ps.get_tensor_model_parallel_world_size() > 1 else None
@@ -258,7 +297,7 @@ class StaticDecoder(StageDecoder):
         from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
 
         attn = layer.self_attention
-        freqs = self.freqs.index_select(0, slots)
+        freqs = self.layer_freqs[i].index_select(0, slots)
         if self.mla:
             q, k, v = decode_mla.qkv(attn, hidden, freqs, self.mscale)
         else:
@@ -267,18 +306,20 @@ class StaticDecoder(StageDecoder):
             k = apply_rotary_pos_emb(k, freqs, config=self.config)
         self.keys[i].index_copy_(2, slots, k.permute(1, 2, 0, 3))
         self.values[i].index_copy_(2, slots, v.permute(1, 2, 0, 3))
-        out = F.scaled_dot_product_attention(
-            q.permute(1, 2, 0, 3), self.keys[i], self.values[i], attn_mask=mask, scale=self.scale, enable_gqa=True
-        )  # [b, heads, s, d]
+        if self.windows[i] is not None:  # keys more than `window` slots before the query's are out of reach
+            mask = mask & (slots.view(1, 1, -1, 1) - self.positions.view(1, 1, 1, -1) <= self.windows[i])
+        out = attend(q.permute(1, 2, 0, 3), self.keys[i], self.values[i], mask, self.scale,
+                     self.softcaps[i])  # [b, heads, s, d]
         s, b = hidden.shape[:2]
         out, bias = attn.linear_proj(out.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.v_dim))
         return out if bias is None else out + bias
 
     def _module_forward(self, x: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         for i, layer in enumerate(self.layers):
-            x = x + self._attention(i, layer, layer.input_layernorm(x), slots, mask)
+            post_attention, post_mlp = self.post_norms[i]
+            x = x + post_attention(self._attention(i, layer, layer.input_layernorm(x), slots, mask))
             out, bias = layer.mlp(layer.pre_mlp_layernorm(x))
-            x = x + (out if bias is None else out + bias)
+            x = x + post_mlp(out if bias is None else out + bias)
         return x
 
     # ---- shared ------------------------------------------------------------------------------------

@@ -74,7 +74,9 @@ class SlotDecoder(StageDecoder):
         self.captures, self.capture_s = 0, 0.0
         from trinity.rollout import decode_attention
 
-        self.split_kv = not self.mla and decode_attention.available(
+        # Gemma's sliding windows and score caps run in the module path's masked attention (`attend`)
+        eager = any(w is not None for w in self.windows) or any(c is not None for c in self.softcaps)
+        self.split_kv = not self.mla and not eager and decode_attention.available(
             self.device, self.head_dim, self.heads // self.groups, self.dtype)
         self.attention = "triton split-KV" if self.split_kv else "sdpa"
         # a prompt's n samples each hold a copy of its keys (prefill copies them to every sample's slot); the
@@ -103,9 +105,20 @@ class SlotDecoder(StageDecoder):
     def _rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.cos.index_select(0, positions.reshape(-1)), self.sin.index_select(0, positions.reshape(-1))
 
-    def _attend_prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Causal attention of right-padded prompts: q [b, heads, s, d], k/v [b, groups, s, d]."""
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=True)
+    def _attend_prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, i: int | None = None) -> torch.Tensor:
+        """Causal attention of right-padded prompts: q [b, heads, s, d], k/v [b, groups, s, d]; layer i's
+        sliding window and score cap (module path)."""
+        window, softcap = (None, None) if i is None else (self.windows[i], self.softcaps[i])
+        if window is None and softcap is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=True)
+        from trinity.models.attention import causal_mask, outside_window
+        from trinity.rollout.decode import attend
+
+        s = q.shape[2]
+        allowed = ~causal_mask(s, device=q.device)
+        if window is not None:
+            allowed = allowed & ~outside_window(s, window, device=q.device)
+        return attend(q, k, v, allowed, self.scale, softcap)
 
     def _store_prefill(self, i: int, k: torch.Tensor, v: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy prefill rows `src` of k/v [b, groups, s, d] into slots `dst` (a prompt's n samples share it)."""
@@ -118,6 +131,13 @@ class SlotDecoder(StageDecoder):
         rope (split-KV only): q is the QKV projection [b, g, per + 2, d], and the kernel applies RoPE and
         stores this step's key and value itself (`decode_attention(rope=...)`)."""
         b, L = q.shape[0], ctx["L"]
+        if "allowed" in ctx:  # layers with a sliding window or score cap (module path)
+            from trinity.rollout.decode import attend
+
+            allowed = ctx["allowed"]
+            if self.windows[i] is not None:
+                allowed = allowed & (self.kpos[:L].view(1, 1, 1, L) >= self.pos[:b].view(b, 1, 1, 1) - self.windows[i])
+            return attend(q, self.keys[i][:b, :, :L], self.values[i][:b, :, :L], allowed, self.scale, self.softcaps[i])
         if self.split_kv:
             from trinity.rollout.decode_attention import decode_attention
 
@@ -206,7 +226,7 @@ class SlotDecoder(StageDecoder):
         else:
             kk, vv = k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3)
             self._store_prefill(i, kk, vv, ctx["src"], ctx["dst"])
-            out = self._attend_prefill(q.permute(1, 2, 0, 3), kk, vv)
+            out = self._attend_prefill(q.permute(1, 2, 0, 3), kk, vv, i)
         out, bias = attn.linear_proj(out.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.v_dim))
         return out if bias is None else out + bias
 
@@ -223,11 +243,15 @@ class SlotDecoder(StageDecoder):
             for i, layer in enumerate(self.layers):
                 x = self._lean_layer(i, layer, x, s, b, cos, sin, ctx)
             return x.view(s, b, h)
-        freqs = self.freqs.index_select(0, positions.reshape(-1)).view(s, b, 1, -1)
+        tables: dict[int, torch.Tensor] = {}  # a layer's RoPE rows at `positions`, one gather per distinct table
         for i, layer in enumerate(self.layers):
-            x = x + self._module_attention(i, layer, layer.input_layernorm(x), freqs, ctx)
+            table = self.layer_freqs[i]
+            if id(table) not in tables:
+                tables[id(table)] = table.index_select(0, positions.reshape(-1)).view(s, b, 1, -1)
+            post_attention, post_mlp = self.post_norms[i]
+            x = x + post_attention(self._module_attention(i, layer, layer.input_layernorm(x), tables[id(table)], ctx))
             out, bias = layer.mlp(layer.pre_mlp_layernorm(x))
-            x = x + (out if bias is None else out + bias)
+            x = x + post_mlp(out if bias is None else out + bias)
         return x
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
@@ -266,6 +290,8 @@ class SlotDecoder(StageDecoder):
         nkeys = torch.where(self.done[:b], torch.ones_like(pos), pos + 1) if self.split_kv else None
         prefix = (self.lead[:b], self.plen[:b]) if self.share_prefix else None
         ctx = {"decode": True, "L": L, "bias": bias, "nkeys": nkeys, "prefix": prefix}
+        if any(w is not None for w in self.windows) or any(c is not None for c in self.softcaps):
+            ctx["allowed"] = self.kpos[:L].view(1, 1, 1, L) <= pos.view(b, 1, 1, 1)  # boolean: windows narrow it
         x = self.gpt.embedding(input_ids=self.tok[:b].view(b, 1), position_ids=pos.view(b, 1)) if self.first else self.hidden[:, :b]
         x = self._layers(x, pos.view(1, b), ctx)
         return self._logits(x) if self.last else x

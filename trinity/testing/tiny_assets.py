@@ -176,11 +176,30 @@ def _deepseek_v3_config(vocab_size: int) -> Any:
                             first_k_dense_replace=1, n_group=4, topk_group=2, max_position_embeddings=1024)
 
 
+def _gemma2_config(vocab_size: int) -> Any:
+    from transformers import Gemma2Config
+
+    return Gemma2Config(vocab_size=vocab_size, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=32,
+                        sliding_window=64, max_position_embeddings=1024, tie_word_embeddings=True)
+
+
+def _gemma3_config(vocab_size: int) -> Any:
+    from transformers import Gemma3TextConfig
+
+    # 6 layers: Gemma 3's 5 sliding : 1 global pattern once
+    return Gemma3TextConfig(vocab_size=vocab_size, hidden_size=128, intermediate_size=256, num_hidden_layers=6,
+                            num_attention_heads=4, num_key_value_heads=1, head_dim=32, query_pre_attn_scalar=32,
+                            sliding_window=64, max_position_embeddings=1024, tie_word_embeddings=True)
+
+
 # `trinity tiny-assets --family NAME`: family -> the HF config of its tiny model for a vocabulary size (the
 # tiny tokenizer's, rounded up); transformers' AutoModelForCausalLM builds the model from it.
 TINY_FAMILY_CONFIGS: dict[str, Callable[[int], Any]] = {
     "deepseek_v2": _deepseek_v2_config,
     "deepseek_v3": _deepseek_v3_config,
+    "gemma2": _gemma2_config,
+    "gemma3": _gemma3_config,
 }
 
 

@@ -61,6 +61,24 @@ FAMILIES: dict[str, TinyFamily] = {
          "q_lora_rank": 24, "kv_lora_rank": 16, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16,
          "n_group": 2, "topk_group": 1, "norm_topk_prob": True, "routed_scaling_factor": 2.5, "head_dim": 8},
     ),
+    # every feature on at tiny scale: a window shorter than the test prompts + responses, soft caps
+    # that bite (scores and logits of a few units), a query_pre_attn_scalar unlike head_dim
+    "gemma2": TinyFamily(
+        "Gemma2Config", "Gemma2ForCausalLM",
+        {"sliding_window": 4, "attn_logit_softcapping": 2.0, "final_logit_softcapping": 3.0,
+         "query_pre_attn_scalar": 24, "num_hidden_layers": 3, "attention_bias": False,
+         "initializer_range": 0.1},
+    ),
+    # 6 layers of the 5:1 local:global pattern (transformers' default layer_types), q/k norms, the local
+    # RoPE base unlike the global one, linear RoPE scaling on the global layers, a window of 4; Gemma 3
+    # has no soft caps by default
+    "gemma3": TinyFamily(
+        "Gemma3TextConfig", "Gemma3ForCausalLM",
+        {"sliding_window": 4, "query_pre_attn_scalar": 24, "num_hidden_layers": 6, "attention_bias": False,
+         "initializer_range": 0.1,
+         "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 50000.0},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}}},
+    ),
 }
 
 

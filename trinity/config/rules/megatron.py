@@ -80,6 +80,9 @@ def _check_against_model(p: str, m: MegatronConfig, f: ModelFacts, problems: lis
             if name in extra and extra[name] != default:
                 problems.append(f"{p}.override_transformer_config.{name}: with DeepSeek's group-limited routing is "
                                 "not supported; leave it at its default")
+    if m.use_mbridge and f.gemma:
+        problems.append(f"{p}.use_mbridge: mbridge has no name map for {f.architecture} (sandwich norms); "
+                        "set it to false (the built-in weight map loads it)")
     if f.is_moe and m.moe_grouped_gemm and not any(
         importlib.util.find_spec(mod) for mod in ("grouped_gemm", "transformer_engine")
     ):

@@ -34,6 +34,18 @@ def norm_rules() -> list[Rule]:
     ]
 
 
+def sandwich_norm_rules() -> list[Rule]:
+    """Gemma's four norms per layer: HF's post_attention_layernorm follows attention (before the
+    residual add), pre_feedforward_layernorm is megatron's pre_mlp_layernorm."""
+    hf = "model.layers.{L}"
+    return [
+        Rule("decoder.layers.{L}.input_layernorm.weight", (f"{hf}.input_layernorm.weight",)),
+        Rule("decoder.layers.{L}.post_self_attn_layernorm.weight", (f"{hf}.post_attention_layernorm.weight",)),
+        Rule("decoder.layers.{L}.pre_mlp_layernorm.weight", (f"{hf}.pre_feedforward_layernorm.weight",)),
+        Rule("decoder.layers.{L}.post_mlp_layernorm.weight", (f"{hf}.post_feedforward_layernorm.weight",)),
+    ]
+
+
 def attention_rules(*, bias: bool, qk_norm: bool) -> list[Rule]:
     qkv = tuple(f"{_HF_ATT}.{p}_proj.weight" for p in "qkv")
     rules = [
