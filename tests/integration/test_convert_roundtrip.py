@@ -36,6 +36,8 @@ CASES = [  # family, tied embeddings (all tiny models are GQA: 4 heads, 2 KV hea
     ("qwen3", False),
     ("qwen3_moe", False),
     ("mixtral", True),
+    ("mistral", False),  # sliding window
+    ("phi3", True),  # fused qkv_proj / gate_up_proj, partial rotary, sliding window
 ]
 
 

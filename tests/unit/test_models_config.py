@@ -138,3 +138,38 @@ def test_compile_scope_reads_the_optional_block_field():
     assert compile_scope(SimpleNamespace(torch_compile="model")) == "model"
     with pytest.raises(UserError, match="torch_compile"):
         compile_scope(SimpleNamespace(torch_compile="everything"))
+
+
+def _raw(arch: str, **kw):
+    return {"architectures": [arch], "num_hidden_layers": 2, "hidden_size": 3072, "num_attention_heads": 24,
+            "num_key_value_heads": 8, "intermediate_size": 8192, "vocab_size": 200064, **kw}
+
+
+def test_sliding_window_and_partial_rotary_reach_megatron():
+    from trinity.models.build import transformer_config
+
+    mistral = ModelFacts.from_hf_dict(_raw("MistralForCausalLM", sliding_window=4096))
+    cfg = transformer_config(mistral, _namespace(), device="cpu", dtype=torch.float32)
+    assert mistral.sliding_window == 4096 and cfg.window_size == (4095, 0)  # HF's window counts the query
+    assert ModelFacts.from_hf_dict(_raw("MistralForCausalLM", sliding_window=None)).sliding_window is None
+    # Phi-4-mini: partial_rotary_factor inside rope_parameters (transformers 5) or at the top level
+    for where in ({"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.75}},
+                  {"partial_rotary_factor": 0.75}):
+        phi = ModelFacts.from_hf_dict(_raw("Phi3ForCausalLM", sliding_window=262143, **where))
+        assert phi.rotary_percent == 0.75 and phi.family == "phi3"
+        cfg = transformer_config(phi, _namespace(), device="cpu", dtype=torch.float32)
+        assert cfg.window_size == (262142, 0) and not cfg.rotary_interleaved
+
+
+@pytest.mark.parametrize("arch,extra,field", [
+    ("Phi3ForCausalLM", {"rope_scaling": {"type": "longrope", "short_factor": [1.0], "long_factor": [2.0]}},
+     "rope_scaling: type 'longrope'"),
+    ("Phi3ForCausalLM", {"rope_scaling": {"type": "su", "short_factor": [1.0], "long_factor": [2.0]}},
+     "rope_scaling: type 'su'"),
+    ("Qwen2ForCausalLM", {"use_sliding_window": True, "sliding_window": 4096}, "sliding_window 4096"),
+    ("LlamaForCausalLM", {"partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5"),
+    ("MistralForCausalLM", {"sliding_window": -1}, "sliding_window -1"),
+])
+def test_unsupported_family_features_are_refused_naming_the_field(arch, extra, field):
+    with pytest.raises(UserError, match=field):
+        ModelFacts.from_hf_dict(_raw(arch, **extra))

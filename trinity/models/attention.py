@@ -59,6 +59,23 @@ def packed_causal_mask(doc_ids: Tensor) -> Tensor:
     return ~same_doc.unsqueeze(1) | causal_mask(s, device=doc_ids.device)
 
 
+def outside_window(sq: int, window: int, sk: int | None = None, device: torch.device | str = "cpu") -> Tensor:
+    """[1, 1, sq, sk] boolean, True where a key lies more than `window` positions before its query (queries
+    are the last sq of the sk keys): what a sliding window masks on top of the causal mask."""
+    sk = sq if sk is None else sk
+    q_pos = torch.arange(sk - sq, sk, device=device).unsqueeze(1)
+    k_pos = torch.arange(sk, device=device).unsqueeze(0)
+    return (k_pos < q_pos - window).view(1, 1, sq, sk)
+
+
+def layer_window(config: TransformerConfig, layer_number: int) -> int | None:
+    """How many keys before the query a layer's attention sees (megatron-core's `window_size[0]` where
+    `window_attn_skip_freq` makes layer `layer_number`, 1-based and global, a window layer), None: all."""
+    if is_layer_window_attention(config.window_size, config.window_attn_skip_freq, layer_number):
+        return int(config.window_size[0])
+    return None
+
+
 THD_NEEDS_TE = (
     "packed_seq_params in thd format needs TransformerEngine; pass "
     "trinity.models.attention.document_packed_params(doc_ids) or a block-diagonal "
@@ -284,8 +301,10 @@ class SDPACoreAttention(MegatronModule):
             raise ValueError("context parallelism needs TransformerEngine's attention; SDPA runs CP=1")
         if config.softmax_type != "vanilla":
             raise ValueError(f"softmax_type={config.softmax_type!r} is not supported by SDPACoreAttention")
-        if is_layer_window_attention(config.window_size, config.window_attn_skip_freq, layer_number):
-            raise ValueError("sliding-window attention is not supported by SDPACoreAttention")
+        # sliding window (Mistral): a query sees itself and the `window` keys before it, in every kernel
+        self.window = layer_window(config, layer_number)
+        if self.window is not None and config.window_size[1] != 0:
+            raise ValueError(f"window_size {config.window_size}: SDPACoreAttention attends causally (right 0)")
         if pg_collection is None:
             pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"])
         self.pg_collection = pg_collection
@@ -320,8 +339,16 @@ class SDPACoreAttention(MegatronModule):
         if packed is not None and not isinstance(packed, DocumentPackedParams):
             raise ValueError(THD_NEEDS_TE)
         kernel = None
+        window = self.window
         if packed is not None:
-            if packed.doc_cu_seqlens is not None and _flash_supports(query):
+            # the varlen and flex boundaries are built once for every layer, without a window: a windowed
+            # layer takes the documents kernel or the dense mask with the window added
+            if window is not None:
+                if packed.documents is not None:
+                    kernel = "documents"
+                else:
+                    attention_mask = packed.dense_mask()
+            elif packed.doc_cu_seqlens is not None and _flash_supports(query):
                 kernel = "varlen"
             elif query.is_cuda and packed.block_mask is not None:
                 kernel = "flex"
@@ -336,8 +363,12 @@ class SDPACoreAttention(MegatronModule):
             return out.reshape(query.size(0), query.size(1), self.hidden_size_per_partition)
         dropout_p = self.dropout_p if self.training else 0.0
         if kernel == "documents":
+            docs = packed.documents
+            if window is not None:  # padded queries keep their key (the document's first token): no empty row
+                far = outside_window(docs.mask.size(-1), window, device=docs.mask.device) & docs.valid[:, None, :, None]
+                docs = DocumentBatch(docs.index, docs.valid, docs.mask & ~far)
             return self._with_dropout_rng(dropout_p, lambda: _document_attention(
-                query, key, value, packed.documents, self.softmax_scale, dropout_p))
+                query, key, value, docs, self.softmax_scale, dropout_p))
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
         sq, b, heads, d = query.shape
         sk = key.size(0)
@@ -353,6 +384,11 @@ class SDPACoreAttention(MegatronModule):
                 is_causal = True  # fast path: no mask tensor, flash kernel on CUDA
             else:
                 mask = ~causal_mask(sq, sk, device=query.device)
+            if window is not None:
+                mask = ~(causal_mask(sq, sk, device=query.device) | outside_window(sq, window, sk, device=query.device))
+                is_causal = False
+        if window is not None and attention_mask is not None:
+            mask = mask & ~outside_window(sq, window, sk, device=query.device)
         # GQA without repeating K/V. With a mask too this stays on a fused kernel: on an H100 (torch
         # 2.11, s=4096, 28/4 heads, d=128, bf16) masked fwd+bwd took 2.89 ms with enable_gqa and
         # 2.98 ms with K/V repeated; causal without a mask 1.04 ms.

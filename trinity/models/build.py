@@ -147,7 +147,9 @@ def transformer_config(
         # torch_compile, inductor fuses megatron's unfused RoPE into its neighbours, and an opaque
         # fused op there measured slower (H200, per-layer compile: 0.5B 0.097 -> 0.118 s, 1.5B
         # 0.174 -> 0.191 s per step). CPU keeps megatron's unfused reference numerics.
-        apply_rope_fusion=not on_cpu and compile_scope(megatron) == "none" and rope.install(),
+        # (our fused RoPE rotates halves, not interleaved pairs: GLM-4 keeps megatron's unfused RoPE)
+        apply_rope_fusion=not on_cpu and compile_scope(megatron) == "none" and not facts.rotary_interleaved
+        and rope.install(),
         bias_activation_fusion=not on_cpu,
         bias_dropout_fusion=not on_cpu,
         gradient_accumulation_fusion=False,
@@ -156,6 +158,11 @@ def transformer_config(
         moe_router_fusion=False,
         cross_entropy_loss_fusion=False,
     )
+    if facts.sliding_window is not None:
+        # megatron's (left, right) window: HF's window counts the query itself
+        kwargs.update(window_size=(facts.sliding_window - 1, 0))
+    if facts.rotary_percent != 1.0 or facts.rotary_interleaved:
+        kwargs.update(rotary_interleaved=facts.rotary_interleaved)
     if facts.is_moe:
         kwargs.update(
             num_moe_experts=facts.num_experts,
@@ -169,6 +176,10 @@ def transformer_config(
             moe_grouped_gemm=bool(megatron.moe_grouped_gemm),
             moe_layer_recompute=bool(megatron.moe_layer_recompute),
         )
+        if facts.shared_expert_ffn_hidden_size:
+            # Qwen2-MoE: a shared expert on every token, scaled by sigmoid(gate . x)
+            kwargs.update(moe_shared_expert_intermediate_size=facts.shared_expert_ffn_hidden_size,
+                          moe_shared_expert_gate=True)
     kwargs.update(_recompute_kwargs(override))
     extra = dict(override.extra_fields())
     known = set(TransformerConfig.__dataclass_fields__)
@@ -297,6 +308,7 @@ def build_model(
             share_embeddings_and_output_weights=tied,
             position_embedding_type="rope",
             rotary_base=facts.rope_theta,
+            rotary_percent=facts.rotary_percent,
             vp_stage=vp_stage,
             **_rope_scaling_kwargs(facts),
         )

@@ -24,6 +24,16 @@ class ArchitectureInfo:
     qk_norm: bool = False  # Qwen3: RMSNorm on q and k per head
     qkv_bias: bool | None = None  # None: read `attention_bias` from the config (Llama)
     moe: bool = False
+    # Reads `sliding_window` (None: full attention); the window is megatron-core's `window_size` in
+    # training and a windowed mask in the rollout decoders (Mistral, Mixtral, Phi-3).
+    sliding_window: bool = False
+    # Reads `partial_rotary_factor` (top level or in rope_parameters): RoPE on the first fraction of
+    # each head's features, megatron-core's `rotary_percent` (Phi-3/4, GLM-4).
+    partial_rotary: bool = False
+    rotary_interleaved: bool = False  # RoPE rotates adjacent feature pairs (GLM-4), megatron's rotary_interleaved
+    shared_expert: bool = False  # MoE layers add a shared expert with a sigmoid gate (Qwen2-MoE)
+    # RMSNorm after the attention block and after the MLP, before each residual add (GLM-4).
+    post_block_norms: bool = False
 
 
 # HF `architectures[0]` -> family facts. Adding an architecture means one row here and one weight-map
@@ -33,8 +43,14 @@ SUPPORTED_ARCHITECTURES: dict[str, ArchitectureInfo] = {
     "Qwen2ForCausalLM": ArchitectureInfo(family="qwen2", qkv_bias=True),
     "Qwen3ForCausalLM": ArchitectureInfo(family="qwen3", qk_norm=True, qkv_bias=False),
     "Qwen3MoeForCausalLM": ArchitectureInfo(family="qwen3_moe", qk_norm=True, qkv_bias=False, moe=True),
-    "MixtralForCausalLM": ArchitectureInfo(family="mixtral", qkv_bias=False, moe=True),
+    "MixtralForCausalLM": ArchitectureInfo(family="mixtral", qkv_bias=False, moe=True, sliding_window=True),
+    "MistralForCausalLM": ArchitectureInfo(family="mistral", qkv_bias=False, sliding_window=True),
+    "Phi3ForCausalLM": ArchitectureInfo(family="phi3", qkv_bias=False, sliding_window=True, partial_rotary=True),
+    "Qwen2MoeForCausalLM": ArchitectureInfo(family="qwen2_moe", qkv_bias=True, moe=True, shared_expert=True),
 }
+
+# rope_scaling types megatron-core computes exactly (trinity.models.build refuses other parameters).
+SUPPORTED_ROPE_SCALING = ("llama3",)
 
 
 def supported_list() -> str:
@@ -91,6 +107,11 @@ class ModelFacts:
     moe_norm_topk_prob: bool = True
     hidden_act: str = "silu"
     rope_scaling: dict[str, Any] | None = field(default=None, compare=False)
+    sliding_window: int | None = None  # a token attends to itself and the window - 1 tokens before it
+    rotary_percent: float = 1.0  # fraction of a head's features that RoPE rotates
+    rotary_interleaved: bool = False
+    shared_expert_ffn_hidden_size: int | None = None  # MoE: the shared expert's width (None: none)
+    post_block_norms: bool = False
     torch_dtype: str | None = None
     source: str = ""  # the config.json this was read from
 
@@ -140,15 +161,43 @@ class ModelFacts:
         rope_theta = float(raw.get("rope_theta") or rope_params.get("rope_theta") or 10000.0)
         rope_type = rope_params.get("rope_type", "default")
         rope_scaling = raw.get("rope_scaling") or (rope_params if rope_type != "default" else None)
+        if rope_scaling:
+            kind = rope_scaling.get("rope_type") or rope_scaling.get("type")
+            if kind not in SUPPORTED_ROPE_SCALING:
+                raise UserError(
+                    f"{source}: rope_scaling: type {kind!r} is not supported for {arch} (megatron-core computes "
+                    f"{', '.join(SUPPORTED_ROPE_SCALING)} only); use a checkpoint without it"
+                )
         qkv_bias = info.qkv_bias if info.qkv_bias is not None else bool(raw.get("attention_bias", False))
+        window = _sliding_window(raw, info, arch, source)
+        rotary_percent = 1.0
+        factor = raw.get("partial_rotary_factor", rope_params.get("partial_rotary_factor"))
+        if factor is not None and float(factor) != 1.0:
+            if not info.partial_rotary:
+                raise UserError(f"{source}: partial_rotary_factor {factor} is not supported for {arch}")
+            rotary_percent = float(factor)
+            if float(head_dim * rotary_percent) != int(head_dim * rotary_percent) or int(head_dim * rotary_percent) % 2:
+                raise UserError(
+                    f"{source}: partial_rotary_factor {factor} of head_dim {head_dim} is not an even number of features"
+                )
 
-        num_experts = moe_ffn = topk = None
+        num_experts = moe_ffn = topk = shared_ffn = None
         if info.moe:
             num_experts = int(raw.get("num_local_experts") or raw.get("num_experts") or 0) or None
             if num_experts is None:
                 raise UserError(f"{source}: MoE architecture {arch} without num_experts/num_local_experts")
             moe_ffn = int(raw.get("moe_intermediate_size") or need("intermediate_size"))
             topk = int(need("num_experts_per_tok"))
+            # Qwen-MoE configs may make some layers dense; every layer of our spec is alike
+            sparse_step, dense_layers = raw.get("decoder_sparse_step"), raw.get("mlp_only_layers")
+            if sparse_step not in (None, 1):
+                raise UserError(f"{source}: decoder_sparse_step {sparse_step} is not supported (every layer MoE: 1)")
+            if dense_layers:
+                raise UserError(f"{source}: mlp_only_layers {dense_layers} is not supported (every layer MoE: [])")
+            if info.shared_expert:
+                shared_ffn = int(need("shared_expert_intermediate_size"))
+                if shared_ffn <= 0:
+                    raise UserError(f"{source}: shared_expert_intermediate_size {shared_ffn} must be positive")
         return cls(
             architecture=arch,
             family=info.family,
@@ -172,6 +221,11 @@ class ModelFacts:
             moe_norm_topk_prob=bool(raw.get("norm_topk_prob", True)) if info.moe else True,
             hidden_act=str(raw.get("hidden_act", "silu")),
             rope_scaling=rope_scaling,
+            sliding_window=window,
+            rotary_percent=rotary_percent,
+            rotary_interleaved=info.rotary_interleaved,
+            shared_expert_ffn_hidden_size=shared_ffn,
+            post_block_norms=info.post_block_norms,
             torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
             source=source,
         )
@@ -185,8 +239,25 @@ class ModelFacts:
         attn += 2 * self.head_dim if self.qk_norm else 0
         if self.is_moe:
             mlp = self.num_experts * 3 * h * self.moe_ffn_hidden_size + h * self.num_experts
+            if self.shared_expert_ffn_hidden_size:
+                mlp += 3 * h * self.shared_expert_ffn_hidden_size + h  # shared expert and its gate
         else:
             mlp = 3 * h * self.ffn_hidden_size
-        norms = 2 * h
+        norms = (4 if self.post_block_norms else 2) * h
         embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return L * (attn + mlp + norms) + embed + h
+
+
+def _sliding_window(raw: dict[str, Any], info: ArchitectureInfo, arch: str, source: str) -> int | None:
+    """The attention window of a config that uses one (None: full attention); UserError naming the field
+    where the family's window is not implemented."""
+    window = raw.get("sliding_window")
+    if "use_sliding_window" in raw and not raw["use_sliding_window"]:
+        window = None  # Qwen2-style configs carry a window they only use when asked to
+    if not window:
+        return None
+    if not info.sliding_window:
+        raise UserError(f"{source}: sliding_window {window} is not supported for {arch}; set it to null")
+    if int(window) < 1:
+        raise UserError(f"{source}: sliding_window {window} must be a positive number of tokens or null")
+    return int(window)

@@ -154,6 +154,10 @@ class StageDecoder:
         self.cos = torch.cos(self.freqs).to(self.dtype).view(cache_len, rot)
         self.sin = torch.sin(self.freqs).to(self.dtype).view(cache_len, rot)
         self.scale = self.config.softmax_scale or self.head_dim**-0.5
+        from trinity.models.attention import layer_window
+
+        # sliding-window layers (Mistral): how many keys before the query each layer sees (None: all)
+        self.windows = [layer_window(self.config, layer.layer_number) for layer in self.layers]
         self.lean = _lean_supported(gpt)
         # the lean path's all-reduce after each row-parallel GEMM (None at TP=1)
         self.tp_group = ps.get_tensor_model_parallel_group() if ps.get_tensor_model_parallel_world_size() > 1 else None
@@ -228,17 +232,22 @@ class StaticDecoder(StageDecoder):
         gate, value = torch.chunk(up, 2, dim=-1)
         return self._row_parallel_add(x, F.silu(gate) * value, mlp.linear_fc2)
 
-    def _lean_forward(self, x: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def _lean_forward(self, x: torch.Tensor, slots: torch.Tensor, masks: list[torch.Tensor]) -> torch.Tensor:
         s, b, h = x.shape
         per = self.heads // self.groups
         cos = self.cos.index_select(0, slots).view(s, 1, 1, 1, -1)
         sin = self.sin.index_select(0, slots).view(s, 1, 1, 1, -1)
-        # additive mask once per call for every layer: [b, 1, per*s, keys], rows in (head, query) order
-        bias = torch.zeros(mask.shape, dtype=self.dtype, device=self.device).masked_fill_(~mask, float("-inf"))
-        bias = bias.unsqueeze(2).expand(b, 1, per, s, mask.shape[-1]).reshape(b, 1, per * s, mask.shape[-1])
+        # additive mask once per call for every layer with that mask: [b, 1, per*s, keys], rows in
+        # (head, query) order
+        biases: dict[int, torch.Tensor] = {}
+        for mask in masks:
+            if id(mask) not in biases:
+                bias = torch.zeros(mask.shape, dtype=self.dtype, device=self.device).masked_fill_(~mask, float("-inf"))
+                biases[id(mask)] = bias.unsqueeze(2).expand(b, 1, per, s, mask.shape[-1]).reshape(
+                    b, 1, per * s, mask.shape[-1])
         x = self._residual_stream(x)
         for i, layer in enumerate(self.layers):
-            x = self._lean_layer(i, layer, x, s, slots, cos, sin, bias)
+            x = self._lean_layer(i, layer, x, s, slots, cos, sin, biases[id(masks[i])])
         return x.view(s, b, h)
 
     # ---- the module path -----------------------------------------------------------------------
@@ -259,9 +268,9 @@ class StaticDecoder(StageDecoder):
         out, bias = attn.linear_proj(out.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.head_dim))
         return out if bias is None else out + bias
 
-    def _module_forward(self, x: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def _module_forward(self, x: torch.Tensor, slots: torch.Tensor, masks: list[torch.Tensor]) -> torch.Tensor:
         for i, layer in enumerate(self.layers):
-            x = x + self._attention(i, layer, layer.input_layernorm(x), slots, mask)
+            x = x + self._attention(i, layer, layer.input_layernorm(x), slots, masks[i])
             out, bias = layer.mlp(layer.pre_mlp_layernorm(x))
             x = x + (out if bias is None else out + bias)
         return x
@@ -275,12 +284,16 @@ class StaticDecoder(StageDecoder):
         k_pos = self.positions.view(1, 1, 1, -1)
         q_pos = slots.view(1, 1, -1, 1)
         mask = (k_pos <= q_pos) & (self.valid.view(self.valid.shape[0], 1, 1, -1) | (k_pos == q_pos))
+        # a window layer's keys: the query's own slot and the `window` before it (left padding only
+        # precedes a row's tokens, so slot distance is token distance)
+        windowed = {w: mask & (k_pos >= q_pos - w) for w in set(self.windows) if w is not None}
+        masks = [mask if w is None else windowed[w] for w in self.windows]
         if self.first:
             x = self.gpt.embedding(input_ids=tokens, position_ids=slots.unsqueeze(0).expand_as(tokens))
         else:
             assert hidden is not None, "a non-first pipeline stage needs the previous stage's hidden states"
             x = hidden
-        x = self._lean_forward(x, slots, mask) if self.lean else self._module_forward(x, slots, mask)
+        x = self._lean_forward(x, slots, masks) if self.lean else self._module_forward(x, slots, masks)
         if not self.last:
             return x
         x = self.gpt.decoder.final_layernorm(x[-1:])

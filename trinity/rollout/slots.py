@@ -73,7 +73,9 @@ class SlotDecoder(StageDecoder):
         self.captures, self.capture_s = 0, 0.0
         from trinity.rollout import decode_attention
 
-        self.split_kv = decode_attention.available(self.device, self.head_dim, self.heads // self.groups, self.dtype)
+        # the split-KV kernel reads every key up to a row's position: sliding-window layers take SDPA
+        self.split_kv = all(w is None for w in self.windows) and decode_attention.available(
+            self.device, self.head_dim, self.heads // self.groups, self.dtype)
         self.attention = "triton split-KV" if self.split_kv else "sdpa"
         # a prompt's n samples each hold a copy of its keys (prefill copies them to every sample's slot); the
         # split-KV kernel reads one copy for all of them, so that neighbouring programs share it in L2
@@ -101,9 +103,17 @@ class SlotDecoder(StageDecoder):
     def _rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.cos.index_select(0, positions.reshape(-1)), self.sin.index_select(0, positions.reshape(-1))
 
-    def _attend_prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Causal attention of right-padded prompts: q [b, heads, s, d], k/v [b, groups, s, d]."""
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=True)
+    def _attend_prefill(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention of right-padded prompts: q [b, heads, s, d], k/v [b, groups, s, d] (layer i's
+        sliding window, if it has one)."""
+        window = self.windows[i]
+        if window is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=True)
+        from trinity.models.attention import causal_mask, outside_window
+
+        s = q.shape[2]
+        attend = ~(causal_mask(s, device=q.device) | outside_window(s, window, device=q.device))
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attend, scale=self.scale, enable_gqa=True)
 
     def _store_prefill(self, i: int, k: torch.Tensor, v: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy prefill rows `src` of k/v [b, groups, s, d] into slots `dst` (a prompt's n samples share it)."""
@@ -123,7 +133,7 @@ class SlotDecoder(StageDecoder):
             return decode_attention(q, self.keys[i], self.values[i], ctx["nkeys"], L, self.scale, rope=table,
                                     prefix=ctx["prefix"])
         return F.scaled_dot_product_attention(q, self.keys[i][:b, :, :L], self.values[i][:b, :, :L],
-                                              attn_mask=ctx["bias"], scale=self.scale)
+                                              attn_mask=ctx["bias"][self.windows[i]], scale=self.scale)
 
     def _fused_decode(self, ctx: dict) -> bool:
         """A decode step of lean layers with the fused kernels (RoPE and the cache store in a kernel)."""
@@ -163,7 +173,7 @@ class SlotDecoder(StageDecoder):
             kk, vv = k.squeeze(3).permute(1, 2, 0, 3), v.permute(1, 2, 0, 3)  # [b, g, s, d]
             self._store_prefill(i, kk, vv, ctx["src"], ctx["dst"])
             qq = q.permute(1, 2, 3, 0, 4).reshape(b, g * per, s, d)
-            out = self._attend_prefill(qq, kk, vv).permute(2, 0, 1, 3).reshape(s * b, g * per * d)
+            out = self._attend_prefill(i, qq, kk, vv).permute(2, 0, 1, 3).reshape(s * b, g * per * d)
         return self._lean_rest(layer, x, out)
 
     def _lean_rest(self, layer: Any, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -201,7 +211,7 @@ class SlotDecoder(StageDecoder):
         else:
             kk, vv = k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3)
             self._store_prefill(i, kk, vv, ctx["src"], ctx["dst"])
-            out = self._attend_prefill(q.permute(1, 2, 0, 3), kk, vv)
+            out = self._attend_prefill(i, q.permute(1, 2, 0, 3), kk, vv)
         out, bias = attn.linear_proj(out.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.head_dim))
         return out if bias is None else out + bias
 
@@ -256,8 +266,12 @@ class SlotDecoder(StageDecoder):
     def _step(self, b: int, L: int) -> torch.Tensor:
         pos = self.pos[:b]
         # additive mask: a row attends to its positions 0..pos (written by its prefill and earlier steps)
-        bias = None if self.split_kv else torch.zeros(b, 1, 1, L, dtype=self.dtype, device=self.device).masked_fill_(
-            (self.kpos[:L].view(1, 1, 1, L) > pos.view(b, 1, 1, 1)), float("-inf"))
+        # (a sliding-window layer's: also the keys more than its window before pos)
+        bias = None
+        if not self.split_kv:
+            kpos, at = self.kpos[:L].view(1, 1, 1, L), pos.view(b, 1, 1, 1)
+            bias = {w: torch.zeros(b, 1, 1, L, dtype=self.dtype, device=self.device).masked_fill_(
+                (kpos > at) if w is None else (kpos > at) | (kpos < at - w), float("-inf")) for w in set(self.windows)}
         nkeys = torch.where(self.done[:b], torch.ones_like(pos), pos + 1) if self.split_kv else None
         prefix = (self.lead[:b], self.plen[:b]) if self.share_prefix else None
         ctx = {"decode": True, "L": L, "bias": bias, "nkeys": nkeys, "prefix": prefix}

@@ -47,6 +47,17 @@ FAMILIES: dict[str, TinyFamily] = {
         "MixtralConfig", "MixtralForCausalLM",
         {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None},
     ),
+    # Qwen1.5-MoE's routing (norm_topk_prob False: top-k of the full softmax) and its gated shared expert
+    "qwen2_moe": TinyFamily(
+        "Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+        {**_MOE, "num_experts": 4, "norm_topk_prob": False, "shared_expert_intermediate_size": 48,
+         "decoder_sparse_step": 1, "mlp_only_layers": [], "use_sliding_window": False},
+    ),
+    # a window shorter than the tests' sequences, so that a decoder or mask ignoring it changes tokens
+    "mistral": TinyFamily("MistralConfig", "MistralForCausalLM", {"sliding_window": 4}),
+    # Phi-4-mini's partial rotary (0.75 of each head) and a window, fused qkv_proj / gate_up_proj
+    "phi3": TinyFamily("Phi3Config", "Phi3ForCausalLM", {"partial_rotary_factor": 0.75, "sliding_window": 5, "pad_token_id": 0, "bos_token_id": 1,
+                                                         "eos_token_id": 2}),
 }
 
 
