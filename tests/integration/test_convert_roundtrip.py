@@ -38,6 +38,7 @@ CASES = [  # family, tied embeddings (all tiny models are GQA: 4 heads, 2 KV hea
     ("mixtral", True),
     ("mistral", False),  # sliding window
     ("phi3", True),  # fused qkv_proj / gate_up_proj, partial rotary, sliding window
+    ("qwen2_moe", False),  # gated shared expert, norm_topk_prob False
 ]
 
 

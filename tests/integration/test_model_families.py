@@ -4,7 +4,7 @@ training rows with sliding windows, a few SFT steps; TP=2 and PP=2 logits agains
 Logits and the bit-exact round trip at TP=1 are test_convert_roundtrip.py's CASES; refusals are in
 tests/unit/test_models_config.py. Each tiny model (trinity.testing.tiny_models) has the family's
 features switched on at sizes the tests' sequences exceed: Mistral a 4-token window, Phi-3 a 5-token
-window and 0.75 partial rotary."""
+window and 0.75 partial rotary, Qwen2-MoE a gated shared expert and top-k of the full softmax."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from trinity.distributed.layout import ParallelLayout
 from trinity.models.facts import ModelFacts
 from trinity.testing.tiny_models import make_tiny_hf_model
 
-FAMILIES = ["mistral", "phi3"]
+FAMILIES = ["mistral", "phi3", "qwen2_moe"]
 PROMPTS = [[5, 9, 17, 3, 44, 2, 8, 11], [7, 1], [100, 12, 8, 60]]
 NEW = 8
 
@@ -121,7 +121,8 @@ def test_packed_rows_see_their_window_and_sft_steps_lower_the_loss(tp1, tiny, fa
 
 
 def _two_rank_logits(rank: int, port: int, paths: dict, want: dict) -> None:
-    """TP=2, then PP=2 (a stage's hidden states sent over gloo), logits of each family against HF's."""
+    """TP=2, PP=2 (a stage's hidden states sent over gloo) and, for MoE families, EP=2: logits of each
+    family against HF's."""
     import os
 
     import torch.distributed as dist
@@ -137,10 +138,13 @@ def _two_rank_logits(rank: int, port: int, paths: dict, want: dict) -> None:
     b, s = tokens.shape
     pos = torch.arange(s).expand(b, s)
     # init_parallel again (without destroy in between) re-forms megatron's groups over the same ranks
-    for layout in (ParallelLayout(tp=2), ParallelLayout(pp=2)):
+    for layout in (ParallelLayout(tp=2), ParallelLayout(pp=2), ParallelLayout(ep=2)):
         init_parallel(device="cpu", layout=layout, seed=5, timeout_s=120)
-        block = MegatronConfig(tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp)
+        block = MegatronConfig(tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
+                               expert_model_parallel_size=layout.ep)
         for family, path in paths.items():
+            if layout.ep > 1 and not ModelFacts.from_hf_dir(path).is_moe:
+                continue
             (gpt,), facts = _loaded(path, block)
             gpt.eval()
             with torch.no_grad():

@@ -191,7 +191,7 @@ def test_registry_has_every_family_and_both_norm_spellings():
 
 
 def test_unknown_family_lists_supported():
-    with pytest.raises(UserError, match="supported: llama, mistral, mixtral, phi3, qwen2, qwen3, qwen3_moe"):
+    with pytest.raises(UserError, match="supported: llama, mistral, mixtral, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe"):
         weight_map("gpt2")
 
 
