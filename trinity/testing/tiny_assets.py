@@ -1,4 +1,5 @@
-"""Locally made tiny assets for the quickstart and tests: tokenizer, arithmetic task, Qwen2 model.
+"""Locally made tiny assets for the quickstart and tests: tokenizer, arithmetic task, Qwen2 model (or a
+tiny model of another supported family: `trinity tiny-assets --family NAME`).
 
 Nothing here touches the network. The task ("12+7=" -> "19", "3-8=" -> "-5") is small enough for a
 ~0.6M-parameter model to learn on CPU in minutes, and has exact answers for RL rewards.
@@ -11,10 +12,14 @@ short. It round-trips any UTF-8 text exactly.
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 import shutil
 from pathlib import Path
+from typing import Any, Callable
+
+from trinity.testing.tiny_models import FAMILIES, tiny_hf_config, tiny_hf_model
 
 EOS_TOKEN = "<|endoftext|>"
 SPECIAL_TOKENS = (EOS_TOKEN, "<|im_start|>", "<|im_end|>")
@@ -153,8 +158,43 @@ def make_tiny_qwen2(
     return out
 
 
-def make_quickstart_assets(out_dir: str | Path, *, seed: int = 0) -> dict[str, Path]:
-    """Tokenizer + tiny Qwen2 in out_dir/model, arithmetic data in out_dir/data; returns their paths.
+QUICKSTART_FAMILY = "qwen2"
+# Family name -> factory of its tiny transformers config (keyword overrides: vocabulary, sizes, token ids);
+# every family trinity converts has one (tests/unit/test_data_tiny_assets.py checks).
+TINY_FAMILY_CONFIGS: dict[str, Callable[..., Any]] = {
+    name: functools.partial(tiny_hf_config, name) for name in FAMILIES
+}
+
+
+def make_tiny_family_model(out_dir: str | Path, tokenizer_dir: str | Path, family: str, *, seed: int = 0) -> Path:
+    """A random-init model of `family` at the quickstart model's size, for the tiny tokenizer, saved with it
+    (the quickstart's own Qwen2 for "qwen2"). The family's features stay on (e.g. Mistral's short window)."""
+    if family == QUICKSTART_FAMILY:
+        return make_tiny_qwen2(out_dir, tokenizer_dir, seed=seed)
+    if family not in TINY_FAMILY_CONFIGS:
+        raise ValueError(f"unknown family {family!r}; one of {sorted(TINY_FAMILY_CONFIGS)}")
+    from transformers import AutoTokenizer, GenerationConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), trust_remote_code=False)
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    config = TINY_FAMILY_CONFIGS[family](
+        vocab_size=-(-len(tokenizer) // 64) * 64, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+        head_dim=32, max_position_embeddings=1024, tie_word_embeddings=True, bos_token_id=tokenizer.eos_token_id,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )
+    model = tiny_hf_model(config, seed=seed)
+    model.generation_config = GenerationConfig(
+        eos_token_id=[tokenizer.eos_token_id, im_end], pad_token_id=tokenizer.pad_token_id
+    )
+    out = Path(out_dir)
+    model.save_pretrained(str(out), safe_serialization=True)
+    tokenizer.save_pretrained(str(out))
+    return out
+
+
+def make_quickstart_assets(out_dir: str | Path, *, seed: int = 0, family: str = QUICKSTART_FAMILY) -> dict[str, Path]:
+    """Tokenizer + tiny model (Qwen2, or `family`'s) in out_dir/model, arithmetic data in out_dir/data;
+    returns their paths.
 
     Idempotent: when out_dir/assets.json (written last) records the same seed and task, nothing is
     redone. Each part is made
@@ -168,7 +208,7 @@ def make_quickstart_assets(out_dir: str | Path, *, seed: int = 0) -> dict[str, P
         "rl_prompts": out / "data" / "rl_prompts.jsonl",
     }
     marker = out / COMPLETE_MARKER
-    recipe = {"seed": seed, "max_operand": DEFAULT_MAX_OPERAND}
+    recipe = {"seed": seed, "max_operand": DEFAULT_MAX_OPERAND, "family": family}
     if marker.is_file() and all(p.exists() for p in paths.values()):
         if {k: v for k, v in json.loads(marker.read_text()).items() if k in recipe} == recipe:
             return paths
@@ -177,7 +217,7 @@ def make_quickstart_assets(out_dir: str | Path, *, seed: int = 0) -> dict[str, P
     tmp_model, tmp_tokenizer = out / "model.tmp", out / "tokenizer.tmp"
     for tmp in (tmp_model, tmp_tokenizer):
         shutil.rmtree(tmp, ignore_errors=True)
-    make_tiny_qwen2(tmp_model, make_tiny_tokenizer(tmp_tokenizer), seed=seed)
+    make_tiny_family_model(tmp_model, make_tiny_tokenizer(tmp_tokenizer), family, seed=seed)
     shutil.rmtree(tmp_tokenizer)
     shutil.rmtree(paths["model"], ignore_errors=True)
     tmp_model.rename(paths["model"])

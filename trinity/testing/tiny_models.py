@@ -61,22 +61,38 @@ FAMILIES: dict[str, TinyFamily] = {
 }
 
 
-def make_tiny_hf_model(
-    family: str, out_dir: str | Path, *, seed: int = 0, tie_word_embeddings: bool = False, **config_overrides: Any
-) -> Path:
-    """Write a random-weight HF causal LM of `family` to `out_dir` and return that path."""
-    import torch
+def tiny_hf_config(family: str, **config_overrides: Any) -> Any:
+    """The transformers config of a tiny `family` model (the shared shape, the family's features switched
+    on, then `config_overrides`)."""
     import transformers
 
     if family not in FAMILIES:
         raise ValueError(f"unknown tiny family {family!r}; one of {sorted(FAMILIES)}")
     spec = FAMILIES[family]
-    kwargs = {**_BASE, **spec.defaults, "tie_word_embeddings": tie_word_embeddings, **config_overrides}
+    kwargs = {**_BASE, **spec.defaults, **config_overrides}
     if "moe_intermediate_size" in kwargs and family == "mixtral":
         kwargs.pop("moe_intermediate_size", None)  # Mixtral experts use intermediate_size
-    config = getattr(transformers, spec.config_class)(**kwargs)
+    return getattr(transformers, spec.config_class)(**kwargs)
+
+
+def tiny_hf_model(config: Any, *, seed: int = 0) -> Any:
+    """A random-weight fp32 model of `config` (a tiny_hf_config)."""
+    import torch
+    import transformers
+
+    spec = next(f for f in FAMILIES.values() if f.config_class == type(config).__name__)
     torch.manual_seed(seed)
-    model = getattr(transformers, spec.model_class)(config).to(torch.float32)
+    return getattr(transformers, spec.model_class)(config).to(torch.float32)
+
+
+def make_tiny_hf_model(
+    family: str, out_dir: str | Path, *, seed: int = 0, tie_word_embeddings: bool = False, **config_overrides: Any
+) -> Path:
+    """Write a random-weight HF causal LM of `family` to `out_dir` and return that path."""
+    import torch
+
+    config = tiny_hf_config(family, tie_word_embeddings=tie_word_embeddings, **config_overrides)
+    model = tiny_hf_model(config, seed=seed)
     # Random init gives near-zero norms' deviation from 1; perturb every parameter so that a wrong
     # weight mapping (e.g. swapped norms) changes the logits.
     with torch.no_grad():
