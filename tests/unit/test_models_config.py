@@ -173,3 +173,12 @@ def test_sliding_window_and_partial_rotary_reach_megatron():
 def test_unsupported_family_features_are_refused_naming_the_field(arch, extra, field):
     with pytest.raises(UserError, match=field):
         ModelFacts.from_hf_dict(_raw(arch, **extra))
+
+
+def test_mbridge_is_refused_for_families_it_has_no_bridge_for(tmp_path):
+    from trinity.convert.api import hf_to_mcore
+    from trinity.testing.tiny_models import make_tiny_hf_model
+
+    src = make_tiny_hf_model("mistral", tmp_path / "hf")
+    with pytest.raises(UserError, match="--backend mbridge: mbridge 0.15.1 has no bridge for MistralForCausalLM"):
+        hf_to_mcore(str(src), str(tmp_path / "out"), backend="mbridge", dtype="fp32", device="cpu")

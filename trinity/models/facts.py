@@ -34,6 +34,7 @@ class ArchitectureInfo:
     shared_expert: bool = False  # MoE layers add a shared expert with a sigmoid gate (Qwen2-MoE)
     # RMSNorm after the attention block and after the MLP, before each residual add (GLM-4).
     post_block_norms: bool = False
+    mbridge: bool = True  # mbridge 0.15.1 has a bridge for it (`--backend mbridge`, `use_mbridge`)
 
 
 # HF `architectures[0]` -> family facts. Adding an architecture means one row here and one weight-map
@@ -44,8 +45,10 @@ SUPPORTED_ARCHITECTURES: dict[str, ArchitectureInfo] = {
     "Qwen3ForCausalLM": ArchitectureInfo(family="qwen3", qk_norm=True, qkv_bias=False),
     "Qwen3MoeForCausalLM": ArchitectureInfo(family="qwen3_moe", qk_norm=True, qkv_bias=False, moe=True),
     "MixtralForCausalLM": ArchitectureInfo(family="mixtral", qkv_bias=False, moe=True, sliding_window=True),
-    "MistralForCausalLM": ArchitectureInfo(family="mistral", qkv_bias=False, sliding_window=True),
-    "Phi3ForCausalLM": ArchitectureInfo(family="phi3", qkv_bias=False, sliding_window=True, partial_rotary=True),
+    "MistralForCausalLM": ArchitectureInfo(family="mistral", qkv_bias=False, sliding_window=True, mbridge=False),
+    "Phi3ForCausalLM": ArchitectureInfo(
+        family="phi3", qkv_bias=False, sliding_window=True, partial_rotary=True, mbridge=False
+    ),
     "Qwen2MoeForCausalLM": ArchitectureInfo(family="qwen2_moe", qkv_bias=True, moe=True, shared_expert=True),
 }
 
@@ -261,3 +264,10 @@ def _sliding_window(raw: dict[str, Any], info: ArchitectureInfo, arch: str, sour
     if int(window) < 1:
         raise UserError(f"{source}: sliding_window {window} must be a positive number of tokens or null")
     return int(window)
+
+
+def mbridge_refusal(facts: "ModelFacts") -> str | None:
+    """Why mbridge cannot convert this model (None: it can)."""
+    if SUPPORTED_ARCHITECTURES[facts.architecture].mbridge:
+        return None
+    return f"mbridge 0.15.1 has no bridge for {facts.architecture}; use the builtin converter"
