@@ -26,6 +26,7 @@ FAMILIES = {
     "mistral": {"sliding_window": 32},
     "phi3": {"sliding_window": 48},
     "qwen2_moe": {"moe_intermediate_size": 256, "shared_expert_intermediate_size": 512},
+    "glm4": {},
 }
 SEQ = 256
 

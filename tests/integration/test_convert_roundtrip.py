@@ -39,6 +39,7 @@ CASES = [  # family, tied embeddings (all tiny models are GQA: 4 heads, 2 KV hea
     ("mistral", False),  # sliding window
     ("phi3", True),  # fused qkv_proj / gate_up_proj, partial rotary, sliding window
     ("qwen2_moe", False),  # gated shared expert, norm_topk_prob False
+    ("glm4", False),  # interleaved partial rotary, fused gate_up_proj, post-block norms
 ]
 
 
@@ -229,7 +230,7 @@ def test_unsupported_architecture(tmp_path):
     cfg = json.loads((src / "config.json").read_text())
     cfg["architectures"] = ["GPT2LMHeadModel"]
     (src / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(UserError, match=r"config.json: architecture 'GPT2LMHeadModel' is not supported; supported: Llama"):
+    with pytest.raises(UserError, match=r"config.json: architecture 'GPT2LMHeadModel' is not supported; supported: .*LlamaForCausalLM"):
         hf_to_mcore(str(src), str(tmp_path / "out"))
     _no_output(tmp_path)
 

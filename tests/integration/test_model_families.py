@@ -4,7 +4,8 @@ training rows with sliding windows, a few SFT steps; TP=2 and PP=2 logits agains
 Logits and the bit-exact round trip at TP=1 are test_convert_roundtrip.py's CASES; refusals are in
 tests/unit/test_models_config.py. Each tiny model (trinity.testing.tiny_models) has the family's
 features switched on at sizes the tests' sequences exceed: Mistral a 4-token window, Phi-3 a 5-token
-window and 0.75 partial rotary, Qwen2-MoE a gated shared expert and top-k of the full softmax."""
+window and 0.75 partial rotary, Qwen2-MoE a gated shared expert and top-k of the full softmax, GLM-4
+interleaved RoPE on half of each head and post-block norms."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from trinity.distributed.layout import ParallelLayout
 from trinity.models.facts import ModelFacts
 from trinity.testing.tiny_models import make_tiny_hf_model
 
-FAMILIES = ["mistral", "phi3", "qwen2_moe"]
+FAMILIES = ["mistral", "phi3", "qwen2_moe", "glm4"]
 PROMPTS = [[5, 9, 17, 3, 44, 2, 8, 11], [7, 1], [100, 12, 8, 60]]
 NEW = 8
 
@@ -170,3 +171,36 @@ def test_tp2_and_pp2_logits_equal_hf(tiny):
     tokens = random_tokens(128)
     want = {f: hf_logits(p, tokens) for f, p in paths.items()}
     run_two_ranks(_two_rank_logits, paths, {"tokens": tokens, **want})
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_lora_adapters_save_as_a_peft_folder_that_peft_runs_with_our_logits(tp1, tiny, family, tmp_path):
+    """LoRA target names map through the family's weight map (Phi-3's fused qkv_proj / gate_up_proj as
+    one PEFT module each): PEFT on the HF model gives the adapted model's logits."""
+    from types import SimpleNamespace
+
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from trinity.models.build import causal_mask
+    from trinity.models.lora import apply_lora, lora_modules
+    from trinity.models.peft_io import save_peft_folder
+
+    path = tiny(family)
+    chunks, facts = _loaded(path)
+    targets = ["linear_qkv", "linear_proj"] + ([] if facts.is_moe else ["linear_fc1", "linear_fc2"])
+    apply_lora(chunks, SimpleNamespace(rank=4, alpha=8.0, dropout=0.0, target_modules=targets))
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for _, _, a in lora_modules(chunks):
+            a.lora_A.copy_(torch.randn(a.lora_A.shape, generator=g) * 0.2)
+            a.lora_B.copy_(torch.randn(a.lora_B.shape, generator=g) * 0.2)
+    tokens = torch.randint(0, facts.vocab_size, (2, 12), generator=g)
+    chunks[0].eval()
+    with torch.no_grad():
+        ours = chunks[0](tokens, torch.arange(12).expand(2, 12), causal_mask(12))[..., : facts.vocab_size]
+    folder = save_peft_folder(chunks, facts, tmp_path / "adapter", rank=4, alpha=8.0, dropout=0.0, base_model=str(path))
+    hf = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32), str(folder))
+    with torch.no_grad():
+        theirs = hf.eval()(tokens).logits
+    assert (ours - theirs).abs().max().item() < 1e-4

@@ -179,7 +179,7 @@ def test_rule_names_and_matching():
 
 
 def test_registry_has_every_family_and_both_norm_spellings():
-    assert {"llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "mistral", "phi3"} <= set(WEIGHT_MAPS)
+    assert {"llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "mistral", "phi3", "qwen2_moe", "glm4"} <= set(WEIGHT_MAPS)
     for wmap in WEIGHT_MAPS.values():
         for te, local in [("decoder.layers.0.self_attention.linear_qkv.layer_norm_weight", "decoder.layers.0.input_layernorm.weight"),
                           ("decoder.layers.0.mlp.linear_fc1.layer_norm_weight", "decoder.layers.0.pre_mlp_layernorm.weight")]:
@@ -191,7 +191,7 @@ def test_registry_has_every_family_and_both_norm_spellings():
 
 
 def test_unknown_family_lists_supported():
-    with pytest.raises(UserError, match="supported: llama, mistral, mixtral, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe"):
+    with pytest.raises(UserError, match="supported: glm4, llama, mistral, mixtral, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe"):
         weight_map("gpt2")
 
 

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from trinity.convert.families import llama, mistral, mixtral, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe
+from trinity.convert.families import glm4, llama, mistral, mixtral, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe
 from trinity.convert.weightmap import WeightMap
 from trinity.errors import UserError
 
 WEIGHT_MAPS: dict[str, WeightMap] = {
-    m.WEIGHT_MAP.family: m.WEIGHT_MAP for m in (llama, qwen2, qwen3, qwen3_moe, mixtral, mistral, phi3, qwen2_moe)
+    m.WEIGHT_MAP.family: m.WEIGHT_MAP for m in (llama, qwen2, qwen3, qwen3_moe, mixtral, mistral, phi3, qwen2_moe, glm4)
 }
 
 

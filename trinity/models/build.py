@@ -281,12 +281,12 @@ def build_model(
     if config.moe_grouped_gemm and facts.is_moe:
         from megatron.core.transformer.moe import grouped_gemm_util
 
-        if specs.backend(config) != specs.BACKEND_TE and not grouped_gemm_util.grouped_gemm_is_available():
+        if specs.backend(config, facts) != specs.BACKEND_TE and not grouped_gemm_util.grouped_gemm_is_available():
             raise UserError(
                 "megatron.moe_grouped_gemm: needs TransformerEngine or the grouped_gemm package; "
                 "set it to false (experts then run as a loop of linear layers)"
             )
-    chosen = specs.backend(config)
+    chosen = specs.backend(config, facts)
     if config.context_parallel_size > 1 and chosen != specs.BACKEND_TE:
         raise UserError("megatron.context_parallel_size > 1 needs TransformerEngine, which is not installed")
     scope = compile_scope(megatron)

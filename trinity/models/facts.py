@@ -50,6 +50,9 @@ SUPPORTED_ARCHITECTURES: dict[str, ArchitectureInfo] = {
         family="phi3", qkv_bias=False, sliding_window=True, partial_rotary=True, mbridge=False
     ),
     "Qwen2MoeForCausalLM": ArchitectureInfo(family="qwen2_moe", qkv_bias=True, moe=True, shared_expert=True),
+    "Glm4ForCausalLM": ArchitectureInfo(
+        family="glm4", partial_rotary=True, rotary_interleaved=True, post_block_norms=True, mbridge=False
+    ),
 }
 
 # rope_scaling types megatron-core computes exactly (trinity.models.build refuses other parameters).

@@ -14,7 +14,9 @@ Parameter names our spec produces (per layer N, 0-based within the chunk; MoE la
     decoder.layers.N.self_attention.q_layernorm.weight    (qk_layernorm: Qwen3)
     decoder.layers.N.self_attention.k_layernorm.weight
     decoder.layers.N.self_attention.linear_proj.weight
+    decoder.layers.N.self_attention.post_layernorm.weight (post_block_norms: GLM-4)
     decoder.layers.N.pre_mlp_layernorm.weight
+    decoder.layers.N.mlp.post_layernorm.weight            (post_block_norms, dense layers)
     decoder.layers.N.mlp.linear_fc1.weight                (dense; gate and up stacked: [2*ffn, h])
     decoder.layers.N.mlp.linear_fc2.weight
     decoder.layers.N.mlp.router.weight                    (MoE)
@@ -37,6 +39,9 @@ from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_decoder_block_spec,
     get_gpt_layer_local_spec,
 )
+from megatron.core.transformer.attention import SelfAttention
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -59,8 +64,11 @@ def have_transformer_engine() -> bool:
     return True
 
 
-def backend(config: TransformerConfig) -> str:
-    """The layer implementation build_model uses: TE on CUDA when it imports, else ours."""
+def backend(config: TransformerConfig, facts: ModelFacts | None = None) -> str:
+    """The layer implementation build_model uses: TE on CUDA when it imports (and the model has no
+    feature only ours has, `needs_local_spec`), else ours."""
+    if facts is not None and needs_local_spec(facts):
+        return BACKEND_LOCAL_SDPA
     if not config.use_cpu_initialization and torch.cuda.is_available() and have_transformer_engine():
         return BACKEND_TE
     return BACKEND_LOCAL_SDPA
@@ -92,6 +100,54 @@ class TorchNorm:
         return norm
 
 
+class _PostNorm:
+    """Mixin: RMSNorm of the block's output before the residual add (GLM-4's post_self_attn_layernorm and
+    post_mlp_layernorm; megatron-core's TransformerLayer has no such norm). `post_layernorm` is a child of
+    the attention / MLP module, so recompute, PP and the checkpoints carry it with the block."""
+
+    def _add_post_norm(self, config: TransformerConfig) -> None:
+        self.post_layernorm = TorchNorm(config, config.hidden_size, eps=config.layernorm_epsilon)
+
+    def _post_norm(self, out: tuple) -> tuple:
+        output, bias = out[0], out[1]
+        if bias is not None:  # GLM-4's projections have no bias; a bias would be added after the norm
+            raise ValueError("post_block_norms needs add_bias_linear=False")
+        return (self.post_layernorm(output), None, *out[2:])
+
+
+class PostNormSelfAttention(_PostNorm, SelfAttention):
+    def __init__(self, config: TransformerConfig, *args, **kwargs) -> None:
+        super().__init__(config, *args, **kwargs)
+        self._add_post_norm(config)
+
+    def forward(self, *args, **kwargs):  # type: ignore[override]
+        return self._post_norm(super().forward(*args, **kwargs))
+
+
+class PostNormMLP(_PostNorm, MLP):
+    """Given to the layer spec as a class, not a ModuleSpec: megatron's TransformerLayer warns on every
+    layer about MLP specs of classes it does not know (the TP group is the default one either way)."""
+
+    def __init__(self, config: TransformerConfig, submodules: MLPSubmodules | None = None, **kwargs) -> None:
+        local = MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
+        super().__init__(config, submodules or local, **kwargs)
+        self._add_post_norm(config)
+
+    def forward(self, *args, **kwargs):  # type: ignore[override]
+        return self._post_norm(super().forward(*args, **kwargs))
+
+
+def post_norm(module: torch.nn.Module) -> torch.nn.Module | None:
+    """The block-output norm of an attention / MLP module (post_block_norms), None without one: the
+    rollout decoders, which call a block's linears themselves, apply it from here."""
+    return getattr(module, "post_layernorm", None)
+
+
+def needs_local_spec(facts: ModelFacts) -> bool:
+    """Features only our spec has (TransformerEngine's layer spec would silently drop them)."""
+    return facts.post_block_norms
+
+
 def _define_missing_te_names() -> None:
     """megatron-core 0.16.1 moe_utils imports `te_general_gemm` only when TE imports, but the MoE
     router (RouterGatingLinearFunction) tests `te_general_gemm is not None` unconditionally: without TE
@@ -120,6 +176,11 @@ def layer_spec(facts: ModelFacts, config: TransformerConfig) -> ModuleSpec:
     if config.qk_layernorm:
         attn.q_layernorm = TorchNorm
         attn.k_layernorm = TorchNorm
+    if facts.post_block_norms:
+        if facts.is_moe:
+            raise ValueError("post_block_norms: MoE layers are not supported")
+        sub.self_attention.module = PostNormSelfAttention
+        sub.mlp = PostNormMLP
     return spec
 
 
@@ -127,7 +188,7 @@ def block_spec(
     facts: ModelFacts, config: TransformerConfig, *, vp_stage: int | None, pp_rank: int | None = None
 ) -> TransformerBlockSubmodules:
     """The decoder-block spec for one model chunk (the layers of this PP rank / VPP stage)."""
-    if backend(config) == BACKEND_TE:
+    if backend(config, facts) == BACKEND_TE:
         return get_gpt_decoder_block_spec(
             config, use_transformer_engine=True, normalization="RMSNorm", vp_stage=vp_stage, pp_rank=pp_rank
         )
@@ -141,6 +202,6 @@ def layer_offset(config: TransformerConfig, *, vp_stage: int | None) -> int:
 
 
 __all__ = [
-    "BACKEND_LOCAL_SDPA", "BACKEND_TE", "TorchNorm", "backend", "block_spec", "layer_offset",
-    "layer_spec", "have_transformer_engine",
+    "BACKEND_LOCAL_SDPA", "BACKEND_TE", "PostNormMLP", "PostNormSelfAttention", "TorchNorm", "backend",
+    "block_spec", "layer_offset", "layer_spec", "have_transformer_engine", "needs_local_spec", "post_norm",
 ]

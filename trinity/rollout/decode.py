@@ -48,6 +48,7 @@ import torch.nn.functional as F
 from trinity.distributed import collectives
 from trinity.models import lora  # the lean path's linears: base weight + active LoRA adapter
 from trinity.models.rope import rotate_half
+from trinity.models.spec import post_norm
 
 _CACHE_MULTIPLE = 64  # cache length granularity: aligned rows for the attention kernels' mask reads
 
@@ -65,6 +66,8 @@ def _lean_supported(gpt: Any) -> bool:
     for layer in gpt.decoder.layers:
         attn, mlp = layer.self_attention, layer.mlp
         if hasattr(mlp, "router") or not hasattr(mlp, "linear_fc1"):
+            return False
+        if post_norm(attn) is not None or post_norm(mlp) is not None:  # GLM-4's block-output norms
             return False
         norms += [layer.input_layernorm, layer.pre_mlp_layernorm]
         if config.qk_layernorm:
@@ -125,6 +128,14 @@ def capture_graph(fn: Callable[[], Any], *, pool: Any = None, warm: Callable[[],
         graph.capture_end()
     torch.cuda.current_stream().wait_stream(stream)
     return graph, out
+
+
+def block_output(attn: Any, out: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The attention block's output from its output projection's (the module path calls `linear_proj`
+    itself): bias added, then the block's post norm where the spec has one (GLM-4)."""
+    out = out if bias is None else out + bias
+    norm = post_norm(attn)
+    return out if norm is None else norm(out)
 
 
 class StageDecoder:
@@ -266,7 +277,7 @@ class StaticDecoder(StageDecoder):
         )  # [b, heads, s, d]
         s, b = hidden.shape[:2]
         out, bias = attn.linear_proj(out.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.head_dim))
-        return out if bias is None else out + bias
+        return block_output(attn, out, bias)
 
     def _module_forward(self, x: torch.Tensor, slots: torch.Tensor, masks: list[torch.Tensor]) -> torch.Tensor:
         for i, layer in enumerate(self.layers):

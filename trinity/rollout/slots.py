@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from trinity.models import lora  # the lean path's linears: base weight + active LoRA adapter
-from trinity.rollout.decode import StageDecoder, capture_graph
+from trinity.rollout.decode import StageDecoder, block_output, capture_graph
 
 # the decode-step shapes this process has run once (SlotDecoder._capture warms a shape up only the first time)
 _warmed: set[tuple] = set()
@@ -213,7 +213,7 @@ class SlotDecoder(StageDecoder):
             self._store_prefill(i, kk, vv, ctx["src"], ctx["dst"])
             out = self._attend_prefill(i, q.permute(1, 2, 0, 3), kk, vv)
         out, bias = attn.linear_proj(out.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.head_dim))
-        return out if bias is None else out + bias
+        return block_output(attn, out, bias)
 
     def _layers(self, x: torch.Tensor, positions: torch.Tensor, ctx: dict) -> torch.Tensor:
         """x [s, b, h]; positions [s, b] (RoPE)."""

@@ -53,6 +53,9 @@ FAMILIES: dict[str, TinyFamily] = {
         {**_MOE, "num_experts": 4, "norm_topk_prob": False, "shared_expert_intermediate_size": 48,
          "decoder_sparse_step": 1, "mlp_only_layers": [], "use_sliding_window": False},
     ),
+    # GLM-4's half-head interleaved RoPE, q/k/v bias, fused gate_up_proj and post-block norms
+    "glm4": TinyFamily("Glm4Config", "Glm4ForCausalLM", {"partial_rotary_factor": 0.5, "attention_bias": True,
+                                                         "pad_token_id": 0, "eos_token_id": 2, "bos_token_id": 1}),
     # a window shorter than the tests' sequences, so that a decoder or mask ignoring it changes tokens
     "mistral": TinyFamily("MistralConfig", "MistralForCausalLM", {"sliding_window": 4}),
     # Phi-4-mini's partial rotary (0.75 of each head) and a window, fused qkv_proj / gate_up_proj
