@@ -204,3 +204,15 @@ def test_lora_adapters_save_as_a_peft_folder_that_peft_runs_with_our_logits(tp1,
     with torch.no_grad():
         theirs = hf.eval()(tokens).logits
     assert (ours - theirs).abs().max().item() < 1e-4
+
+
+def test_glm4_post_norms_are_in_the_dist_checkpoint(tp1, tiny):
+    """GLM-4's post-block norms are children of megatron's attention and MLP modules, whose sharded state
+    dicts (what dist checkpoints save and load) must carry them; megatron's MLP asks each child for its own."""
+    (gpt,), _ = _loaded(tiny("glm4"))
+    sharded = gpt.sharded_state_dict()
+    for name in ("self_attention.post_layernorm.weight", "mlp.post_layernorm.weight"):
+        tensor = sharded[f"decoder.layers.1.{name}"]
+        # saved under the layer-stacked key, as megatron saves its own norms (any PP layout loads it)
+        assert tensor.key == f"decoder.layers.{name}" and tensor.global_shape == (2, 64)
+        assert tensor.data is gpt.decoder.layers[1].get_parameter(name)

@@ -136,6 +136,19 @@ class PostNormMLP(_PostNorm, MLP):
     def forward(self, *args, **kwargs):  # type: ignore[override]
         return self._post_norm(super().forward(*args, **kwargs))
 
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
+        # MLP's asks every child for its own sharded_state_dict, which a torch norm does not have: the norm
+        # is left out of that loop and saved as megatron saves its other torch norms (replicated over TP)
+        from megatron.core.transformer.utils import sharded_state_dict_default
+
+        norm = self._modules.pop("post_layernorm")
+        try:
+            out = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        finally:
+            self._modules["post_layernorm"] = norm
+        out.update(sharded_state_dict_default(norm, f"{prefix}post_layernorm.", sharded_offsets, metadata))
+        return out
+
 
 def post_norm(module: torch.nn.Module) -> torch.nn.Module | None:
     """The block-output norm of an attention / MLP module (post_block_norms), None without one: the
