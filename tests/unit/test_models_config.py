@@ -182,3 +182,14 @@ def test_mbridge_is_refused_for_families_it_has_no_bridge_for(tmp_path):
     src = make_tiny_hf_model("mistral", tmp_path / "hf")
     with pytest.raises(UserError, match="--backend mbridge: mbridge 0.15.1 has no bridge for MistralForCausalLM"):
         hf_to_mcore(str(src), str(tmp_path / "out"), backend="mbridge", dtype="fp32", device="cpu")
+
+
+def test_keys_a_config_leaves_out_take_transformers_defaults_of_the_family():
+    glm = ModelFacts.from_hf_dict(_raw("Glm4ForCausalLM", head_dim=128))
+    assert glm.rotary_percent == 0.5 and glm.rotary_interleaved and glm.post_block_norms  # Glm4Config's 0.5
+    moe = dict(num_experts=60, moe_intermediate_size=1408, num_experts_per_tok=4, shared_expert_intermediate_size=5632)
+    qwen2_moe = ModelFacts.from_hf_dict(_raw("Qwen2MoeForCausalLM", **moe))
+    assert not qwen2_moe.moe_norm_topk_prob and qwen2_moe.shared_expert_ffn_hidden_size == 5632
+    assert ModelFacts.from_hf_dict(_raw("Qwen2MoeForCausalLM", norm_topk_prob=True, **moe)).moe_norm_topk_prob
+    mixtral = ModelFacts.from_hf_dict(_raw("MixtralForCausalLM", num_local_experts=8, num_experts_per_tok=2))
+    assert mixtral.moe_norm_topk_prob

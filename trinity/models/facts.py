@@ -35,6 +35,9 @@ class ArchitectureInfo:
     # RMSNorm after the attention block and after the MLP, before each residual add (GLM-4).
     post_block_norms: bool = False
     mbridge: bool = True  # mbridge 0.15.1 has a bridge for it (`--backend mbridge`, `use_mbridge`)
+    # What transformers assumes when config.json lacks the key (its config class's default)
+    partial_rotary_default: float = 1.0  # GLM-4: 0.5
+    norm_topk_prob_default: bool = True  # Qwen2-MoE, Qwen3-MoE: False (Mixtral always renormalises)
 
 
 # HF `architectures[0]` -> family facts. Adding an architecture means one row here and one weight-map
@@ -43,15 +46,20 @@ SUPPORTED_ARCHITECTURES: dict[str, ArchitectureInfo] = {
     "LlamaForCausalLM": ArchitectureInfo(family="llama"),
     "Qwen2ForCausalLM": ArchitectureInfo(family="qwen2", qkv_bias=True),
     "Qwen3ForCausalLM": ArchitectureInfo(family="qwen3", qk_norm=True, qkv_bias=False),
-    "Qwen3MoeForCausalLM": ArchitectureInfo(family="qwen3_moe", qk_norm=True, qkv_bias=False, moe=True),
+    "Qwen3MoeForCausalLM": ArchitectureInfo(
+        family="qwen3_moe", qk_norm=True, qkv_bias=False, moe=True, norm_topk_prob_default=False
+    ),
     "MixtralForCausalLM": ArchitectureInfo(family="mixtral", qkv_bias=False, moe=True, sliding_window=True),
     "MistralForCausalLM": ArchitectureInfo(family="mistral", qkv_bias=False, sliding_window=True, mbridge=False),
     "Phi3ForCausalLM": ArchitectureInfo(
         family="phi3", qkv_bias=False, sliding_window=True, partial_rotary=True, mbridge=False
     ),
-    "Qwen2MoeForCausalLM": ArchitectureInfo(family="qwen2_moe", qkv_bias=True, moe=True, shared_expert=True),
+    "Qwen2MoeForCausalLM": ArchitectureInfo(
+        family="qwen2_moe", qkv_bias=True, moe=True, shared_expert=True, norm_topk_prob_default=False
+    ),
     "Glm4ForCausalLM": ArchitectureInfo(
-        family="glm4", partial_rotary=True, rotary_interleaved=True, post_block_norms=True, mbridge=False
+        family="glm4", partial_rotary=True, rotary_interleaved=True, post_block_norms=True, mbridge=False,
+        partial_rotary_default=0.5,
     ),
 }
 
@@ -177,7 +185,7 @@ class ModelFacts:
         qkv_bias = info.qkv_bias if info.qkv_bias is not None else bool(raw.get("attention_bias", False))
         window = _sliding_window(raw, info, arch, source)
         rotary_percent = 1.0
-        factor = raw.get("partial_rotary_factor", rope_params.get("partial_rotary_factor"))
+        factor = raw.get("partial_rotary_factor", rope_params.get("partial_rotary_factor", info.partial_rotary_default))
         if factor is not None and float(factor) != 1.0:
             if not info.partial_rotary:
                 raise UserError(f"{source}: partial_rotary_factor {factor} is not supported for {arch}")
@@ -224,7 +232,7 @@ class ModelFacts:
             moe_ffn_hidden_size=moe_ffn,
             moe_router_topk=topk,
             # Mixtral always renormalises the top-k weights; Qwen3-MoE reads norm_topk_prob.
-            moe_norm_topk_prob=bool(raw.get("norm_topk_prob", True)) if info.moe else True,
+            moe_norm_topk_prob=bool(raw.get("norm_topk_prob", info.norm_topk_prob_default)) if info.moe else True,
             hidden_act=str(raw.get("hidden_act", "silu")),
             rope_scaling=rope_scaling,
             sliding_window=window,
