@@ -176,12 +176,13 @@ def test_unsupported_family_features_are_refused_naming_the_field(arch, extra, f
 
 
 def test_mbridge_is_refused_for_families_it_has_no_bridge_for(tmp_path):
-    from trinity.convert.api import hf_to_mcore
-    from trinity.testing.tiny_models import make_tiny_hf_model
+    import json
 
-    src = make_tiny_hf_model("mistral", tmp_path / "hf")
+    from trinity.convert.api import hf_to_mcore
+
+    (tmp_path / "config.json").write_text(json.dumps(_raw("MistralForCausalLM")))  # refused before the weights
     with pytest.raises(UserError, match="--backend mbridge: mbridge 0.15.1 has no bridge for MistralForCausalLM"):
-        hf_to_mcore(str(src), str(tmp_path / "out"), backend="mbridge", dtype="fp32", device="cpu")
+        hf_to_mcore(str(tmp_path), str(tmp_path / "out"), backend="mbridge", dtype="fp32", device="cpu")
 
 
 def test_keys_a_config_leaves_out_take_transformers_defaults_of_the_family():
