@@ -27,12 +27,13 @@ pytestmark = pytest.mark.timeout(300)
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    cache: dict[str, object] = {}
+    cache: dict[tuple, object] = {}
 
-    def make(family: str):
-        if family not in cache:
-            cache[family] = make_tiny_hf_model(family, tmp_path_factory.mktemp(family))
-        return cache[family]
+    def make(family: str, **overrides):
+        key = (family, *sorted(overrides.items()))
+        if key not in cache:
+            cache[key] = make_tiny_hf_model(family, tmp_path_factory.mktemp(family), **overrides)
+        return cache[key]
 
     return make
 
@@ -56,16 +57,17 @@ def _loaded(path, block=None):
     return chunks, facts
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_rollout_decoders_equal_hf_generate(tp1, tiny, family):
+@pytest.mark.parametrize("family,overrides", [(f, {}) for f in FAMILIES] + [("mixtral", {"sliding_window": 4})])
+def test_rollout_decoders_equal_hf_generate(tp1, tiny, family, overrides):
     """Greedy tokens of the static decoder (lean and module paths) and of the continuous engine are HF's;
-    prompts plus responses run past the window, so a decoder that ignored it would differ."""
+    prompts plus responses run past the window, so a decoder that ignored it would differ (Mixtral's
+    optional window too)."""
     from transformers import AutoModelForCausalLM
 
     from trinity.rollout.continuous import KVBudget, generate_continuous
     from trinity.rollout.generate import SamplingParams, generate
 
-    path = tiny(family)
+    path = tiny(family, **overrides)
     (gpt,), facts = _loaded(path)
     gpt.eval()
     hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
