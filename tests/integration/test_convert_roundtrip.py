@@ -38,6 +38,10 @@ CASES = [  # family, tied embeddings (all tiny models are GQA: 4 heads, 2 KV hea
     ("mixtral", True),
     ("gemma2", True),
     ("gemma3", True),
+    ("mistral", False),  # sliding window
+    ("phi3", True),  # fused qkv_proj / gate_up_proj, partial rotary, sliding window
+    ("qwen2_moe", False),  # gated shared expert, norm_topk_prob False
+    ("glm4", False),  # interleaved partial rotary, fused gate_up_proj, post-block norms
 ]
 
 

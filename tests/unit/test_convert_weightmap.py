@@ -114,6 +114,8 @@ def _cases():
         yield geo, Rule("e", ("e",), Kind.VOCAB, tp_dim=0), [(geo.vocab_size, h)]
         yield geo, Rule("e", ("e",), Kind.VOCAB, tp_dim=0), [(geo.padded_vocab_size, h)]  # already padded
         yield geo, Rule("fc1", ("g", "u"), Kind.GATE_UP, tp_dim=0), [(12, h), (12, h)]
+        yield geo, Rule("qkv", ("qkv",), Kind.FUSED_QKV, tp_dim=0), [(g * (per + 2) * hd, h)]  # Phi-3's qkv_proj
+        yield geo, Rule("fc1", ("gu",), Kind.FUSED_GATE_UP, tp_dim=0), [(24, h)]  # Phi-3's gate_up_proj
         yield geo, Rule("fc1", ("g", "u"), Kind.GATE_UP, tp_dim=0), [(7, h), (7, h)]  # uneven chunks
         yield geo, Rule("col", ("w",), tp_dim=0), [(12, h)]
         yield geo, Rule("col", ("w",), tp_dim=0), [(7,)]  # uneven: chunks 2, 2, 2, 1 at TP=4
@@ -177,7 +179,8 @@ def test_rule_names_and_matching():
 
 
 def test_registry_has_every_family_and_both_norm_spellings():
-    assert set(WEIGHT_MAPS) >= {"llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3", "gemma2", "gemma3"}
+    assert set(WEIGHT_MAPS) >= {"llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "mistral", "phi3", "qwen2_moe", "glm4",
+                                "deepseek_v2", "deepseek_v3", "gemma2", "gemma3"}
     for wmap in WEIGHT_MAPS.values():
         if wmap.family in ("gemma2", "gemma3"):  # sandwich norms: our spec only, never TransformerEngine's
             continue
@@ -191,5 +194,24 @@ def test_registry_has_every_family_and_both_norm_spellings():
 
 
 def test_unknown_family_lists_supported():
-    with pytest.raises(UserError, match=r"supported: deepseek_v2, deepseek_v3, .*llama, .*qwen3_moe"):
+    with pytest.raises(UserError, match="supported: deepseek_v2, deepseek_v3, gemma2, gemma3, glm4, llama, mistral, "
+                                        "mixtral, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe"):
         weight_map("gpt2")
+
+
+def test_fused_qkv_and_gate_up_are_the_split_kinds_and_invert():
+    """Phi-3's qkv_proj [q; k; v] gives what QKV gives from q, k, v; gate_up_proj [gate; up] what GATE_UP
+    gives from gate, up (TP splits included); both come back bit for bit."""
+    q, k, v = _qkv()
+    qkv = Rule("a", ("q", "k", "v"), Kind.QKV, tp_dim=0)
+    fused = Rule("a", ("qkv",), Kind.FUSED_QKV, tp_dim=0)
+    full = to_mcore(fused, [torch.cat([q, k, v])], GEO)
+    assert torch.equal(full, to_mcore(qkv, [q, k, v], GEO))
+    assert torch.equal(to_hf(fused, full, GEO)[0], torch.cat([q, k, v]))
+    gate, up = torch.randn(6, 4), torch.randn(6, 4)
+    gu, sep = Rule("f", ("gu",), Kind.FUSED_GATE_UP, tp_dim=0), Rule("f", ("g", "u"), Kind.GATE_UP, tp_dim=0)
+    full = to_mcore(gu, [torch.cat([gate, up])], GEO)
+    for rank in range(2):
+        assert torch.equal(tp_split(gu, full, rank, 2), tp_split(sep, to_mcore(sep, [gate, up], GEO), rank, 2))
+    assert torch.equal(tp_merge(gu, [tp_split(gu, full, r, 2) for r in range(2)]), full)
+    assert torch.equal(to_hf(gu, full, GEO)[0], torch.cat([gate, up]))

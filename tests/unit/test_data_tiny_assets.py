@@ -107,3 +107,22 @@ def test_job_config_builds_sft_and_prompt_data(tmp_path):
     rl_job = job.model_copy(update={"data": job.data.model_copy(update={"train_files": [str(paths["rl_prompts"])]})})
     rl = prompt_data_from_job(rl_job, dp_rank=0, dp_size=2)
     assert rl.num_prompts == 1000 and len(rl.next_batch()) == 2
+
+
+def test_every_converted_family_has_a_tiny_model_for_the_tiny_tokenizer(tmp_path):
+    """`trinity tiny-assets --family NAME`: each family's tiny model is of its own architecture, covers the
+    tokenizer and converts (ModelFacts reads it); an unknown name is refused naming the option."""
+    from trinity.cli.commands import tiny_assets
+    from trinity.convert.registry import WEIGHT_MAPS
+    from trinity.errors import UserError
+    from trinity.models.facts import SUPPORTED_ARCHITECTURES, ModelFacts
+    from trinity.testing.tiny_assets import TINY_FAMILY_CONFIGS, make_tiny_family_model
+
+    assert set(TINY_FAMILY_CONFIGS) == set(WEIGHT_MAPS)
+    tok_dir = make_tiny_tokenizer(tmp_path / "tok")
+    for family in sorted(set(TINY_FAMILY_CONFIGS) - {"qwen2"}):  # qwen2: the quickstart test above
+        facts = ModelFacts.from_hf_dir(make_tiny_family_model(tmp_path / family, tok_dir, family))
+        assert SUPPORTED_ARCHITECTURES[facts.architecture].family == family
+        assert facts.vocab_size >= 259 and (tmp_path / family / "tokenizer_config.json").is_file()
+    with pytest.raises(UserError, match="tiny-assets --family: 'gpt2' is not one of"):
+        tiny_assets(tmp_path / "out", family="gpt2")

@@ -49,7 +49,7 @@ def test_facts_of_deepseek_configs():
     from trinity.testing.tiny_assets import TINY_FAMILY_CONFIGS
 
     for family in FAMILIES:
-        cfg = TINY_FAMILY_CONFIGS[family](320)
+        cfg = TINY_FAMILY_CONFIGS[family](vocab_size=320)
         facts = ModelFacts.from_hf_dict({**cfg.to_dict(), "architectures": cfg.architectures or _raw(family)["architectures"]})
         assert facts.family == family and facts.vocab_size == 320
 

@@ -211,3 +211,38 @@ def test_document_packed_params_picks_the_dense_mask_on_cpu_and_refuses_unknown_
     assert params.dense_mask().shape == (1, 1, 8, 8)
     with pytest.raises(ValueError, match="kernel='fast'.*varlen"):
         document_packed_params(torch.zeros(1, 8, dtype=torch.long), kernel="fast")
+
+
+def test_sliding_window_in_every_kernel_matches_dot_product_attention_with_the_window_mask(tp1):
+    """window_size=(W-1, 0): a query sees itself and the W-1 keys before it (HF's sliding_window W) in the
+    causal fast path, under an explicit mask, a decode step's bottom-right mask, and packed rows through
+    the documents kernel (padding included) and the dense mask; gradients stay finite."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from trinity.models.attention import (SDPACoreAttention, causal_mask, document_packed_params, outside_window,
+                                          packed_causal_mask)
+
+    cfg = _config()
+    cfg.window_size = (2, 0)
+    ours = SDPACoreAttention(config=cfg, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")
+    plain = _config()
+    ref = DotProductAttention(config=plain, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")
+    q, k, v = _qkv(12, 12)
+    windowed = causal_mask(12) | outside_window(12, 2)
+    expected = ref(q, k, v, windowed)
+    torch.testing.assert_close(ours(q, k, v, None), expected, atol=1e-5, rtol=0)
+    torch.testing.assert_close(ours(q, k, v, causal_mask(12)), expected, atol=1e-5, rtol=0)
+    assert not torch.allclose(ref(q, k, v, causal_mask(12)), expected, atol=1e-3)  # the window matters here
+    step = ours(q[-1:], k, v, None)  # one query behind 12 keys
+    torch.testing.assert_close(step, expected[-1:], atol=1e-5, rtol=0)
+    doc_ids = torch.tensor([[0] * 7 + [1] * 5, [0] * 3 + [1] * 6 + [-1] * 3])
+    dense = ref(q, k, v, packed_causal_mask(doc_ids) | outside_window(12, 2))
+    packed = document_packed_params(doc_ids)
+    assert packed.documents is not None
+    q.requires_grad_(True)
+    out = ours(q, k, v, None, packed_seq_params=packed)
+    torch.testing.assert_close(out, dense, atol=1e-5, rtol=0)
+    out.square().sum().backward()
+    assert torch.isfinite(q.grad).all()
+    torch.testing.assert_close(ours(q, k, v, packed_causal_mask(doc_ids)), dense, atol=1e-5, rtol=0)

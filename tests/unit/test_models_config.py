@@ -138,3 +138,59 @@ def test_compile_scope_reads_the_optional_block_field():
     assert compile_scope(SimpleNamespace(torch_compile="model")) == "model"
     with pytest.raises(UserError, match="torch_compile"):
         compile_scope(SimpleNamespace(torch_compile="everything"))
+
+
+def _raw(arch: str, **kw):
+    return {"architectures": [arch], "num_hidden_layers": 2, "hidden_size": 3072, "num_attention_heads": 24,
+            "num_key_value_heads": 8, "intermediate_size": 8192, "vocab_size": 200064, **kw}
+
+
+def test_sliding_window_and_partial_rotary_reach_megatron():
+    from trinity.models.build import transformer_config
+
+    mistral = ModelFacts.from_hf_dict(_raw("MistralForCausalLM", sliding_window=4096))
+    cfg = transformer_config(mistral, _namespace(), device="cpu", dtype=torch.float32)
+    assert mistral.sliding_window == 4096 and cfg.window_size == (4095, 0)  # HF's window counts the query
+    assert ModelFacts.from_hf_dict(_raw("MistralForCausalLM", sliding_window=None)).sliding_window is None
+    # Phi-4-mini: partial_rotary_factor inside rope_parameters (transformers 5) or at the top level
+    for where in ({"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.75}},
+                  {"partial_rotary_factor": 0.75}):
+        phi = ModelFacts.from_hf_dict(_raw("Phi3ForCausalLM", sliding_window=262143, **where))
+        assert phi.rotary_percent == 0.75 and phi.family == "phi3"
+        cfg = transformer_config(phi, _namespace(), device="cpu", dtype=torch.float32)
+        assert cfg.window_size == (262142, 0) and not cfg.rotary_interleaved
+
+
+@pytest.mark.parametrize("arch,extra,field", [
+    ("Phi3ForCausalLM", {"rope_scaling": {"type": "longrope", "short_factor": [1.0], "long_factor": [2.0]}},
+     "rope_scaling: type 'longrope'"),
+    ("Phi3ForCausalLM", {"rope_scaling": {"type": "su", "short_factor": [1.0], "long_factor": [2.0]}},
+     "rope_scaling: type 'su'"),
+    ("Qwen2ForCausalLM", {"use_sliding_window": True, "sliding_window": 4096}, "sliding_window 4096"),
+    ("LlamaForCausalLM", {"partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5"),
+    ("MistralForCausalLM", {"sliding_window": -1}, "sliding_window -1"),
+])
+def test_unsupported_family_features_are_refused_naming_the_field(arch, extra, field):
+    with pytest.raises(UserError, match=field):
+        ModelFacts.from_hf_dict(_raw(arch, **extra))
+
+
+def test_mbridge_is_refused_for_families_it_has_no_bridge_for(tmp_path):
+    import json
+
+    from trinity.convert.api import hf_to_mcore
+
+    (tmp_path / "config.json").write_text(json.dumps(_raw("MistralForCausalLM")))  # refused before the weights
+    with pytest.raises(UserError, match="--backend mbridge: mbridge 0.15.1 has no bridge for MistralForCausalLM"):
+        hf_to_mcore(str(tmp_path), str(tmp_path / "out"), backend="mbridge", dtype="fp32", device="cpu")
+
+
+def test_keys_a_config_leaves_out_take_transformers_defaults_of_the_family():
+    glm = ModelFacts.from_hf_dict(_raw("Glm4ForCausalLM", head_dim=128))
+    assert glm.rotary_percent == 0.5 and glm.rotary_interleaved and glm.post_block_norms  # Glm4Config's 0.5
+    moe = dict(num_experts=60, moe_intermediate_size=1408, num_experts_per_tok=4, shared_expert_intermediate_size=5632)
+    qwen2_moe = ModelFacts.from_hf_dict(_raw("Qwen2MoeForCausalLM", **moe))
+    assert not qwen2_moe.moe_norm_topk_prob and qwen2_moe.moe_shared_ffn_hidden_size == 5632 and qwen2_moe.moe_shared_expert_gate
+    assert ModelFacts.from_hf_dict(_raw("Qwen2MoeForCausalLM", norm_topk_prob=True, **moe)).moe_norm_topk_prob
+    mixtral = ModelFacts.from_hf_dict(_raw("MixtralForCausalLM", num_local_experts=8, num_experts_per_tok=2))
+    assert mixtral.moe_norm_topk_prob

@@ -290,17 +290,19 @@ def _convert_in_run_folder(src: Path, dtype: str, out: Path, debug: bool) -> Pat
     return cache
 
 
-def tiny_assets(output: Path, *, debug: bool = False) -> int:
+def tiny_assets(output: Path, *, family: str = "qwen2", debug: bool = False) -> int:
     from trinity.config.loader import check_output_dir
     from trinity.launch import quiet
 
     quiet.install(debug)  # before transformers is imported: its "Writing model shards" bar stays off
-    from trinity.testing.tiny_assets import make_quickstart_assets
+    from trinity.testing.tiny_assets import TINY_FAMILY_CONFIGS, make_quickstart_assets
 
+    if family not in TINY_FAMILY_CONFIGS:
+        raise UserError(f"tiny-assets --family: {family!r} is not one of {', '.join(sorted(TINY_FAMILY_CONFIGS))}")
     problems = check_output_dir(output, "tiny-assets OUTPUT")
     if problems:
         raise UserError(problems[0])
-    paths = make_quickstart_assets(output)
+    paths = make_quickstart_assets(output, family=family)
     for name, p in paths.items():
         print(f"{name}: {p}")
     return 0

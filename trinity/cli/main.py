@@ -136,12 +136,14 @@ def schema() -> None:
 @app.command("tiny-assets", cls=_Command)
 def tiny_assets(
     output: Path = typer.Argument(Path("quickstart_assets"), help="Folder for the tiny model, tokenizer and data."),
+    family: str = typer.Option("qwen2", "--family", help="Model family of the tiny model (llama, mistral, phi3, "
+                               "qwen2, qwen2_moe, qwen3, qwen3_moe, mixtral, ...)."),
     debug: bool = DebugOpt,
 ) -> None:
-    """Create the quickstart's tiny Qwen2 model, tokenizer and arithmetic data locally (no network)."""
+    """Create the quickstart's tiny model (Qwen2, or --family's), tokenizer and arithmetic data locally (no network)."""
     from trinity.cli import commands
 
-    _guard(lambda: commands.tiny_assets(output, debug=debug), debug)
+    _guard(lambda: commands.tiny_assets(output, family=family, debug=debug), debug)
 
 
 @app.command(cls=_Command)

@@ -21,7 +21,7 @@ from typing import Any
 from trinity.convert.hf_io import HFCheckpoint
 from trinity.convert.outdir import check_output
 from trinity.errors import UserError
-from trinity.models.facts import ModelFacts
+from trinity.models.facts import ModelFacts, mbridge_refusal
 
 DTYPES = ("bf16", "fp16", "fp32")
 BACKENDS = ("builtin", "mbridge")
@@ -164,6 +164,8 @@ def hf_to_mcore(
     from trinity.convert.registry import weight_map
 
     weight_map(facts.family, facts.source)
+    if backend == "mbridge" and mbridge_refusal(facts):
+        raise UserError(f"--backend mbridge: {mbridge_refusal(facts)} (--backend builtin)")
     device = _device(device)
     check_layout(facts, tp=tp, pp=pp, vpp=vpp, ep=ep, backend=backend, device=device)
     HFCheckpoint(hf_path)  # validates index and shards before any process starts

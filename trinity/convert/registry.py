@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-from trinity.convert.families import deepseek, gemma2, gemma3, llama, mixtral, qwen2, qwen3, qwen3_moe
+from trinity.convert.families import (
+    deepseek, gemma2, gemma3, glm4, llama, mistral, mixtral, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe,
+)
 from trinity.convert.weightmap import WeightMap
 from trinity.errors import UserError
 
 WEIGHT_MAPS: dict[str, WeightMap] = {
-    m.WEIGHT_MAP.family: m.WEIGHT_MAP for m in (llama, qwen2, qwen3, qwen3_moe, mixtral, gemma2, gemma3)
+    m.WEIGHT_MAP.family: m.WEIGHT_MAP
+    for m in (llama, qwen2, qwen3, qwen3_moe, mixtral, mistral, phi3, qwen2_moe, glm4, gemma2, gemma3)
 }
 WEIGHT_MAPS.update({w.family: w for w in (deepseek.WEIGHT_MAP_V2, deepseek.WEIGHT_MAP_V3)})
 

@@ -21,13 +21,15 @@ class Kind(enum.Enum):
     VOCAB = "vocab"  # one HF tensor, rows padded to the padded vocab size (stripped on export)
     QKV = "qkv"  # q, k, v -> megatron's per-query-group [q..., k, v] rows
     GATE_UP = "gate_up"  # gate, up -> [gate; up] (swiglu linear_fc1)
+    FUSED_QKV = "fused_qkv"  # one HF tensor [q; k; v] (Phi-3's qkv_proj) -> megatron's per-group rows
+    FUSED_GATE_UP = "fused_gate_up"  # one HF tensor [gate; up] (Phi-3's gate_up_proj): megatron's full fc1
     GROUPED_FC1 = "grouped_fc1"  # per expert gate, up -> GroupedMLP.weight1 [h, E * 2 * ffn]
     GROUPED_FC2 = "grouped_fc2"  # per expert down -> GroupedMLP.weight2 [E * ffn, h]
 
 
 # How many equal blocks the TP-split dimension holds; each block is split across TP ranks separately
 # (megatron-core's swiglu fc1 holds [gate_r; up_r] on rank r, not a contiguous slice of [gate; up]).
-_HALVES = {Kind.GATE_UP: 2, Kind.GROUPED_FC1: 2}
+_HALVES = {Kind.GATE_UP: 2, Kind.FUSED_GATE_UP: 2, Kind.GROUPED_FC1: 2}
 
 
 @dataclass(frozen=True)
@@ -95,8 +97,10 @@ class Geometry:
 def to_mcore(rule: Rule, tensors: list[torch.Tensor], geo: Geometry) -> torch.Tensor:
     """Combine HF tensors into the full (TP=1) megatron-core tensor."""
     kind = rule.kind
-    if kind is Kind.COPY:
+    if kind in (Kind.COPY, Kind.FUSED_GATE_UP):
         return tensors[0]
+    if kind is Kind.FUSED_QKV:
+        return to_mcore(_QKV_RULE, list(torch.split(tensors[0], _qkv_rows(geo), dim=0)), geo)
     if kind is Kind.VOCAB:
         src = tensors[0]
         if src.shape[0] == geo.padded_vocab_size:
@@ -130,8 +134,10 @@ def to_mcore(rule: Rule, tensors: list[torch.Tensor], geo: Geometry) -> torch.Te
 def to_hf(rule: Rule, full: torch.Tensor, geo: Geometry, n_experts: int = 1) -> list[torch.Tensor]:
     """Split the full (TP=1) megatron-core tensor back into its HF tensors (inverse of to_mcore)."""
     kind = rule.kind
-    if kind is Kind.COPY:
+    if kind in (Kind.COPY, Kind.FUSED_GATE_UP):
         return [full]
+    if kind is Kind.FUSED_QKV:
+        return [torch.cat(to_hf(_QKV_RULE, full, geo), dim=0)]
     if kind is Kind.VOCAB:
         return [full[: geo.vocab_size]]
     if kind is Kind.QKV:
@@ -155,6 +161,14 @@ def to_hf(rule: Rule, full: torch.Tensor, geo: Geometry, n_experts: int = 1) -> 
     if kind is Kind.GROUPED_FC2:
         return [block.t() for block in _grouped_3d(rule, full, n_experts)]
     raise AssertionError(kind)
+
+
+_QKV_RULE = Rule("qkv", ("q", "k", "v"), Kind.QKV)
+
+
+def _qkv_rows(geo: Geometry) -> list[int]:
+    """Rows of q, k and v in a fused [q; k; v] tensor."""
+    return [geo.num_heads * geo.head_dim, geo.num_groups * geo.head_dim, geo.num_groups * geo.head_dim]
 
 
 def _grouped_3d(rule: Rule, t: torch.Tensor, n_experts: int) -> torch.Tensor:
@@ -253,8 +267,18 @@ def _full_segments(rule: Rule, shapes: list[tuple[int, ...]], geo: Geometry) -> 
         return [(0, 0, shapes[0][0])]
     if kind is Kind.VOCAB and len(shapes) == 1 and shapes[0][0] <= geo.padded_vocab_size:
         return [(0, 0, shapes[0][0]), (None, 0, geo.padded_vocab_size - shapes[0][0])]
-    if kind is Kind.GATE_UP:
+    if kind is Kind.GATE_UP or (kind is Kind.FUSED_GATE_UP and len(shapes) == 1):
         return [(i, 0, s[0]) for i, s in enumerate(shapes)]
+    if kind is Kind.FUSED_QKV and len(shapes) == 1:
+        q, kv, _ = _qkv_rows(geo)
+        if shapes[0][0] != q + 2 * kv:
+            return None
+        g, hd = geo.num_groups, geo.head_dim
+        q_rows = q // g
+        fused: list[_Segment] = []
+        for i in range(g):  # megatron's per-group layout out of the [q; k; v] rows
+            fused += [(0, i * q_rows, q_rows), (0, q + i * hd, hd), (0, q + kv + i * hd, hd)]
+        return fused
     if kind is Kind.QKV and len(shapes) == 3:
         g, hd = geo.num_groups, geo.head_dim
         q_rows = (geo.num_heads // g) * hd

@@ -334,7 +334,7 @@ class SDPACoreAttention(MegatronModule):
             raise ValueError("context parallelism needs TransformerEngine's attention; SDPA runs CP=1")
         if config.softmax_type != "vanilla":
             raise ValueError(f"softmax_type={config.softmax_type!r} is not supported by SDPACoreAttention")
-        # sliding window: a query sees itself and the `window` keys before it
+        # sliding window (Mistral, Gemma): a query sees itself and the `window` keys before it, in every kernel
         self.window = layer_window(config, layer_number)
         if self.window is not None and config.window_size[1] != 0:
             raise ValueError(f"window_size {config.window_size}: SDPACoreAttention attends causally (right 0)")
@@ -372,12 +372,19 @@ class SDPACoreAttention(MegatronModule):
         if packed is not None and not isinstance(packed, DocumentPackedParams):
             raise ValueError(THD_NEEDS_TE)
         kernel = None
-        eager = self.window is not None or self.softcap is not None  # options the packed kernels lack
-        if packed is not None and eager:
-            attention_mask = packed.dense_mask()
+        window = self.window
+        if packed is not None and self.softcap is not None:
+            attention_mask = packed.dense_mask()  # capped scores: the eager path, which the packed kernels lack
         elif packed is not None:
+            # the varlen and flex boundaries are built once for every layer, without a window: a windowed
+            # layer takes the documents kernel or the dense mask with the window added
+            if window is not None:
+                if packed.documents is not None:
+                    kernel = "documents"
+                else:
+                    attention_mask = packed.dense_mask()
             # flash's kernel needs one head size for q/k and v (MLA's differ: flex or the mask then)
-            if packed.doc_cu_seqlens is not None and _flash_supports(query) and value.size(-1) == query.size(-1):
+            elif packed.doc_cu_seqlens is not None and _flash_supports(query) and value.size(-1) == query.size(-1):
                 kernel = "varlen"
             elif query.is_cuda and packed.block_mask is not None:
                 kernel = "flex"
@@ -392,8 +399,12 @@ class SDPACoreAttention(MegatronModule):
             return out.reshape(query.size(0), query.size(1), self.hidden_size_per_partition)
         dropout_p = self.dropout_p if self.training else 0.0
         if kernel == "documents":
+            docs = packed.documents
+            if window is not None:  # padded queries keep their key (the document's first token): no empty row
+                far = outside_window(docs.mask.size(-1), window, device=docs.mask.device) & docs.valid[:, None, :, None]
+                docs = DocumentBatch(docs.index, docs.valid, docs.mask & ~far)
             return self._with_dropout_rng(dropout_p, lambda: _document_attention(
-                query, key, value, packed.documents, self.softmax_scale, dropout_p))
+                query, key, value, docs, self.softmax_scale, dropout_p))
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
         sq, b, heads, d = query.shape
         sk = key.size(0)
@@ -409,6 +420,11 @@ class SDPACoreAttention(MegatronModule):
                 is_causal = True  # fast path: no mask tensor, flash kernel on CUDA
             else:
                 mask = ~causal_mask(sq, sk, device=query.device)
+            if window is not None:
+                mask = ~(causal_mask(sq, sk, device=query.device) | outside_window(sq, window, sk, device=query.device))
+                is_causal = False
+        if window is not None and attention_mask is not None:
+            mask = mask & ~outside_window(sq, window, sk, device=query.device)
         # GQA without repeating K/V. With a mask too this stays on a fused kernel: on an H100 (torch
         # 2.11, s=4096, 28/4 heads, d=128, bf16) masked fwd+bwd took 2.89 ms with enable_gqa and
         # 2.98 ms with K/V repeated; causal without a mask 1.04 ms.
@@ -416,13 +432,9 @@ class SDPACoreAttention(MegatronModule):
         if kernel == "flex":
             out = _flex_attention(q, k, v, packed.block_mask, self.softmax_scale, enable_gqa)
             return out.permute(2, 0, 1, 3).reshape(sq, b, self.hidden_size_per_partition)
-        if eager:
+        if self.softcap is not None:  # the eager path takes its causal mask explicitly
             if mask is None and is_causal:
-                mask, is_causal = ~causal_mask(sq, sk, device=query.device), False
-            if self.window is not None:
-                outside = outside_window(sq, self.window, sk, device=query.device)
-                mask = ~outside if mask is None else mask & ~outside
-        if self.softcap is not None:
+                mask = ~causal_mask(sq, sk, device=query.device)
             out = self._with_dropout_rng(dropout_p, lambda: softcapped_attention(
                 q, k, v, mask, self.softmax_scale, self.softcap, dropout_p))
             return out.permute(2, 0, 1, 3).reshape(sq, b, self.hidden_size_per_partition)

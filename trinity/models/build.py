@@ -92,9 +92,12 @@ def _rope_scaling_kwargs(facts: ModelFacts) -> dict[str, Any]:
 
 def _window_kwargs(facts: ModelFacts) -> dict[str, Any]:
     """megatron's sliding-window fields: transformers' window counts the query itself, megatron's
-    window_size[0] the keys before it; a per-layer list says which layers slide (1 = sliding)."""
-    if not facts.sliding_layers:
+    window_size[0] the keys before it; a per-layer list says which layers slide (1 = sliding; Gemma's
+    pattern), none: every layer (Mistral, Phi-3)."""
+    if facts.sliding_window is None:
         return {}
+    if not facts.sliding_layers:
+        return {"window_size": (facts.sliding_window - 1, 0)}
     return {"window_size": (facts.sliding_window - 1, 0), "window_attn_skip_freq": [int(s) for s in facts.sliding_layers]}
 
 
@@ -166,7 +169,9 @@ def transformer_config(
         # torch_compile, inductor fuses megatron's unfused RoPE into its neighbours, and an opaque
         # fused op there measured slower (H200, per-layer compile: 0.5B 0.097 -> 0.118 s, 1.5B
         # 0.174 -> 0.191 s per step). CPU keeps megatron's unfused reference numerics.
-        apply_rope_fusion=not on_cpu and compile_scope(megatron) == "none" and rope.install(),
+        # (our fused RoPE rotates halves, not interleaved pairs: GLM-4 keeps megatron's unfused RoPE)
+        apply_rope_fusion=not on_cpu and compile_scope(megatron) == "none" and not facts.rotary_interleaved
+        and rope.install(),
         # megatron fuses bias + SwiGLU (and exact GELU), not GELU-tanh
         bias_activation_fusion=not on_cpu and facts.hidden_act == "silu",
         bias_dropout_fusion=not on_cpu,
@@ -176,6 +181,8 @@ def transformer_config(
         moe_router_fusion=False,
         cross_entropy_loss_fusion=False,
     )
+    if facts.rotary_percent != 1.0 or facts.rotary_interleaved:
+        kwargs.update(rotary_interleaved=facts.rotary_interleaved)
     if facts.is_moe:
         kwargs.update(
             num_moe_experts=facts.num_experts,
@@ -189,6 +196,10 @@ def transformer_config(
             moe_grouped_gemm=bool(megatron.moe_grouped_gemm),
             moe_layer_recompute=bool(megatron.moe_layer_recompute),
         )
+        if facts.moe_shared_ffn_hidden_size:
+            # shared experts on every token (DeepSeek's; Qwen2-MoE's scaled by sigmoid(gate . x))
+            kwargs.update(moe_shared_expert_intermediate_size=facts.moe_shared_ffn_hidden_size,
+                          moe_shared_expert_gate=facts.moe_shared_expert_gate)
     config_class = TransformerConfig
     if facts.mla is not None:
         from trinity.models import deepseek
@@ -356,6 +367,7 @@ def build_model(
             share_embeddings_and_output_weights=tied,
             position_embedding_type="rope",
             rotary_base=facts.rope_theta,
+            rotary_percent=facts.rotary_percent,
             vp_stage=vp_stage,
             **_rope_scaling_kwargs(facts),
         )

@@ -37,6 +37,20 @@ class ArchitectureInfo:
     softcapping_defaults: tuple[float | None, float | None] = (None, None)
     # transformers applies attn_logit_softcapping (Gemma 2); its Gemma 3 reads the key but never applies it
     attn_softcapping: bool = False
+    # Reads `sliding_window` (None: full attention); the window is megatron-core's `window_size` in
+    # training and a windowed mask in the rollout decoders (Mistral, Mixtral, Phi-3).
+    sliding_window: bool = False
+    # Reads `partial_rotary_factor` (top level or in rope_parameters): RoPE on the first fraction of
+    # each head's features, megatron-core's `rotary_percent` (Phi-3/4, GLM-4).
+    partial_rotary: bool = False
+    rotary_interleaved: bool = False  # RoPE rotates adjacent feature pairs (GLM-4), megatron's rotary_interleaved
+    shared_expert: bool = False  # MoE layers add a shared expert with a sigmoid gate (Qwen2-MoE)
+    # RMSNorm after the attention block and after the MLP, before each residual add (GLM-4).
+    post_block_norms: bool = False
+    mbridge: bool = True  # mbridge 0.15.1 has a bridge for it (`--backend mbridge`, `use_mbridge`)
+    # What transformers assumes when config.json lacks the key (its config class's default)
+    partial_rotary_default: float = 1.0  # GLM-4: 0.5
+    norm_topk_prob_default: bool = True  # Qwen2-MoE, Qwen3-MoE: False (Mixtral always renormalises)
 
 
 # HF `architectures[0]` -> family facts. Adding an architecture means one row here and one weight-map
@@ -45,8 +59,21 @@ SUPPORTED_ARCHITECTURES: dict[str, ArchitectureInfo] = {
     "LlamaForCausalLM": ArchitectureInfo(family="llama"),
     "Qwen2ForCausalLM": ArchitectureInfo(family="qwen2", qkv_bias=True),
     "Qwen3ForCausalLM": ArchitectureInfo(family="qwen3", qk_norm=True, qkv_bias=False),
-    "Qwen3MoeForCausalLM": ArchitectureInfo(family="qwen3_moe", qk_norm=True, qkv_bias=False, moe=True),
-    "MixtralForCausalLM": ArchitectureInfo(family="mixtral", qkv_bias=False, moe=True),
+    "Qwen3MoeForCausalLM": ArchitectureInfo(
+        family="qwen3_moe", qk_norm=True, qkv_bias=False, moe=True, norm_topk_prob_default=False
+    ),
+    "MixtralForCausalLM": ArchitectureInfo(family="mixtral", qkv_bias=False, moe=True, sliding_window=True),
+    "MistralForCausalLM": ArchitectureInfo(family="mistral", qkv_bias=False, sliding_window=True, mbridge=False),
+    "Phi3ForCausalLM": ArchitectureInfo(
+        family="phi3", qkv_bias=False, sliding_window=True, partial_rotary=True, mbridge=False
+    ),
+    "Qwen2MoeForCausalLM": ArchitectureInfo(
+        family="qwen2_moe", qkv_bias=True, moe=True, shared_expert=True, norm_topk_prob_default=False
+    ),
+    "Glm4ForCausalLM": ArchitectureInfo(
+        family="glm4", partial_rotary=True, rotary_interleaved=True, post_block_norms=True, mbridge=False,
+        partial_rotary_default=0.5,
+    ),
     "DeepseekV2ForCausalLM": ArchitectureInfo(family="deepseek_v2", qkv_bias=False, moe=True, mla=True),
     "DeepseekV3ForCausalLM": ArchitectureInfo(family="deepseek_v3", qkv_bias=False, moe=True, mla=True),
     "Gemma2ForCausalLM": ArchitectureInfo(
@@ -63,6 +90,9 @@ REFUSED_ARCHITECTURES: dict[str, str] = {
         "Gemma3ForCausalLM checkpoint (the 270M and 1B models)"
     ),
 }
+
+# rope_scaling types megatron-core computes exactly (trinity.models.build refuses other parameters).
+SUPPORTED_ROPE_SCALING = ("llama3",)
 
 
 def supported_list() -> str:
@@ -130,12 +160,21 @@ class ModelFacts:
     moe_norm_topk_prob: bool = True
     hidden_act: str = "silu"
     rope_scaling: dict[str, Any] | None = field(default=None, compare=False)
+    # a token of a sliding layer attends to itself and the window - 1 tokens before it (HF's value); the
+    # sliding layers: `sliding_layers` (Gemma's pattern), or every layer where that is empty
+    sliding_window: int | None = None
+    rotary_percent: float = 1.0  # fraction of a head's features that RoPE rotates
+    rotary_interleaved: bool = False
+    post_block_norms: bool = False
     torch_dtype: str | None = None
     source: str = ""  # the config.json this was read from
     # DeepSeek (trinity.models.deepseek reads these; defaults describe every other family)
     mla: MLAFacts | None = None
     moe_dense_layers: int = 0  # first_k_dense_replace: leading layers with a dense MLP
-    moe_shared_ffn_hidden_size: int | None = None  # n_shared_experts * moe_intermediate_size
+    # MoE: the shared experts' width (DeepSeek n_shared_experts * moe_intermediate_size, Qwen2-MoE
+    # shared_expert_intermediate_size; None: none), and whether a sigmoid gate scales them (Qwen2-MoE)
+    moe_shared_ffn_hidden_size: int | None = None
+    moe_shared_expert_gate: bool = False
     moe_score_function: str = "softmax"
     moe_scaling_factor: float | None = None  # routed_scaling_factor
     moe_num_groups: int | None = None  # group-limited routing: n_group, topk_group
@@ -148,7 +187,6 @@ class ModelFacts:
     final_logit_softcapping: float | None = None  # logits -> cap * tanh(logits / cap)
     attn_logit_softcapping: float | None = None  # attention scores -> cap * tanh(scores / cap)
     query_pre_attn_scalar: float | None = None  # attention scale = query_pre_attn_scalar ** -0.5
-    sliding_window: int | None = None  # a sliding layer's query sees its last `sliding_window` keys
     sliding_layers: tuple[bool, ...] = ()  # per layer (0-based): attends over sliding_window only
     rope_local_theta: float | None = None  # RoPE base of the sliding layers (None: rope_theta)
     global_rope_factor: float | None = None  # linear RoPE scaling of the global layers (Gemma 3)
@@ -202,7 +240,25 @@ class ModelFacts:
         rope_theta = float(raw.get("rope_theta") or rope_params.get("rope_theta") or 10000.0)
         rope_type = rope_params.get("rope_type", "default")
         rope_scaling = raw.get("rope_scaling") or (rope_params if rope_type != "default" else None)
+        if rope_scaling and not (info.mla or info.gemma):  # DeepSeek's yarn and Gemma 3's are read below
+            kind = rope_scaling.get("rope_type") or rope_scaling.get("type")
+            if kind not in SUPPORTED_ROPE_SCALING:
+                raise UserError(
+                    f"{source}: rope_scaling: type {kind!r} is not supported for {arch} (megatron-core computes "
+                    f"{', '.join(SUPPORTED_ROPE_SCALING)} only); use a checkpoint without it"
+                )
         qkv_bias = info.qkv_bias if info.qkv_bias is not None else bool(raw.get("attention_bias", False))
+        window = None if info.gemma else _sliding_window(raw, info, arch, source)  # Gemma: _gemma_fields
+        rotary_percent = 1.0
+        factor = raw.get("partial_rotary_factor", rope_params.get("partial_rotary_factor", info.partial_rotary_default))
+        if factor is not None and float(factor) != 1.0:
+            if not info.partial_rotary:
+                raise UserError(f"{source}: partial_rotary_factor {factor} is not supported for {arch}")
+            rotary_percent = float(factor)
+            if float(head_dim * rotary_percent) != int(head_dim * rotary_percent) or int(head_dim * rotary_percent) % 2:
+                raise UserError(
+                    f"{source}: partial_rotary_factor {factor} of head_dim {head_dim} is not an even number of features"
+                )
 
         extra: dict[str, Any] = {}
         if info.mla:
@@ -211,14 +267,25 @@ class ModelFacts:
             extra = read_deepseek(raw, source)
             head_dim = extra["mla"].qk_nope_head_dim + extra["mla"].qk_rope_head_dim
         num_experts = moe_ffn = topk = None
+        shared_ffn = extra.pop("moe_shared_ffn_hidden_size", None)
         if info.moe:
             num_experts = int(raw.get("num_local_experts") or raw.get("num_experts") or raw.get("n_routed_experts") or 0) or None
             if num_experts is None:
                 raise UserError(f"{source}: MoE architecture {arch} without num_experts/num_local_experts")
             moe_ffn = int(raw.get("moe_intermediate_size") or need("intermediate_size"))
             topk = int(need("num_experts_per_tok"))
-        # Mixtral always renormalises the top-k weights; Qwen3-MoE reads norm_topk_prob; DeepSeek decides.
-        norm_topk_prob = bool(raw.get("norm_topk_prob", True)) if info.moe else True
+            # Qwen-MoE configs may make some layers dense; every layer of our spec is alike
+            sparse_step, dense_layers = raw.get("decoder_sparse_step"), raw.get("mlp_only_layers")
+            if sparse_step not in (None, 1):
+                raise UserError(f"{source}: decoder_sparse_step {sparse_step} is not supported (every layer MoE: 1)")
+            if dense_layers:
+                raise UserError(f"{source}: mlp_only_layers {dense_layers} is not supported (every layer MoE: [])")
+            if info.shared_expert:
+                shared_ffn = int(need("shared_expert_intermediate_size"))
+                if shared_ffn <= 0:
+                    raise UserError(f"{source}: shared_expert_intermediate_size {shared_ffn} must be positive")
+        # Mixtral always renormalises the top-k weights; Qwen-MoE reads norm_topk_prob; DeepSeek decides.
+        norm_topk_prob = bool(raw.get("norm_topk_prob", info.norm_topk_prob_default)) if info.moe else True
         norm_topk_prob = extra.pop("moe_norm_topk_prob", norm_topk_prob)
         fields: dict[str, Any] = dict(
             architecture=arch,
@@ -243,6 +310,12 @@ class ModelFacts:
             # Gemma's config names it hidden_activation (older ones carry both spellings)
             hidden_act=str(raw.get("hidden_activation") or raw.get("hidden_act", "silu")),
             rope_scaling=rope_scaling,
+            sliding_window=window,
+            rotary_percent=rotary_percent,
+            rotary_interleaved=info.rotary_interleaved,
+            moe_shared_ffn_hidden_size=shared_ffn,
+            moe_shared_expert_gate=info.shared_expert,
+            post_block_norms=info.post_block_norms,
             torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
             source=source,
             **extra,
@@ -274,10 +347,10 @@ class ModelFacts:
         dense = 3 * h * self.ffn_hidden_size
         if self.is_moe:
             mlp = self.num_experts * 3 * h * self.moe_ffn_hidden_size + h * self.num_experts
-            mlp += 3 * h * (self.moe_shared_ffn_hidden_size or 0)
+            mlp += 3 * h * (self.moe_shared_ffn_hidden_size or 0) + (h if self.moe_shared_expert_gate else 0)
         else:
             mlp = dense
-        norms = (4 if self.sandwich_norms else 2) * h
+        norms = (4 if self.sandwich_norms or self.post_block_norms else 2) * h
         embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         dense_layers = min(self.moe_dense_layers, L)
         return L * (attn + norms) + (L - dense_layers) * mlp + dense_layers * dense + embed + h
@@ -366,3 +439,25 @@ def _gemma3_rope(raw: dict[str, Any], source: str) -> dict[str, Any]:
         global_rope_factor=factor if factor != 1.0 else None,
         rope_scaling=None,  # taken apart above: global_rope_factor
     )
+
+
+def _sliding_window(raw: dict[str, Any], info: ArchitectureInfo, arch: str, source: str) -> int | None:
+    """The attention window of a config that uses one (None: full attention); UserError naming the field
+    where the family's window is not implemented."""
+    window = raw.get("sliding_window")
+    if "use_sliding_window" in raw and not raw["use_sliding_window"]:
+        window = None  # Qwen2-style configs carry a window they only use when asked to
+    if not window:
+        return None
+    if not info.sliding_window:
+        raise UserError(f"{source}: sliding_window {window} is not supported for {arch}; set it to null")
+    if int(window) < 1:
+        raise UserError(f"{source}: sliding_window {window} must be a positive number of tokens or null")
+    return int(window)
+
+
+def mbridge_refusal(facts: "ModelFacts") -> str | None:
+    """Why mbridge cannot convert this model (None: it can)."""
+    if SUPPORTED_ARCHITECTURES[facts.architecture].mbridge:
+        return None
+    return f"mbridge 0.15.1 has no bridge for {facts.architecture}; use the builtin converter"

@@ -14,7 +14,9 @@ Parameter names our spec produces (per layer N, 0-based within the chunk; MoE la
     decoder.layers.N.self_attention.q_layernorm.weight    (qk_layernorm: Qwen3)
     decoder.layers.N.self_attention.k_layernorm.weight
     decoder.layers.N.self_attention.linear_proj.weight
+    decoder.layers.N.self_attention.post_layernorm.weight (post_block_norms: GLM-4)
     decoder.layers.N.pre_mlp_layernorm.weight
+    decoder.layers.N.mlp.post_layernorm.weight            (post_block_norms, dense layers)
     decoder.layers.N.mlp.linear_fc1.weight                (dense; gate and up stacked: [2*ffn, h])
     decoder.layers.N.mlp.linear_fc2.weight
     decoder.layers.N.mlp.router.weight                    (MoE)
@@ -51,6 +53,9 @@ from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_decoder_block_spec,
     get_gpt_layer_local_spec,
 )
+from megatron.core.transformer.attention import SelfAttention
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -75,12 +80,11 @@ def have_transformer_engine() -> bool:
 
 
 def backend(config: TransformerConfig, facts: ModelFacts | None = None) -> str:
-    """The layer implementation build_model uses: TE on CUDA when it imports, else ours. Always ours for
-    features only our spec has (Gemma's) and for MLA: TE's MLA spec keeps the q/kv down projections whole on
-    every TP rank, ours splits them (megatron's ColumnParallelLinear + gather), and one layout keeps one
-    weight map."""
-    ours_only = (facts is not None and facts.gemma) or getattr(config, "multi_latent_attention", False)
-    if not ours_only and not config.use_cpu_initialization and torch.cuda.is_available() and have_transformer_engine():
+    """The layer implementation build_model uses: TE on CUDA when it imports, else ours. Always ours for a
+    model with a feature only ours has (`needs_local_spec`)."""
+    if (facts is not None and needs_local_spec(facts)) or getattr(config, "multi_latent_attention", False):
+        return BACKEND_LOCAL_SDPA
+    if not config.use_cpu_initialization and torch.cuda.is_available() and have_transformer_engine():
         return BACKEND_TE
     return BACKEND_LOCAL_SDPA
 
@@ -112,6 +116,69 @@ class TorchNorm:
         for p in norm.parameters():
             p.sequence_parallel = config.sequence_parallel
         return norm
+
+
+class _PostNorm:
+    """Mixin: RMSNorm of the block's output before the residual add (GLM-4's post_self_attn_layernorm and
+    post_mlp_layernorm; megatron-core's TransformerLayer has no such norm). `post_layernorm` is a child of
+    the attention / MLP module, so recompute, PP and the checkpoints carry it with the block."""
+
+    def _add_post_norm(self, config: TransformerConfig) -> None:
+        self.post_layernorm = TorchNorm(config, config.hidden_size, eps=config.layernorm_epsilon)
+
+    def _post_norm(self, out: tuple) -> tuple:
+        output, bias = out[0], out[1]
+        if bias is not None:  # GLM-4's projections have no bias; a bias would be added after the norm
+            raise ValueError("post_block_norms needs add_bias_linear=False")
+        return (self.post_layernorm(output), None, *out[2:])
+
+
+class PostNormSelfAttention(_PostNorm, SelfAttention):
+    def __init__(self, config: TransformerConfig, *args, **kwargs) -> None:
+        super().__init__(config, *args, **kwargs)
+        self._add_post_norm(config)
+
+    def forward(self, *args, **kwargs):  # type: ignore[override]
+        return self._post_norm(super().forward(*args, **kwargs))
+
+
+class PostNormMLP(_PostNorm, MLP):
+    """Given to the layer spec as a class, not a ModuleSpec: megatron's TransformerLayer warns on every
+    layer about MLP specs of classes it does not know (the TP group is the default one either way)."""
+
+    def __init__(self, config: TransformerConfig, submodules: MLPSubmodules | None = None, **kwargs) -> None:
+        local = MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
+        super().__init__(config, submodules or local, **kwargs)
+        self._add_post_norm(config)
+
+    def forward(self, *args, **kwargs):  # type: ignore[override]
+        return self._post_norm(super().forward(*args, **kwargs))
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
+        # MLP's asks every child for its own sharded_state_dict, which a torch norm does not have: the norm
+        # is left out of that loop and saved as megatron saves its other torch norms (replicated over TP)
+        from megatron.core.transformer.utils import sharded_state_dict_default
+
+        norm = self._modules.pop("post_layernorm")
+        try:
+            out = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        finally:
+            self._modules["post_layernorm"] = norm
+        out.update(sharded_state_dict_default(norm, f"{prefix}post_layernorm.", sharded_offsets, metadata))
+        return out
+
+
+def post_norm(module: torch.nn.Module) -> torch.nn.Module | None:
+    """The block-output norm of an attention / MLP module (post_block_norms), None without one: the
+    rollout decoders, which call a block's linears themselves, apply it from here."""
+    return getattr(module, "post_layernorm", None)
+
+
+def needs_local_spec(facts: ModelFacts) -> bool:
+    """Features only our spec has (TransformerEngine's layer spec would silently drop them): GLM-4's
+    post-block norms, Gemma's sandwich norms and score caps, and MLA (TE's MLA spec keeps the q/kv down
+    projections whole on every TP rank, ours splits them, and one layout keeps one weight map)."""
+    return facts.post_block_norms or facts.gemma or facts.mla is not None
 
 
 def _define_missing_te_names() -> None:
@@ -161,6 +228,11 @@ def layer_spec(facts: ModelFacts, config: TransformerConfig, layer: int = 0) -> 
     elif config.qk_layernorm:
         attn.q_layernorm = TorchNorm
         attn.k_layernorm = TorchNorm
+    if facts.post_block_norms:
+        if facts.is_moe:
+            raise ValueError("post_block_norms: MoE layers are not supported")
+        sub.self_attention.module = PostNormSelfAttention
+        sub.mlp = PostNormMLP
     if not facts.gemma:
         return spec
     # the sliding window is the config's (window_size, window_attn_skip_freq); the score cap and a
@@ -200,6 +272,6 @@ def layer_offset(config: TransformerConfig, *, vp_stage: int | None) -> int:
 
 
 __all__ = [
-    "BACKEND_LOCAL_SDPA", "BACKEND_TE", "TorchNorm", "backend", "block_spec", "layer_offset",
-    "layer_spec", "have_transformer_engine",
+    "BACKEND_LOCAL_SDPA", "BACKEND_TE", "PostNormMLP", "PostNormSelfAttention", "TorchNorm", "backend",
+    "block_spec", "layer_offset", "layer_spec", "have_transformer_engine", "needs_local_spec", "post_norm",
 ]

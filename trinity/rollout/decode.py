@@ -54,6 +54,7 @@ import torch.nn.functional as F
 from trinity.distributed import collectives
 from trinity.models import lora  # the lean path's linears: base weight + active LoRA adapter
 from trinity.models.rope import rotate_half
+from trinity.models.spec import post_norm
 from trinity.rollout import decode_mla
 
 _CACHE_MULTIPLE = 64  # cache length granularity: aligned rows for the attention kernels' mask reads
@@ -71,9 +72,11 @@ def _lean_supported(gpt: Any) -> bool:
     norms = [gpt.decoder.final_layernorm] if gpt.post_process else []
     for layer in gpt.decoder.layers:
         attn, mlp = layer.self_attention, layer.mlp
-        if _layer_options(layer) != (None, None, False, False):
+        if _layer_options(layer)[1:] != (None, False, False):  # windows: the lean path's masks
             return False
         if hasattr(mlp, "router") or not hasattr(mlp, "linear_fc1"):
+            return False
+        if post_norm(attn) is not None or post_norm(mlp) is not None:  # GLM-4's block-output norms
             return False
         norms += [layer.input_layernorm, layer.pre_mlp_layernorm]
         if config.qk_layernorm:
@@ -158,6 +161,14 @@ def capture_graph(fn: Callable[[], Any], *, pool: Any = None, warm: Callable[[],
         graph.capture_end()
     torch.cuda.current_stream().wait_stream(stream)
     return graph, out
+
+
+def block_output(attn: Any, out: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The attention block's output from its output projection's (the module path calls `linear_proj`
+    itself): bias added, then the block's post norm where the spec has one (GLM-4)."""
+    out = out if bias is None else out + bias
+    norm = post_norm(attn)
+    return out if norm is None else norm(out)
 
 
 class StageDecoder:
@@ -279,17 +290,22 @@ class StaticDecoder(StageDecoder):
         gate, value = torch.chunk(up, 2, dim=-1)
         return self._row_parallel_add(x, F.silu(gate) * value, mlp.linear_fc2)
 
-    def _lean_forward(self, x: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def _lean_forward(self, x: torch.Tensor, slots: torch.Tensor, masks: list[torch.Tensor]) -> torch.Tensor:
         s, b, h = x.shape
         per = self.heads // self.groups
         cos = self.cos.index_select(0, slots).view(s, 1, 1, 1, -1)
         sin = self.sin.index_select(0, slots).view(s, 1, 1, 1, -1)
-        # additive mask once per call for every layer: [b, 1, per*s, keys], rows in (head, query) order
-        bias = torch.zeros(mask.shape, dtype=self.dtype, device=self.device).masked_fill_(~mask, float("-inf"))
-        bias = bias.unsqueeze(2).expand(b, 1, per, s, mask.shape[-1]).reshape(b, 1, per * s, mask.shape[-1])
+        # additive mask once per call for every layer with that mask: [b, 1, per*s, keys], rows in
+        # (head, query) order
+        biases: dict[int, torch.Tensor] = {}
+        for mask in masks:
+            if id(mask) not in biases:
+                bias = torch.zeros(mask.shape, dtype=self.dtype, device=self.device).masked_fill_(~mask, float("-inf"))
+                biases[id(mask)] = bias.unsqueeze(2).expand(b, 1, per, s, mask.shape[-1]).reshape(
+                    b, 1, per * s, mask.shape[-1])
         x = self._residual_stream(x)
         for i, layer in enumerate(self.layers):
-            x = self._lean_layer(i, layer, x, s, slots, cos, sin, bias)
+            x = self._lean_layer(i, layer, x, s, slots, cos, sin, biases[id(masks[i])])
         return x.view(s, b, h)
 
     # ---- the module path -----------------------------------------------------------------------
@@ -306,18 +322,16 @@ class StaticDecoder(StageDecoder):
             k = apply_rotary_pos_emb(k, freqs, config=self.config)
         self.keys[i].index_copy_(2, slots, k.permute(1, 2, 0, 3))
         self.values[i].index_copy_(2, slots, v.permute(1, 2, 0, 3))
-        if self.windows[i] is not None:  # keys more than `window` slots before the query's are out of reach
-            mask = mask & (slots.view(1, 1, -1, 1) - self.positions.view(1, 1, 1, -1) <= self.windows[i])
         out = attend(q.permute(1, 2, 0, 3), self.keys[i], self.values[i], mask, self.scale,
                      self.softcaps[i])  # [b, heads, s, d]
         s, b = hidden.shape[:2]
         out, bias = attn.linear_proj(out.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.v_dim))
-        return out if bias is None else out + bias
+        return block_output(attn, out, bias)
 
-    def _module_forward(self, x: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def _module_forward(self, x: torch.Tensor, slots: torch.Tensor, masks: list[torch.Tensor]) -> torch.Tensor:
         for i, layer in enumerate(self.layers):
             post_attention, post_mlp = self.post_norms[i]
-            x = x + post_attention(self._attention(i, layer, layer.input_layernorm(x), slots, mask))
+            x = x + post_attention(self._attention(i, layer, layer.input_layernorm(x), slots, masks[i]))
             out, bias = layer.mlp(layer.pre_mlp_layernorm(x))
             x = x + post_mlp(out if bias is None else out + bias)
         return x
@@ -331,12 +345,16 @@ class StaticDecoder(StageDecoder):
         k_pos = self.positions.view(1, 1, 1, -1)
         q_pos = slots.view(1, 1, -1, 1)
         mask = (k_pos <= q_pos) & (self.valid.view(self.valid.shape[0], 1, 1, -1) | (k_pos == q_pos))
+        # a window layer's keys: the query's own slot and the `window` before it (left padding only
+        # precedes a row's tokens, so slot distance is token distance)
+        windowed = {w: mask & (k_pos >= q_pos - w) for w in set(self.windows) if w is not None}
+        masks = [mask if w is None else windowed[w] for w in self.windows]
         if self.first:
             x = self.gpt.embedding(input_ids=tokens, position_ids=slots.unsqueeze(0).expand_as(tokens))
         else:
             assert hidden is not None, "a non-first pipeline stage needs the previous stage's hidden states"
             x = hidden
-        x = self._lean_forward(x, slots, mask) if self.lean else self._module_forward(x, slots, mask)
+        x = self._lean_forward(x, slots, masks) if self.lean else self._module_forward(x, slots, masks)
         if not self.last:
             return x
         x = self.gpt.decoder.final_layernorm(x[-1:])

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from trinity.models import lora  # the lean path's linears: base weight + active LoRA adapter
 from trinity.rollout import decode_mla
-from trinity.rollout.decode import StageDecoder, capture_graph
+from trinity.rollout.decode import StageDecoder, block_output, capture_graph
 
 # the decode-step shapes this process has run once (SlotDecoder._capture warms a shape up only the first time)
 _warmed: set[tuple] = set()
@@ -74,7 +74,8 @@ class SlotDecoder(StageDecoder):
         self.captures, self.capture_s = 0, 0.0
         from trinity.rollout import decode_attention
 
-        # Gemma's sliding windows and score caps run in the module path's masked attention (`attend`)
+        # the split-KV kernel reads every key up to a row's position and scores them uncapped: sliding-window
+        # layers and Gemma's score caps run in the module path's masked attention (`attend`)
         eager = any(w is not None for w in self.windows) or any(c is not None for c in self.softcaps)
         self.split_kv = not self.mla and not eager and decode_attention.available(
             self.device, self.head_dim, self.heads // self.groups, self.dtype)
@@ -131,7 +132,7 @@ class SlotDecoder(StageDecoder):
         rope (split-KV only): q is the QKV projection [b, g, per + 2, d], and the kernel applies RoPE and
         stores this step's key and value itself (`decode_attention(rope=...)`)."""
         b, L = q.shape[0], ctx["L"]
-        if "allowed" in ctx:  # layers with a sliding window or score cap (module path)
+        if "allowed" in ctx:  # models with score caps (Gemma 2; module path), windows too
             from trinity.rollout.decode import attend
 
             allowed = ctx["allowed"]
@@ -145,7 +146,7 @@ class SlotDecoder(StageDecoder):
             return decode_attention(q, self.keys[i], self.values[i], ctx["nkeys"], L, self.scale, rope=table,
                                     prefix=ctx["prefix"])
         return F.scaled_dot_product_attention(q, self.keys[i][:b, :, :L], self.values[i][:b, :, :L],
-                                              attn_mask=ctx["bias"], scale=self.scale)
+                                              attn_mask=ctx["bias"][self.windows[i]], scale=self.scale)
 
     def _fused_decode(self, ctx: dict) -> bool:
         """A decode step of lean layers with the fused kernels (RoPE and the cache store in a kernel)."""
@@ -185,7 +186,7 @@ class SlotDecoder(StageDecoder):
             kk, vv = k.squeeze(3).permute(1, 2, 0, 3), v.permute(1, 2, 0, 3)  # [b, g, s, d]
             self._store_prefill(i, kk, vv, ctx["src"], ctx["dst"])
             qq = q.permute(1, 2, 3, 0, 4).reshape(b, g * per, s, d)
-            out = self._attend_prefill(qq, kk, vv).permute(2, 0, 1, 3).reshape(s * b, g * per * d)
+            out = self._attend_prefill(qq, kk, vv, i).permute(2, 0, 1, 3).reshape(s * b, g * per * d)
         return self._lean_rest(layer, x, out)
 
     def _lean_rest(self, layer: Any, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -228,7 +229,7 @@ class SlotDecoder(StageDecoder):
             self._store_prefill(i, kk, vv, ctx["src"], ctx["dst"])
             out = self._attend_prefill(q.permute(1, 2, 0, 3), kk, vv, i)
         out, bias = attn.linear_proj(out.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.v_dim))
-        return out if bias is None else out + bias
+        return block_output(attn, out, bias)
 
     def _layers(self, x: torch.Tensor, positions: torch.Tensor, ctx: dict) -> torch.Tensor:
         """x [s, b, h]; positions [s, b] (RoPE)."""
@@ -285,13 +286,17 @@ class SlotDecoder(StageDecoder):
     def _step(self, b: int, L: int) -> torch.Tensor:
         pos = self.pos[:b]
         # additive mask: a row attends to its positions 0..pos (written by its prefill and earlier steps)
-        bias = None if self.split_kv else torch.zeros(b, 1, 1, L, dtype=self.dtype, device=self.device).masked_fill_(
-            (self.kpos[:L].view(1, 1, 1, L) > pos.view(b, 1, 1, 1)), float("-inf"))
+        # (a sliding-window layer's: also the keys more than its window before pos)
+        bias = None
+        if not self.split_kv:
+            kpos, at = self.kpos[:L].view(1, 1, 1, L), pos.view(b, 1, 1, 1)
+            bias = {w: torch.zeros(b, 1, 1, L, dtype=self.dtype, device=self.device).masked_fill_(
+                (kpos > at) if w is None else (kpos > at) | (kpos < at - w), float("-inf")) for w in set(self.windows)}
         nkeys = torch.where(self.done[:b], torch.ones_like(pos), pos + 1) if self.split_kv else None
         prefix = (self.lead[:b], self.plen[:b]) if self.share_prefix else None
         ctx = {"decode": True, "L": L, "bias": bias, "nkeys": nkeys, "prefix": prefix}
-        if any(w is not None for w in self.windows) or any(c is not None for c in self.softcaps):
-            ctx["allowed"] = self.kpos[:L].view(1, 1, 1, L) <= pos.view(b, 1, 1, 1)  # boolean: windows narrow it
+        if any(c is not None for c in self.softcaps):  # capped scores need a boolean mask (windows narrow it)
+            ctx["allowed"] = self.kpos[:L].view(1, 1, 1, L) <= pos.view(b, 1, 1, 1)
         x = self.gpt.embedding(input_ids=self.tok[:b].view(b, 1), position_ids=pos.view(b, 1)) if self.first else self.hidden[:, :b]
         x = self._layers(x, pos.view(1, b), ctx)
         return self._logits(x) if self.last else x

@@ -1,4 +1,5 @@
-"""Locally made tiny assets for the quickstart and tests: tokenizer, arithmetic task, Qwen2 model.
+"""Locally made tiny assets for the quickstart and tests: tokenizer, arithmetic task, Qwen2 model (or a
+tiny model of another supported family: `trinity tiny-assets --family NAME`).
 
 Nothing here touches the network. The task ("12+7=" -> "19", "3-8=" -> "-5") is small enough for a
 ~0.6M-parameter model to learn on CPU in minutes, and has exact answers for RL rewards.
@@ -11,11 +12,14 @@ short. It round-trips any UTF-8 text exactly.
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 import shutil
 from pathlib import Path
 from typing import Any, Callable
+
+from trinity.testing.tiny_models import FAMILIES, tiny_hf_config, tiny_hf_model
 
 EOS_TOKEN = "<|endoftext|>"
 SPECIAL_TOKENS = (EOS_TOKEN, "<|im_start|>", "<|im_end|>")
@@ -154,57 +158,45 @@ def make_tiny_qwen2(
     return out
 
 
-def _deepseek_v2_config(vocab_size: int) -> Any:
-    from transformers import DeepseekV2Config
-
-    # V2-Lite's shape in small: no q LoRA, layer 0 dense, then MoE layers with 2 shared experts
-    return DeepseekV2Config(vocab_size=vocab_size, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-                            num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=32,
-                            qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, head_dim=16,
-                            n_routed_experts=8, n_shared_experts=2, num_experts_per_tok=2, moe_intermediate_size=64,
-                            first_k_dense_replace=1, topk_method="greedy", max_position_embeddings=1024)
-
-
-def _deepseek_v3_config(vocab_size: int) -> Any:
-    from transformers import DeepseekV3Config
-
-    # V3's routing in small: sigmoid + score bias, 4 groups of 2 experts, the top 2 groups' experts eligible
-    return DeepseekV3Config(vocab_size=vocab_size, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-                            num_attention_heads=4, num_key_value_heads=4, q_lora_rank=48, kv_lora_rank=32,
-                            qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, head_dim=16,
-                            n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=4, moe_intermediate_size=64,
-                            first_k_dense_replace=1, n_group=4, topk_group=2, max_position_embeddings=1024)
-
-
-def _gemma2_config(vocab_size: int) -> Any:
-    from transformers import Gemma2Config
-
-    return Gemma2Config(vocab_size=vocab_size, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-                        num_attention_heads=4, num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=32,
-                        sliding_window=64, max_position_embeddings=1024, tie_word_embeddings=True)
-
-
-def _gemma3_config(vocab_size: int) -> Any:
-    from transformers import Gemma3TextConfig
-
-    # 6 layers: Gemma 3's 5 sliding : 1 global pattern once
-    return Gemma3TextConfig(vocab_size=vocab_size, hidden_size=128, intermediate_size=256, num_hidden_layers=6,
-                            num_attention_heads=4, num_key_value_heads=1, head_dim=32, query_pre_attn_scalar=32,
-                            sliding_window=64, max_position_embeddings=1024, tie_word_embeddings=True)
-
-
-# `trinity tiny-assets --family NAME`: family -> the HF config of its tiny model for a vocabulary size (the
-# tiny tokenizer's, rounded up); transformers' AutoModelForCausalLM builds the model from it.
-TINY_FAMILY_CONFIGS: dict[str, Callable[[int], Any]] = {
-    "deepseek_v2": _deepseek_v2_config,
-    "deepseek_v3": _deepseek_v3_config,
-    "gemma2": _gemma2_config,
-    "gemma3": _gemma3_config,
+QUICKSTART_FAMILY = "qwen2"
+# Family name -> factory of its tiny transformers config (keyword overrides: vocabulary, sizes, token ids);
+# every family trinity converts has one (tests/unit/test_data_tiny_assets.py checks).
+TINY_FAMILY_CONFIGS: dict[str, Callable[..., Any]] = {
+    name: functools.partial(tiny_hf_config, name) for name in FAMILIES
 }
 
 
-def make_quickstart_assets(out_dir: str | Path, *, seed: int = 0) -> dict[str, Path]:
-    """Tokenizer + tiny Qwen2 in out_dir/model, arithmetic data in out_dir/data; returns their paths.
+def make_tiny_family_model(out_dir: str | Path, tokenizer_dir: str | Path, family: str, *, seed: int = 0) -> Path:
+    """A random-init model of `family` at the quickstart model's size, for the tiny tokenizer, saved with it
+    (the quickstart's own Qwen2 for "qwen2"). The family's features stay on (e.g. Mistral's short window)."""
+    if family == QUICKSTART_FAMILY:
+        return make_tiny_qwen2(out_dir, tokenizer_dir, seed=seed)
+    if family not in TINY_FAMILY_CONFIGS:
+        raise ValueError(f"unknown family {family!r}; one of {sorted(TINY_FAMILY_CONFIGS)}")
+    from transformers import AutoTokenizer, GenerationConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), trust_remote_code=False)
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    shape = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, head_dim=32)
+    if "head_dim" in FAMILIES[family].defaults:  # DeepSeek's: the RoPE part of MLA's heads, its own
+        del shape["head_dim"]
+    config = TINY_FAMILY_CONFIGS[family](
+        vocab_size=-(-len(tokenizer) // 64) * 64, **shape, max_position_embeddings=1024, tie_word_embeddings=True,
+        bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )
+    model = tiny_hf_model(config, seed=seed)
+    model.generation_config = GenerationConfig(
+        eos_token_id=[tokenizer.eos_token_id, im_end], pad_token_id=tokenizer.pad_token_id
+    )
+    out = Path(out_dir)
+    model.save_pretrained(str(out), safe_serialization=True)
+    tokenizer.save_pretrained(str(out))
+    return out
+
+
+def make_quickstart_assets(out_dir: str | Path, *, seed: int = 0, family: str = QUICKSTART_FAMILY) -> dict[str, Path]:
+    """Tokenizer + tiny model (Qwen2, or `family`'s) in out_dir/model, arithmetic data in out_dir/data;
+    returns their paths.
 
     Idempotent: when out_dir/assets.json (written last) records the same seed and task, nothing is
     redone. Each part is made
@@ -218,7 +210,7 @@ def make_quickstart_assets(out_dir: str | Path, *, seed: int = 0) -> dict[str, P
         "rl_prompts": out / "data" / "rl_prompts.jsonl",
     }
     marker = out / COMPLETE_MARKER
-    recipe = {"seed": seed, "max_operand": DEFAULT_MAX_OPERAND}
+    recipe = {"seed": seed, "max_operand": DEFAULT_MAX_OPERAND, "family": family}
     if marker.is_file() and all(p.exists() for p in paths.values()):
         if {k: v for k, v in json.loads(marker.read_text()).items() if k in recipe} == recipe:
             return paths
@@ -227,7 +219,7 @@ def make_quickstart_assets(out_dir: str | Path, *, seed: int = 0) -> dict[str, P
     tmp_model, tmp_tokenizer = out / "model.tmp", out / "tokenizer.tmp"
     for tmp in (tmp_model, tmp_tokenizer):
         shutil.rmtree(tmp, ignore_errors=True)
-    make_tiny_qwen2(tmp_model, make_tiny_tokenizer(tmp_tokenizer), seed=seed)
+    make_tiny_family_model(tmp_model, make_tiny_tokenizer(tmp_tokenizer), family, seed=seed)
     shutil.rmtree(tmp_tokenizer)
     shutil.rmtree(paths["model"], ignore_errors=True)
     tmp_model.rename(paths["model"])

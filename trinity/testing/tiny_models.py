@@ -79,7 +79,45 @@ FAMILIES: dict[str, TinyFamily] = {
          "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 50000.0},
                              "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}}},
     ),
+    # Qwen1.5-MoE's routing (norm_topk_prob False: top-k of the full softmax) and its gated shared expert
+    "qwen2_moe": TinyFamily(
+        "Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+        {**_MOE, "num_experts": 4, "norm_topk_prob": False, "shared_expert_intermediate_size": 48,
+         "decoder_sparse_step": 1, "mlp_only_layers": [], "use_sliding_window": False},
+    ),
+    # GLM-4's half-head interleaved RoPE, q/k/v bias, fused gate_up_proj and post-block norms
+    "glm4": TinyFamily("Glm4Config", "Glm4ForCausalLM", {"partial_rotary_factor": 0.5, "attention_bias": True,
+                                                         "pad_token_id": 0, "eos_token_id": 2, "bos_token_id": 1}),
+    # a window shorter than the tests' sequences, so that a decoder or mask ignoring it changes tokens
+    "mistral": TinyFamily("MistralConfig", "MistralForCausalLM", {"sliding_window": 4}),
+    # Phi-4-mini's partial rotary (0.75 of each head) and a window, fused qkv_proj / gate_up_proj
+    "phi3": TinyFamily("Phi3Config", "Phi3ForCausalLM", {"partial_rotary_factor": 0.75, "sliding_window": 5, "pad_token_id": 0, "bos_token_id": 1,
+                                                         "eos_token_id": 2}),
 }
+
+
+def tiny_hf_config(family: str, **config_overrides: Any) -> Any:
+    """The transformers config of a tiny `family` model (the shared shape, the family's features switched
+    on, then `config_overrides`)."""
+    import transformers
+
+    if family not in FAMILIES:
+        raise ValueError(f"unknown tiny family {family!r}; one of {sorted(FAMILIES)}")
+    spec = FAMILIES[family]
+    kwargs = {**_BASE, **spec.defaults, **config_overrides}
+    if "moe_intermediate_size" in kwargs and family == "mixtral":
+        kwargs.pop("moe_intermediate_size", None)  # Mixtral experts use intermediate_size
+    return getattr(transformers, spec.config_class)(**kwargs)
+
+
+def tiny_hf_model(config: Any, *, seed: int = 0) -> Any:
+    """A random-weight fp32 model of `config` (a tiny_hf_config)."""
+    import torch
+    import transformers
+
+    spec = next(f for f in FAMILIES.values() if f.config_class == type(config).__name__)
+    torch.manual_seed(seed)
+    return getattr(transformers, spec.model_class)(config).to(torch.float32)
 
 
 def make_tiny_hf_model(
@@ -87,17 +125,9 @@ def make_tiny_hf_model(
 ) -> Path:
     """Write a random-weight HF causal LM of `family` to `out_dir` and return that path."""
     import torch
-    import transformers
 
-    if family not in FAMILIES:
-        raise ValueError(f"unknown tiny family {family!r}; one of {sorted(FAMILIES)}")
-    spec = FAMILIES[family]
-    kwargs = {**_BASE, **spec.defaults, "tie_word_embeddings": tie_word_embeddings, **config_overrides}
-    if "moe_intermediate_size" in kwargs and family == "mixtral":
-        kwargs.pop("moe_intermediate_size", None)  # Mixtral experts use intermediate_size
-    config = getattr(transformers, spec.config_class)(**kwargs)
-    torch.manual_seed(seed)
-    model = getattr(transformers, spec.model_class)(config).to(torch.float32)
+    config = tiny_hf_config(family, tie_word_embeddings=tie_word_embeddings, **config_overrides)
+    model = tiny_hf_model(config, seed=seed)
     # Random init gives near-zero norms' deviation from 1; perturb every parameter so that a wrong
     # weight mapping (e.g. swapped norms) changes the logits.
     with torch.no_grad():

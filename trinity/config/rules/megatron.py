@@ -13,7 +13,7 @@ from pathlib import Path
 from trinity.config.megatron import MegatronConfig, RecomputeGranularity, RecomputeMethod, RecomputeModule
 from trinity.config.schema import JobConfig
 from trinity.distributed.layout import layout_problems
-from trinity.models.facts import ModelFacts
+from trinity.models.facts import ModelFacts, mbridge_refusal
 
 
 def check_megatron(
@@ -64,6 +64,8 @@ def check_megatron(
                 f"{p}.dist_checkpointing_path: {ckpt} is not a megatron-core dist checkpoint (no .metadata in it); "
                 "point it at the output of `trinity convert hf-to-mcore` (or of another megatron-core converter)"
             )
+    if facts is not None and m.use_mbridge and mbridge_refusal(facts):
+        problems.append(f"{p}.use_mbridge: {mbridge_refusal(facts)} (set use_mbridge to false)")
     if facts is not None:
         _check_against_model(p, m, facts, problems, warnings)
     _check_recompute(p, m, facts, problems)
