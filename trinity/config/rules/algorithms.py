@@ -7,34 +7,45 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from trinity.algorithms.registry import ALGORITHMS, load
 from trinity.config.rules.fields import non_default
-from trinity.config.schema import AlgorithmName, JobConfig
+from trinity.config.schema import JobConfig
 from trinity.errors import UserError
 from trinity.models.facts import ModelFacts
 
 
-def check_dapo(cfg: JobConfig, problems: list[str]) -> None:
-    """DAPO's dynamic sampling and overlong shaping exist in the dapo recipe only, a policy loss in RL only:
-    refused elsewhere rather than accepted and ignored."""
-    name = cfg.algorithm.name
-    fg, ob = cfg.algorithm.filter_groups, cfg.reward_model.overlong_buffer
-    if not cfg.is_rl and cfg.actor_rollout_ref.actor.policy_loss.loss_mode != "vanilla":
+def check_algorithm(cfg: JobConfig, problems: list[str]) -> None:
+    """What depends on the algorithm (its AlgorithmSpec): the keys another algorithm owns are refused, a
+    policy loss only where one applies, then the algorithm's own rules."""
+    spec = cfg.spec
+    name = spec.name
+    loss_mode = cfg.actor_rollout_ref.actor.policy_loss.loss_mode
+    if not spec.rollout and loss_mode != "vanilla":
         problems.append(
-            f"actor_rollout_ref.actor.policy_loss.loss_mode: a policy loss applies to RL algorithms, not {name.value}; "
+            f"actor_rollout_ref.actor.policy_loss.loss_mode: a policy loss applies to RL algorithms, not {name}; "
             "remove the key"
         )
-    if name != AlgorithmName.dapo:
-        if fg.enable:
-            problems.append(
-                f"algorithm.filter_groups.enable: dynamic sampling is part of the dapo recipe, not {name.value}; "
-                "set algorithm.name: dapo or remove the key"
-            )
-        if ob.enable:
-            problems.append(
-                f"reward_model.overlong_buffer.enable: overlong reward shaping is part of the dapo recipe, not "
-                f"{name.value}; set algorithm.name: dapo or remove the key"
-            )
-        return
+    elif spec.policy_loss is not None and loss_mode != "vanilla":
+        problems.append(
+            f"actor_rollout_ref.actor.policy_loss.loss_mode: {name} has its own policy loss ({spec.title}), which "
+            f"{loss_mode} would replace; remove the key, or use grpo with loss_mode {loss_mode}"
+        )
+    for other in ALGORITHMS.values():
+        for owned in other.owns if other is not spec else ():
+            *parent, field = owned.key.split(".")
+            block: Any = cfg
+            for part in parent:
+                block = getattr(block, part)
+            if non_default(block, [field]):
+                problems.append(f"{owned.key}: {owned.why}, not {name}; set algorithm.name: {other.name} or remove "
+                                f"the {owned.unit}")
+    for rule in spec.rules:
+        load(rule)(cfg, problems)
+
+
+def check_dapo_overlong(cfg: JobConfig, problems: list[str]) -> None:
+    """dapo: the overlong buffer must fit inside the response length."""
+    ob = cfg.reward_model.overlong_buffer
     limit = cfg.actor_rollout_ref.rollout.response_length
     if ob.enable and not 0 < ob.len < limit:
         problems.append(
@@ -57,18 +68,8 @@ DPO_REFUSED = {
 }
 
 
-
-
-def check_dpo(cfg: JobConfig, problems: list[str]) -> None:
-    """algorithm.dpo belongs to dpo; a dpo job refuses the rollout / reward / RL-loss options."""
-    name = cfg.algorithm.name
-    if name != AlgorithmName.dpo:
-        if non_default(cfg.algorithm, ["dpo"]):
-            problems.append(
-                f"algorithm.dpo: DPO settings apply to algorithm.name dpo, not {name.value}; set algorithm.name: dpo "
-                "or remove the block"
-            )
-        return
+def check_dpo_job(cfg: JobConfig, problems: list[str]) -> None:
+    """A dpo job refuses the rollout / reward / RL-loss options, and checks its own."""
     for path, fields in DPO_REFUSED.items():
         block: Any = cfg
         for part in path.split("."):
@@ -100,7 +101,7 @@ def check_lora(cfg: JobConfig, facts: ModelFacts | None, problems: list[str], ch
             problems.append(f"{p}.{field}: has no effect while {p}.rank is 0 (LoRA off); set rank >= 1 or remove the key")
         return
     if not cfg.is_rl and non_default(lora, ["rollout_weights"]):
-        problems.append(f"{p}.rollout_weights: {cfg.algorithm.name.value} jobs have no rollout, so it has no effect; "
+        problems.append(f"{p}.rollout_weights: {cfg.spec.name} jobs have no rollout, so it has no effect; "
                         "remove the key")
     if lora.adapter_path is not None and check_paths:
         check_adapter_path(lora, problems)
