@@ -85,7 +85,7 @@ def check_dpo_job(cfg: JobConfig, problems: list[str]) -> None:
             f"algorithm.dpo.label_smoothing: {d.label_smoothing} has no effect with loss_type ipo; remove it, or use "
             "sigmoid (conservative DPO) or robust"
         )
-    if cfg.data.packing:  # false is dpo's default (JobConfig._pt_concatenates)
+    if cfg.data.packing:  # false is dpo's default (its AlgorithmSpec.defaults)
         problems.append(
             "data.packing: dpo runs each sequence of a pair in its own row (its log-prob is a per-row sum); "
             "remove the key or set it to false"
