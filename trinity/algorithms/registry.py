@@ -103,8 +103,9 @@ ALGORITHMS: dict[str, AlgorithmSpec] = {s.name: s for s in (
                   owns=(Owned("algorithm.filter_groups.enable", "dynamic sampling is part of the dapo recipe"),
                         Owned("reward_model.overlong_buffer.enable", "overlong reward shaping is part of the dapo recipe"))),
     # offline preference pairs (TRL's DPOTrainer) against the frozen initial policy; each sequence of a
-    # pair in its own row (its log-prob is a per-row sum), so no packing
-    AlgorithmSpec("dpo", "DPO", "trinity.trainer.recipes.dpo:DPORecipe", "pairs", ref="always", evaluation="loss",
+    # pair in its own row (its log-prob is a per-row sum), so no packing. No evaluation: the SFT loss
+    # evaluator reads prompt/response records, not pairs (validate refuses data.val_files)
+    AlgorithmSpec("dpo", "DPO", "trinity.trainer.recipes.dpo:DPORecipe", "pairs", ref="always",
                   rows_per_sample=2, defaults=(("data.packing", False),), rules=(_DPO_RULE,),
                   owns=(Owned("algorithm.dpo", "DPO settings apply to algorithm.name dpo", unit="block"),)),
     # MiniMax-M1's CISPO: GRPO's group advantages, clipped IS weight x A x log pi (trinity/algorithms/cispo.py)
