@@ -309,7 +309,7 @@ def test_every_spec_names_code_and_keys_that_exist():
             for part in key.split("."):
                 block = getattr(block, part)
             assert block == value, (spec.name, key)
-        for owned in spec.owns:
+        for owned in (*spec.owns, *spec.ignores):
             block = cfg
             for part in owned.key.split("."):
                 block = getattr(block, part)

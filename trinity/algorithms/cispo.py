@@ -21,7 +21,7 @@ import torch
 
 from trinity.algorithms.advantages import masked_mean
 from trinity.algorithms.losses import PolicyLossMetrics, agg_loss
-from trinity.config.schema import JobConfig, LossAggMode
+from trinity.config.schema import LossAggMode
 
 
 def cispo_policy_loss(
@@ -35,8 +35,8 @@ def cispo_policy_loss(
     loss_agg_mode: LossAggMode | str = LossAggMode.token_mean,
     denominator: torch.Tensor | float | None = None,
 ) -> tuple[torch.Tensor, PolicyLossMetrics]:
-    """-sg(clip(r, 1 - low, 1 + high)) * A * logp per token, aggregated; `clip_ratio_c` is not used
-    (check_cispo refuses it). pg_clipfrac_lower is 0: CISPO has no dual clip."""
+    """-sg(clip(r, 1 - low, 1 + high)) * A * logp per token, aggregated; `clip_ratio_c` is not used (the
+    spec's `ignores` refuses it at validate). pg_clipfrac_lower is 0: CISPO has no dual clip."""
     mask = response_mask.to(torch.float32)
     logp, advantages = logp.float(), advantages.float()
     log_ratio = torch.clamp(logp - old_logp.float(), min=-20.0, max=20.0)
@@ -50,16 +50,3 @@ def cispo_policy_loss(
         pg_clipfrac_lower=torch.zeros((), device=mask.device),
     )
     return loss, metrics
-
-
-def check_cispo(cfg: JobConfig, problems: list[str]) -> None:
-    """The dual clip is part of PPO-clip's surrogate, which CISPO replaces: a value would change nothing."""
-    from trinity.config.rules.fields import non_default
-
-    actor = cfg.actor_rollout_ref.actor
-    if actor.clip_ratio_c is not None and non_default(actor, ["clip_ratio_c"]):
-        problems.append(
-            f"actor_rollout_ref.actor.clip_ratio_c: {actor.clip_ratio_c} has no effect with cispo (the dual clip "
-            "bounds PPO-clip's surrogate; CISPO clips the importance weight with clip_ratio_low / clip_ratio_high); "
-            "remove the key"
-        )

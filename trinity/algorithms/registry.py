@@ -10,8 +10,8 @@ This module imports nothing of the project: the config schema builds its `Algori
 Code is named as `module:attribute` strings and imported when used (`load`), so that validating a config
 never imports the trainer or torch.
 
-Adding an algorithm: one module (its loss, and a rule if it has options of its own; e.g.
-trinity/algorithms/cispo.py) and one entry below; docs/architecture.md, "Adding an algorithm".
+Adding an algorithm: one module for what is new (CISPO: trinity/algorithms/cispo.py, its loss) and one
+entry below; docs/architecture.md, "Adding an algorithm".
 """
 
 from __future__ import annotations
@@ -41,6 +41,15 @@ class Owned:
 
 
 @dataclass(frozen=True)
+class Ignored:
+    """A config key this algorithm does not read although others do: set (to a value other than its
+    default) it is refused, `<key>: <value> has no effect with <algorithm> (<why>); remove the key`."""
+
+    key: str  # dotted path in the job config
+    why: str
+
+
+@dataclass(frozen=True)
 class AlgorithmSpec:
     name: str  # algorithm.name
     title: str  # how messages and docs name it ("GRPO")
@@ -55,6 +64,7 @@ class AlgorithmSpec:
     rows_per_sample: int = 1  # rows of one training sample in a micro batch (a DPO pair: 2)
     defaults: tuple[tuple[str, bool], ...] = ()  # (dotted key, value) taken where the config leaves it unset
     owns: tuple[Owned, ...] = ()
+    ignores: tuple[Ignored, ...] = ()
     rules: tuple[str, ...] = ()  # "module:function(cfg, problems)" run by `trinity validate` for this algorithm
 
     @property
@@ -110,5 +120,7 @@ ALGORITHMS: dict[str, AlgorithmSpec] = {s.name: s for s in (
                   owns=(Owned("algorithm.dpo", "DPO settings apply to algorithm.name dpo", unit="block"),)),
     # MiniMax-M1's CISPO: GRPO's group advantages, clipped IS weight x A x log pi (trinity/algorithms/cispo.py)
     AlgorithmSpec("cispo", "CISPO", _RL, "prompts", ref="kl", group=True, advantages="grpo", evaluation="reward",
-                  policy_loss="trinity.algorithms.cispo:cispo_policy_loss", rules=("trinity.algorithms.cispo:check_cispo",)),
+                  policy_loss="trinity.algorithms.cispo:cispo_policy_loss",
+                  ignores=(Ignored("actor_rollout_ref.actor.clip_ratio_c", "the dual clip bounds PPO-clip's surrogate; "
+                                   "CISPO clips the importance weight with clip_ratio_low / clip_ratio_high"),)),
 )}

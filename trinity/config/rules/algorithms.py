@@ -15,8 +15,8 @@ from trinity.models.facts import ModelFacts
 
 
 def check_algorithm(cfg: JobConfig, problems: list[str]) -> None:
-    """What depends on the algorithm (its AlgorithmSpec): the keys another algorithm owns are refused, a
-    policy loss only where one applies, then the algorithm's own rules."""
+    """What depends on the algorithm (its AlgorithmSpec): the keys another algorithm owns and those this one
+    ignores are refused, a policy loss only where one applies, then the algorithm's own rules."""
     spec = cfg.spec
     name = spec.name
     loss_mode = cfg.actor_rollout_ref.actor.policy_loss.loss_mode
@@ -32,15 +32,26 @@ def check_algorithm(cfg: JobConfig, problems: list[str]) -> None:
         )
     for other in ALGORITHMS.values():
         for owned in other.owns if other is not spec else ():
-            *parent, field = owned.key.split(".")
-            block: Any = cfg
-            for part in parent:
-                block = getattr(block, part)
+            block, field = _parent(cfg, owned.key)
             if non_default(block, [field]):
                 problems.append(f"{owned.key}: {owned.why}, not {name}; set algorithm.name: {other.name} or remove "
                                 f"the {owned.unit}")
+    for ignored in spec.ignores:
+        block, field = _parent(cfg, ignored.key)
+        if non_default(block, [field]):
+            problems.append(f"{ignored.key}: {getattr(block, field)} has no effect with {name} ({ignored.why}); "
+                            "remove the key")
     for rule in spec.rules:
         load(rule)(cfg, problems)
+
+
+def _parent(cfg: JobConfig, key: str) -> tuple[Any, str]:
+    """The config block holding dotted `key`, and the key's last part."""
+    *parts, field = key.split(".")
+    block: Any = cfg
+    for part in parts:
+        block = getattr(block, part)
+    return block, field
 
 
 def check_dapo_overlong(cfg: JobConfig, problems: list[str]) -> None:
