@@ -7,7 +7,7 @@
 - `kl`: token-wise KL estimators (kl/k1, abs, mse/k2, low_var_kl/k3) and the in-reward KL penalty.
 - `losses`: PPO-clip policy loss with dual clip, entropy and KL losses, clipped value loss, loss
   aggregation modes with exact global normalisation across micro batches, `actor_loss`.
-- `cispo`: CISPO's clipped importance-weight loss (algorithm.name: cispo) and its rule.
+- `cispo`: CISPO's clipped importance-weight loss (algorithm.name: cispo).
 - `dapo`, `dpo`: DAPO's overlong penalty and group filter, DPO's losses.
 - `logprob`: log-probs and entropy from vocab-parallel (tensor-parallel) logits, chunked fp32.
 Modes are the config's enums (`trinity.config.schema.KLEstimator`, `LossAggMode`).
