@@ -57,7 +57,7 @@ def test_supervised_dp2_matches_one_gpu(assets, tmp_path, algo):
     assert losses(two)[-1] < losses(two)[0]
 
 
-@pytest.mark.parametrize("algo", ["grpo", "ppo", "rloo", "reinforce_plus_plus", "gspo", "dapo"])
+@pytest.mark.parametrize("algo", ["grpo", "ppo", "rloo", "reinforce_plus_plus", "gspo", "dapo", "cispo"])
 def test_rl_dp2(assets, tmp_path, algo):
     """DP=2 (GRPO also with every offload): the update all-reduces its metrics and denominators over the
     data-parallel group, which NCCL takes only as GPU tensors."""

@@ -1,4 +1,4 @@
-"""RLOO, REINFORCE++, GSPO and DAPO end to end on CPU: a few steps of `trinity run` each on the tiny
+"""RLOO, REINFORCE++, GSPO, DAPO and CISPO end to end on CPU: a few steps of `trinity run` each on the tiny
 random Qwen2 of test_rl_cpu.py (2 layers, hidden 64), checking what each algorithm adds to metrics.jsonl."""
 
 from __future__ import annotations
@@ -52,6 +52,18 @@ def test_gspo_policy_loss(assets, tmp_path):
         assert isinstance(r["actor/pg_loss"], float) and 0.0 <= r["actor/pg_clipfrac"] <= 1.0
     actor = yaml.safe_load((out / "resolved_config.yaml").read_text())["actor_rollout_ref"]["actor"]
     assert (actor["clip_ratio_low"], actor["clip_ratio_high"], actor["loss_agg_mode"]) == (3e-4, 4e-4, "seq-mean-token-mean")
+
+
+@pytest.mark.slow  # a torchrun job: ~25 s alone on 2 cores, minutes when they are shared
+def test_cispo_clips_the_weight(assets, tmp_path):
+    out = tmp_path / "cispo"
+    cfg = tiny(assets, out, "cispo", steps=1)
+    # the second pass is off-policy, and with ranges this narrow nearly every token's weight is clipped there
+    cfg["actor_rollout_ref"]["actor"].update(ppo_epochs=2, clip_ratio_low=1e-4, clip_ratio_high=1e-4)
+    run_job(cfg, tmp_path / "cispo.yaml")
+    (r,) = rows(out)
+    assert math.isfinite(r["actor/pg_loss"]) and r["actor/grad_norm"] > 0
+    assert 0.0 < r["actor/pg_clipfrac"] <= 1.0 and r["actor/pg_clipfrac_lower"] == 0.0  # CISPO has no dual clip
 
 
 @pytest.mark.slow  # a torchrun job: ~25 s alone on 2 cores, minutes when they are shared

@@ -116,6 +116,57 @@ def test_policy_loss_mode_selects_gspo_with_its_defaults():
     assert not torch.allclose(vanilla, direct)
 
 
+def test_cispo_loss_gradient_and_clip_fraction_by_hand():
+    """CISPO: -sg(clip(r, 0.8, 1.28)) * A * logp per token, token-mean over the 5 unmasked tokens."""
+    from trinity.algorithms.cispo import cispo_policy_loss
+
+    r = torch.tensor([[1.5, 0.5, 1.1], [1.0, 1.0, 3.0]])
+    logp = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -0.7, -9.0]], requires_grad=True)
+    old = logp.detach() - torch.log(r)
+    adv = torch.tensor([[2.0, -1.0, 0.5], [1.0, 1.0, 1.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    loss, m = cispo_policy_loss(old, logp, adv, mask, 0.2, 0.28, None, LossAggMode.token_mean)
+    # weights 1.28 (clipped from 1.5), 0.8 (clipped from 0.5), 1.1, 1, 1 (the masked token does not count)
+    # token losses -w A logp: 2.56, -1.6, 0.275, 0.3, 0.7
+    assert math.isclose(float(loss), (2.56 - 1.6 + 0.275 + 0.3 + 0.7) / 5, rel_tol=1e-6)
+    loss.backward()
+    # d loss / d logp = -w A / 5: the token clipped at 1.28 keeps its gradient (PPO-clip drops it)
+    expected = torch.tensor([[-2.56, 0.8, -0.55], [-1.0, -1.0, 0.0]]) / 5
+    assert torch.allclose(logp.grad, expected, atol=1e-6)
+    assert math.isclose(float(m.pg_clipfrac), 2 / 5, rel_tol=1e-6) and float(m.pg_clipfrac_lower) == 0.0
+    assert math.isclose(float(m.ppo_kl), -(math.log(1.5) + math.log(0.5) + math.log(1.1)) / 5, rel_tol=1e-5)
+    ppo_logp = logp.detach().clone().requires_grad_(True)
+    ppo, _ = ppo_policy_loss(old, ppo_logp, adv, mask, 0.2, 0.28, None, LossAggMode.token_mean)
+    ppo.backward()
+    assert ppo_logp.grad[0, 0] == 0 and ppo_logp.grad[0, 1] == 0  # outside the clip range: no gradient
+
+
+def test_cispo_is_the_algorithms_own_loss(write_job, small_job):
+    """algorithm.name: cispo runs the RL recipe with GRPO's advantages and its own loss (the spec's)."""
+    from tests.unit.test_config import problems_of, with_keys
+    from trinity.algorithms.advantages import ESTIMATORS
+    from trinity.algorithms.cispo import cispo_policy_loss
+    from trinity.config.loader import load_config
+
+    job = with_keys(small_job, algorithm__name="cispo", data__train_batch_size=8,
+                    actor_rollout_ref__actor__ppo_mini_batch_size=8)
+    cfg = load_config(write_job(job)).config
+    assert cfg.spec.load_policy_loss() is cispo_policy_loss and cfg.spec.load_recipe().__name__ == "RLRecipe"
+    assert ESTIMATORS[cfg.spec.advantages] is ESTIMATORS["grpo"] and list(cfg.roles()) == ["actor_rollout_ref.actor"]
+    old, logp = torch.zeros(1, 2), torch.tensor([[-0.5, -1.5]])
+    loss, _ = actor_loss(logp, old, torch.ones(1, 2), torch.ones(1, 2), cfg.actor_rollout_ref.actor,
+                         policy_loss=cfg.spec.load_policy_loss())
+    # ratios exp(-0.5), exp(-1.5) clipped up to 0.8: -(0.8 x -0.5 + 0.8 x -1.5) / 2
+    assert math.isclose(float(loss), 0.8, rel_tol=1e-6)
+    probs = problems_of(write_job(with_keys(job, actor_rollout_ref__rollout__n=1,
+                                            actor_rollout_ref__actor__clip_ratio_c=2.0,
+                                            actor_rollout_ref__actor__policy_loss={"loss_mode": "gspo"})))
+    assert "actor_rollout_ref.rollout.n: CISPO compares responses within a group; use n >= 2" in probs
+    assert "actor_rollout_ref.actor.policy_loss.loss_mode: cispo has its own policy loss (CISPO), which gspo would " \
+           "replace; remove the key, or use grpo with loss_mode gspo" in probs
+    assert any(p.startswith("actor_rollout_ref.actor.clip_ratio_c: 2.0 has no effect with cispo") for p in probs), probs
+
+
 def test_overlong_penalty_by_hand():
     # max 20 tokens, buffer 8: free up to 12, then -1/8 per token, -1 at 20
     got = overlong_penalty(torch.tensor([10, 12, 14, 16, 20]), 20, 8, 1.0)

@@ -111,6 +111,16 @@ def test_dpo_options_only_with_dpo(write_job, small_job):
     assert "algorithm.dpo: DPO settings apply to algorithm.name dpo, not sft; set algorithm.name: dpo or remove the block" in probs
 
 
+def test_dpo_refuses_val_files_before_any_process(write_job, small_job, tmp_path):
+    """The evaluator reads prompt/response records, not pairs: refused at validate (its spec has no
+    evaluation), not at the workers' start."""
+    val = tmp_path / "val.jsonl"
+    val.write_text('{"prompt": "1+1=", "chosen": "2", "rejected": "3"}\n')
+    probs = problems_of(write_job(dpo(small_job, data__val_files=[str(val)])))
+    assert "data.val_files: evaluation during training is not available for dpo jobs yet (sft and the RL " \
+           "algorithms have it); remove data.val_files" in probs
+
+
 def test_ipo_refuses_label_smoothing(write_job, small_job):
     probs = problems_of(write_job(dpo(small_job, algorithm__dpo={"loss_type": "ipo", "label_smoothing": 0.1})))
     assert "algorithm.dpo.label_smoothing: 0.1 has no effect with loss_type ipo; remove it, or use sigmoid (conservative DPO) or robust" in probs

@@ -289,6 +289,32 @@ def test_every_algorithm_has_a_recipe():
         get_recipe("kto")
 
 
+def test_every_spec_names_code_and_keys_that_exist():
+    """Each AlgorithmSpec's strings resolve: its recipe, rules, policy loss, advantage estimator, and the
+    config keys of its defaults and of what it owns (a typo would fail only when that algorithm runs)."""
+    from trinity.algorithms.advantages import ESTIMATORS
+    from trinity.algorithms.registry import ALGORITHMS, load
+    from trinity.config.schema import JobConfig
+    from trinity.trainer.recipes.rl import RLRecipe
+
+    for spec in ALGORITHMS.values():
+        cfg = JobConfig.model_validate({"model": {"path": "unused"}, "algorithm": {"name": spec.name}})
+        assert cfg.spec is spec and cfg.is_rl == spec.rollout
+        assert issubclass(spec.load_recipe(), RLRecipe) == spec.rollout, spec.name
+        assert (spec.advantages in ESTIMATORS) == spec.rollout, spec.name
+        assert all(callable(load(rule)) for rule in spec.rules)
+        assert spec.policy_loss is None or callable(spec.load_policy_loss())
+        for key, value in spec.defaults:
+            block = cfg
+            for part in key.split("."):
+                block = getattr(block, part)
+            assert block == value, (spec.name, key)
+        for owned in (*spec.owns, *spec.ignores):
+            block = cfg
+            for part in owned.key.split("."):
+                block = getattr(block, part)
+
+
 def test_weight_source_is_decided_once_per_role(tmp_path):
     from trinity.config.megatron import MegatronConfig
     from trinity.config.roles import Role

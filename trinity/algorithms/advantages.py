@@ -14,12 +14,15 @@ and variance of every rank's batch, so the result does not depend on how the bat
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
 
 from trinity.distributed import collectives
+
+if TYPE_CHECKING:
+    from trinity.config.schema import AlgorithmConfig
 
 
 def masked_sum(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
@@ -216,3 +219,23 @@ def reinforce_plus_plus_advantages(
         running = running * mask[:, t]
     advantages = masked_whiten(returns, mask, group=group)
     return advantages * mask, returns
+
+
+class Estimator(Protocol):
+    def __call__(self, token_rewards: torch.Tensor, groups: Sequence[int], mask: torch.Tensor,
+                 values: torch.Tensor | None, algo: AlgorithmConfig, group: Any, /) -> tuple[torch.Tensor, torch.Tensor]:
+        """(advantages, returns) of a rollout batch from its token rewards (the outcome score on each
+        response's last token, minus any in-reward KL penalty); `groups`: a prompt id per response, `values`:
+        the critic's, `group`: the DP process group (None at DP 1)."""
+
+
+# AlgorithmSpec.advantages -> estimator, with the settings of the `algorithm:` block
+ESTIMATORS: dict[str, Estimator] = {
+    "grpo": lambda r, groups, mask, values, algo, group: grpo_outcome_advantages(
+        r.sum(-1), groups, mask, algo.norm_adv_by_std_in_grpo),
+    "rloo": lambda r, groups, mask, values, algo, group: rloo_outcome_advantages(r.sum(-1), groups, mask),
+    "gae": lambda r, groups, mask, values, algo, group: gae_advantages(
+        r, values, mask, algo.gamma, algo.lam, group=group),
+    "reinforce_plus_plus": lambda r, groups, mask, values, algo, group: reinforce_plus_plus_advantages(
+        r, mask, algo.gamma, group=group),
+}

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -185,8 +186,18 @@ def gspo_policy_loss(
     return loss, metrics
 
 
+class PolicyLossFn(Protocol):
+    """A policy loss: (old_logp, logp, advantages, response_mask, clip_ratio_low, clip_ratio_high,
+    clip_ratio_c, loss_agg_mode, denominator) -> (loss, metrics), as `ppo_policy_loss`."""
+
+    def __call__(self, old_logp: torch.Tensor, logp: torch.Tensor, advantages: torch.Tensor,
+                 response_mask: torch.Tensor, clip_ratio_low: float, clip_ratio_high: float,
+                 clip_ratio_c: float | None, loss_agg_mode: LossAggMode | str,
+                 denominator: torch.Tensor | float | None, /) -> tuple[torch.Tensor, PolicyLossMetrics]: ...
+
+
 # actor_rollout_ref.actor.policy_loss.loss_mode -> policy loss (verl's register_policy_loss names)
-POLICY_LOSSES = {"vanilla": ppo_policy_loss, "gspo": gspo_policy_loss}
+POLICY_LOSSES: dict[str, PolicyLossFn] = {"vanilla": ppo_policy_loss, "gspo": gspo_policy_loss}
 
 
 def entropy_loss(
@@ -220,11 +231,13 @@ def actor_loss(
     entropy: torch.Tensor | None = None,
     ref_logp: torch.Tensor | None = None,
     denominator: torch.Tensor | float | None = None,
+    policy_loss: PolicyLossFn | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """pg_loss - entropy_coeff * entropy + kl_loss_coef * KL (when use_kl_loss), with the actor's
-    settings; metrics (detached, verl's names) for logging."""
+    settings; metrics (detached, verl's names) for logging. `policy_loss`: an algorithm's own (CISPO's),
+    else the one actor.policy_loss.loss_mode names."""
     mode = actor.loss_agg_mode
-    loss, pg = POLICY_LOSSES[actor.policy_loss.loss_mode](
+    loss, pg = (policy_loss or POLICY_LOSSES[actor.policy_loss.loss_mode])(
         old_logp, logp, advantages, response_mask, actor.clip_ratio_low, actor.clip_ratio_high,
         actor.clip_ratio_c, mode, denominator,
     )

@@ -30,9 +30,10 @@ def root_help() -> str:
     config schema is not imported for anything else here)."""
     import typing
 
-    from trinity.config.schema import AlgorithmName, PolicyLossConfig
+    from trinity.algorithms.registry import ALGORITHMS
+    from trinity.config.schema import PolicyLossConfig
 
-    names = ", ".join(a.value for a in AlgorithmName)
+    names = ", ".join(ALGORITHMS)
     losses = [m for m in typing.get_args(PolicyLossConfig.model_fields["loss_mode"].annotation) if m != "vanilla"]
     return (f"Fine-tune LLMs on megatron-core from one YAML file.\n\nAlgorithms (algorithm.name): {names}; "
             f"policy losses of any RL algorithm (actor_rollout_ref.actor.policy_loss.loss_mode): {', '.join(losses)}.")

@@ -223,7 +223,7 @@ def build_plan(cfg: JobConfig, facts: ModelFacts, warnings: list[str]) -> JobPla
             mbs = lay.num_microbatches(cfg.trainer.global_batch_size, micro, world)
         trained = Role.from_path(path).trained
         # dpo: a micro batch of `micro` pairs runs 2 x micro sequences
-        rows = micro * (2 if cfg.algorithm.name.value == "dpo" else 1)
+        rows = micro * cfg.spec.rows_per_sample
         lora = cfg.actor_rollout_ref.actor.lora
         adapted = (lora.rank, list(lora.target_modules)) if path == "actor_rollout_ref.actor" and lora.rank > 0 else None
         role_seq = seq
@@ -238,7 +238,7 @@ def build_plan(cfg: JobConfig, facts: ModelFacts, warnings: list[str]) -> JobPla
     peak = max(r.memory.active + sum(o.memory.idle for o in roles if o is not r) for r in roles)
     reward = describe_reward(cfg) if cfg.is_rl else None
     data = None
-    if cfg.algorithm.name.value == "pt":
+    if cfg.spec.data == "text":
         from trinity.data.pretrain import plan_data  # reads (and tokenises) the data, as each rank will
 
         data = plan_data(cfg)
@@ -249,7 +249,7 @@ def build_plan(cfg: JobConfig, facts: ModelFacts, warnings: list[str]) -> JobPla
 
         trainable = adapter_parameter_count(facts, lora.rank, lora.target_modules)
     return JobPlan(
-        algorithm=cfg.algorithm.name.value, device=cfg.cluster.device, world_size=world,
+        algorithm=cfg.spec.name, device=cfg.cluster.device, world_size=world,
         model=f"{facts.architecture} ({cfg.model.path})", num_parameters=facts.num_parameters(),
         roles=roles, peak_per_gpu=peak, warnings=list(warnings), reward=reward, data=data, trainable_parameters=trainable,
     )

@@ -1,12 +1,14 @@
 """Evaluation on held-out data during training (data.val_files): before the first step
 (trainer.val_before_train), every trainer.val_interval steps and after the last step.
 
-- SFT: `val/loss`, the training loss's formula (token-sum cross-entropy over the trained tokens of all
-  val samples, divided by their number) over every val sample, forward only. Samples are tokenised and
+The algorithm's spec (trinity.algorithms.registry) says which evaluation it has:
+
+- `loss` (SFT): `val/loss`, the training loss's formula (token-sum cross-entropy over the trained tokens
+  of all val samples, divided by their number) over every val sample, forward only. Samples are tokenised and
   packed (or padded) as the training data is, so a val file equal to the training file gives the loss
   that a training step over the same rows computes.
-- RL (every RL recipe): one greedy response per val prompt (temperature 0, rollout.response_length), scored
-  by the job's reward: `val/reward_mean` (pass@1 for a 0/1 reward), `val/reward_std`,
+- `reward` (every RL algorithm): one greedy response per val prompt (temperature 0,
+  rollout.response_length), scored by the job's reward: `val/reward_mean` (pass@1 for a 0/1 reward), `val/reward_std`,
   `val/response_length/mean`. With trainer.log_samples > 0 the responses go to
   <output_dir>/samples/val_step_N.jsonl.
 
@@ -33,10 +35,10 @@ class Evaluator:
     def __init__(self, recipe: Any):
         self.recipe, self.cfg, self.ctx = recipe, recipe.cfg, recipe.ctx
         self.interval = self.cfg.trainer.val_interval
-        if self.cfg.is_rl:
-            self._prepare_rl()
-        else:
-            self._prepare_sft()
+        # the algorithm's evaluation (AlgorithmSpec.evaluation; validate refuses val_files without one)
+        self.kind = self.cfg.spec.evaluation
+        prepare = {"loss": self._prepare_sft, "reward": self._prepare_rl}[self.kind]
+        prepare()
 
     @classmethod
     def build(cls, recipe: Any) -> "Evaluator | None":
@@ -48,7 +50,7 @@ class Evaluator:
 
     def run(self, step: int) -> dict[str, Any]:
         """The val metrics after `step` steps (0: before training), as a metrics row, on every rank."""
-        return {"step": step, **(self._rl(step) if self.cfg.is_rl else self._sft())}
+        return {"step": step, **(self._rl(step) if self.kind == "reward" else self._sft())}
 
     # ---------------------------------------------------------------- SFT
 

@@ -28,11 +28,10 @@ def run_worker(config_path: str | Path) -> None:
     from trinity.trainer.context import WorkerContext
     from trinity.trainer.engine.setup import training_dtype
     from trinity.trainer.loop import run
-    from trinity.trainer.recipes import get_recipe
 
     loaded = load_config(config_path, check_paths=True)
     cfg = loaded.config
-    recipe = get_recipe(cfg.algorithm.name.value)
+    recipe = cfg.spec.load_recipe()
     megatron = cfg.actor_rollout_ref.actor.megatron
     device_kind = cfg.cluster.device
     try:

@@ -4,13 +4,14 @@ Every rule appends `path.to.key: what is wrong; how to fix it` to one list so th
 all problems at once. Rules that megatron-core would otherwise hit minutes into start-up (layout,
 heads, layers, experts, recompute) are mirrored here from its asserts. One module per concern:
 `roles`, `megatron` (a role's parallel layout and model options), `batches` (sizes and lengths),
-`algorithms` (DAPO, DPO, LoRA, reward), `data`, `profile`, `schedule` (warm-ups), `evaluation`; `check_job` runs
-them in order.
+`algorithms` (what the algorithm's spec owns and adds, LoRA, reward), `data`, `profile`, `schedule`
+(warm-ups), `evaluation`; `check_job` runs them in order. What depends on the algorithm is asked of its
+spec (`cfg.spec`, trinity.algorithms.registry).
 """
 
 from __future__ import annotations
 
-from trinity.config.rules.algorithms import DPO_REFUSED, check_dapo, check_dpo, check_lora, check_lora_ref, check_reward
+from trinity.config.rules.algorithms import DPO_REFUSED, check_algorithm, check_lora, check_lora_ref, check_reward
 from trinity.config.rules.batches import GROUP_ALGORITHMS, check_batches, check_kv_budget, check_sequence_length
 from trinity.config.rules.data import check_data, check_vocabulary
 from trinity.config.rules.evaluation import check_evaluation
@@ -67,8 +68,7 @@ def check_job(cfg: JobConfig, *, check_paths: bool = True) -> tuple[ModelFacts |
         check_reward(cfg, problems, check_paths)
         if facts is not None:
             check_kv_budget(cfg, facts, problems)
-    check_dapo(cfg, problems)
-    check_dpo(cfg, problems)
+    check_algorithm(cfg, problems)
     check_lora(cfg, facts, problems, check_paths)
     check_lora_ref(cfg, problems)
     check_profile(cfg, problems)

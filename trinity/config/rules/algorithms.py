@@ -7,34 +7,56 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from trinity.algorithms.registry import ALGORITHMS, load
 from trinity.config.rules.fields import non_default
-from trinity.config.schema import AlgorithmName, JobConfig
+from trinity.config.schema import JobConfig
 from trinity.errors import UserError
 from trinity.models.facts import ModelFacts
 
 
-def check_dapo(cfg: JobConfig, problems: list[str]) -> None:
-    """DAPO's dynamic sampling and overlong shaping exist in the dapo recipe only, a policy loss in RL only:
-    refused elsewhere rather than accepted and ignored."""
-    name = cfg.algorithm.name
-    fg, ob = cfg.algorithm.filter_groups, cfg.reward_model.overlong_buffer
-    if not cfg.is_rl and cfg.actor_rollout_ref.actor.policy_loss.loss_mode != "vanilla":
+def check_algorithm(cfg: JobConfig, problems: list[str]) -> None:
+    """What depends on the algorithm (its AlgorithmSpec): the keys another algorithm owns and those this one
+    ignores are refused, a policy loss only where one applies, then the algorithm's own rules."""
+    spec = cfg.spec
+    name = spec.name
+    loss_mode = cfg.actor_rollout_ref.actor.policy_loss.loss_mode
+    if not spec.rollout and loss_mode != "vanilla":
         problems.append(
-            f"actor_rollout_ref.actor.policy_loss.loss_mode: a policy loss applies to RL algorithms, not {name.value}; "
+            f"actor_rollout_ref.actor.policy_loss.loss_mode: a policy loss applies to RL algorithms, not {name}; "
             "remove the key"
         )
-    if name != AlgorithmName.dapo:
-        if fg.enable:
-            problems.append(
-                f"algorithm.filter_groups.enable: dynamic sampling is part of the dapo recipe, not {name.value}; "
-                "set algorithm.name: dapo or remove the key"
-            )
-        if ob.enable:
-            problems.append(
-                f"reward_model.overlong_buffer.enable: overlong reward shaping is part of the dapo recipe, not "
-                f"{name.value}; set algorithm.name: dapo or remove the key"
-            )
-        return
+    elif spec.policy_loss is not None and loss_mode != "vanilla":
+        problems.append(
+            f"actor_rollout_ref.actor.policy_loss.loss_mode: {name} has its own policy loss ({spec.title}), which "
+            f"{loss_mode} would replace; remove the key, or use grpo with loss_mode {loss_mode}"
+        )
+    for other in ALGORITHMS.values():
+        for owned in other.owns if other is not spec else ():
+            block, field = _parent(cfg, owned.key)
+            if non_default(block, [field]):
+                problems.append(f"{owned.key}: {owned.why}, not {name}; set algorithm.name: {other.name} or remove "
+                                f"the {owned.unit}")
+    for ignored in spec.ignores:
+        block, field = _parent(cfg, ignored.key)
+        if non_default(block, [field]):
+            problems.append(f"{ignored.key}: {getattr(block, field)} has no effect with {name} ({ignored.why}); "
+                            "remove the key")
+    for rule in spec.rules:
+        load(rule)(cfg, problems)
+
+
+def _parent(cfg: JobConfig, key: str) -> tuple[Any, str]:
+    """The config block holding dotted `key`, and the key's last part."""
+    *parts, field = key.split(".")
+    block: Any = cfg
+    for part in parts:
+        block = getattr(block, part)
+    return block, field
+
+
+def check_dapo_overlong(cfg: JobConfig, problems: list[str]) -> None:
+    """dapo: the overlong buffer must fit inside the response length."""
+    ob = cfg.reward_model.overlong_buffer
     limit = cfg.actor_rollout_ref.rollout.response_length
     if ob.enable and not 0 < ob.len < limit:
         problems.append(
@@ -57,18 +79,8 @@ DPO_REFUSED = {
 }
 
 
-
-
-def check_dpo(cfg: JobConfig, problems: list[str]) -> None:
-    """algorithm.dpo belongs to dpo; a dpo job refuses the rollout / reward / RL-loss options."""
-    name = cfg.algorithm.name
-    if name != AlgorithmName.dpo:
-        if non_default(cfg.algorithm, ["dpo"]):
-            problems.append(
-                f"algorithm.dpo: DPO settings apply to algorithm.name dpo, not {name.value}; set algorithm.name: dpo "
-                "or remove the block"
-            )
-        return
+def check_dpo_job(cfg: JobConfig, problems: list[str]) -> None:
+    """A dpo job refuses the rollout / reward / RL-loss options, and checks its own."""
     for path, fields in DPO_REFUSED.items():
         block: Any = cfg
         for part in path.split("."):
@@ -84,7 +96,7 @@ def check_dpo(cfg: JobConfig, problems: list[str]) -> None:
             f"algorithm.dpo.label_smoothing: {d.label_smoothing} has no effect with loss_type ipo; remove it, or use "
             "sigmoid (conservative DPO) or robust"
         )
-    if cfg.data.packing:  # false is dpo's default (JobConfig._pt_concatenates)
+    if cfg.data.packing:  # false is dpo's default (its AlgorithmSpec.defaults)
         problems.append(
             "data.packing: dpo runs each sequence of a pair in its own row (its log-prob is a per-row sum); "
             "remove the key or set it to false"
@@ -100,7 +112,7 @@ def check_lora(cfg: JobConfig, facts: ModelFacts | None, problems: list[str], ch
             problems.append(f"{p}.{field}: has no effect while {p}.rank is 0 (LoRA off); set rank >= 1 or remove the key")
         return
     if not cfg.is_rl and non_default(lora, ["rollout_weights"]):
-        problems.append(f"{p}.rollout_weights: {cfg.algorithm.name.value} jobs have no rollout, so it has no effect; "
+        problems.append(f"{p}.rollout_weights: {cfg.spec.name} jobs have no rollout, so it has no effect; "
                         "remove the key")
     if lora.adapter_path is not None and check_paths:
         check_adapter_path(lora, problems)

@@ -4,13 +4,14 @@ budget and sequence lengths against the model's context.
 
 from __future__ import annotations
 
-from trinity.config.schema import AlgorithmName, JobConfig
+from trinity.algorithms.registry import ALGORITHMS
+from trinity.config.schema import JobConfig
 from trinity.models.facts import ModelFacts
 
 
 # Algorithms whose baseline comes from the other responses to the same prompt (RLOO: the mean of the
-# other n - 1 rewards), so a group of one has none.
-GROUP_ALGORITHMS = {AlgorithmName.grpo: "GRPO", AlgorithmName.rloo: "RLOO", AlgorithmName.dapo: "DAPO"}
+# other n - 1 rewards), so a group of one has none: name -> title (AlgorithmSpec.group).
+GROUP_ALGORITHMS = {s.name: s.title for s in ALGORITHMS.values() if s.group}
 
 
 def check_batches(cfg: JobConfig, problems: list[str]) -> None:
@@ -47,9 +48,8 @@ def check_batches(cfg: JobConfig, problems: list[str]) -> None:
             f"actor_rollout_ref.actor.ppo_mini_batch_size: {actor.ppo_mini_batch_size} prompts x rollout.n "
             f"{cfg.actor_rollout_ref.rollout.n} = {seqs} sequences are not divisible by trainer.micro_batch_size x DP = {micro} x {dp}"
         )
-    name = cfg.algorithm.name
-    if name in GROUP_ALGORITHMS and cfg.actor_rollout_ref.rollout.n < 2:
-        problems.append(f"actor_rollout_ref.rollout.n: {GROUP_ALGORITHMS[name]} compares responses within a group; use n >= 2")
+    if cfg.spec.group and cfg.actor_rollout_ref.rollout.n < 2:
+        problems.append(f"actor_rollout_ref.rollout.n: {cfg.spec.title} compares responses within a group; use n >= 2")
     ro = cfg.actor_rollout_ref.rollout
     if ro.gpu_memory_utilization is not None and ro.kv_cache_memory_gib is not None:
         problems.append("actor_rollout_ref.rollout.kv_cache_memory_gib: set either kv_cache_memory_gib or "

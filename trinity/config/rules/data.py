@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from trinity.config.schema import AlgorithmName, JobConfig
+from trinity.config.schema import JobConfig
 from trinity.models.facts import ModelFacts
 
 
@@ -56,14 +56,14 @@ def check_text_file(key: str, path: str, problems: list[str]) -> None:
 def check_data(cfg: JobConfig, problems: list[str], check_paths: bool) -> None:
     from trinity.data.readers import is_hf_dataset_dir
 
-    pt = cfg.algorithm.name == AlgorithmName.pt
+    pt = cfg.spec.data == "text"
     if pt:  # text files and Megatron indexed datasets, with blend weights
         from trinity.data.pretrain import source_problems
 
         problems += source_problems(cfg.data.train_files, cfg.data.train_weights, check_paths=check_paths)
     elif cfg.data.train_weights is not None:
         problems.append(
-            f"data.train_weights: blend weights apply to algorithm.name pt only, not {cfg.algorithm.name.value}; "
+            f"data.train_weights: blend weights apply to algorithm.name pt only, not {cfg.spec.name}; "
             "list plain paths in data.train_files"
         )
     if not cfg.data.train_files and not pt:

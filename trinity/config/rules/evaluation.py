@@ -31,8 +31,8 @@ def check_evaluation(cfg: JobConfig, problems: list[str], check_paths: bool) -> 
     if not data.val_files and trainer.val_interval is not None:
         problems.append("trainer.val_interval: there is nothing to evaluate without data.val_files; "
                         "add data.val_files or remove the key")
-    algo = cfg.algorithm.name.value
-    if data.val_files and cfg.algorithm.name.value == "pt":
+    algo = cfg.spec.name
+    if data.val_files and cfg.spec.evaluation is None:
         problems.append(f"data.val_files: evaluation during training is not available for {algo} jobs yet "
                         "(sft and the RL algorithms have it); remove data.val_files")
     for key in ("log_samples", "log_samples_interval"):

@@ -5,18 +5,20 @@ single-phase step cannot use.
 
 from __future__ import annotations
 
+from trinity.algorithms.registry import ALGORITHMS
 from trinity.config.rules.fields import non_default
 from trinity.config.schema import JobConfig
 from trinity.distributed.layout import differing_sizes
 
 
 def check_roles_exist(cfg: JobConfig, problems: list[str]) -> None:
-    algo = cfg.algorithm.name
+    algo = cfg.spec.name
     if cfg.needs_critic and cfg.critic is None:
-        problems.append("critic: ppo needs a critic; add a `critic:` block (its megatron: and optim:)")
+        problems.append(f"critic: {algo} needs a critic; add a `critic:` block (its megatron: and optim:)")
     if not cfg.needs_critic and cfg.critic is not None:
+        users = " and ".join(s.name for s in ALGORITHMS.values() if s.critic)
         problems.append(
-            f"critic: only ppo uses a critic, but algorithm.name is {algo.value}; remove the critic block"
+            f"critic: only {users} uses a critic, but algorithm.name is {algo}; remove the critic block"
         )
     check_ref_block(cfg, problems)
 
@@ -39,7 +41,7 @@ def check_ref_block(cfg: JobConfig, problems: list[str]) -> None:
 
 def _no_ref_reason(cfg: JobConfig) -> str:
     if not cfg.is_rl:
-        return f"{cfg.algorithm.name.value} has no reference model"
+        return f"{cfg.spec.name} has no reference model"
     return ("no KL is used: actor_rollout_ref.actor.use_kl_loss and algorithm.use_kl_in_reward are false, "
             "set one to use a ref")
 
@@ -75,7 +77,7 @@ def check_sft_offload(cfg: JobConfig, problems: list[str]) -> None:
     if cfg.is_rl:
         return
     actor = cfg.actor_rollout_ref.actor.megatron
-    algo = cfg.algorithm.name.value
+    algo = cfg.spec.name
     for flag, why in SFT_OFFLOAD_REFUSALS.items():
         if getattr(actor, flag):
             problems.append(

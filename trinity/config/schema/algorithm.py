@@ -9,18 +9,12 @@ from typing import Literal
 
 from pydantic import Field
 
+from trinity.algorithms.registry import ALGORITHMS
 from trinity.config.megatron import StrictModel
 
 
-class AlgorithmName(str, enum.Enum):
-    sft = "sft"
-    pt = "pt"  # continued pre-training (LLaMA-Factory's stage name; Megatron-LM's pretrain_gpt)
-    grpo = "grpo"
-    ppo = "ppo"
-    rloo = "rloo"  # verl's adv_estimator names
-    reinforce_plus_plus = "reinforce_plus_plus"
-    dapo = "dapo"  # verl's DAPO recipe: GRPO advantages + dynamic sampling + overlong shaping
-    dpo = "dpo"  # offline preference pairs (TRL's DPOTrainer); no rollout
+# algorithm.name's choices: the algorithms of trinity.algorithms.registry, in its order.
+AlgorithmName = enum.Enum("AlgorithmName", [(n, n) for n in ALGORITHMS], type=str, module=__name__)
 
 
 class DPOLossType(str, enum.Enum):
@@ -83,8 +77,9 @@ class AlgorithmConfig(StrictModel):
     """`sft` (supervised), `pt` (continued pre-training on raw text: loss on every token;
     docs/pretraining.md), `grpo` (group-relative policy optimisation), `ppo` (with a critic), `rloo`
     (leave-one-out baseline), `reinforce_plus_plus` (global baseline, KL in the reward), `dapo` (GRPO with
-    dynamic sampling and overlong shaping) or `dpo` (direct preference optimisation on chosen/rejected
-    pairs, against the frozen initial policy as reference); docs/rl.md. GSPO is a policy loss:
+    dynamic sampling and overlong shaping), `dpo` (direct preference optimisation on chosen/rejected
+    pairs, against the frozen initial policy as reference) or `cispo` (GRPO's advantages with MiniMax-M1's
+    clipped importance-weight loss); docs/rl.md. GSPO is a policy loss:
     actor_rollout_ref.actor.policy_loss.loss_mode: gspo."""
     gamma: float = Field(default=1.0, ge=0.0, le=1.0)
     """PPO: discount factor of GAE; reinforce_plus_plus: discount of the returns."""

@@ -8,9 +8,10 @@ from typing import Any
 
 from pydantic import Field, model_validator
 
+from trinity.algorithms.registry import ALGORITHMS, AlgorithmSpec
 from trinity.config.megatron import MegatronConfig, StrictModel
 from trinity.config.schema.actor_rollout_ref import ActorRolloutRefConfig
-from trinity.config.schema.algorithm import AlgorithmConfig, AlgorithmName
+from trinity.config.schema.algorithm import AlgorithmConfig
 from trinity.config.schema.cluster import ClusterConfig
 from trinity.config.schema.critic import CriticConfig
 from trinity.config.schema.data import DataConfig
@@ -41,8 +42,15 @@ class JobConfig(StrictModel):
     reward_model: RewardModelConfig = Field(default_factory=RewardModelConfig)
     """dapo: overlong reward shaping (verl's reward_model.overlong_buffer)."""
 
+    @property
+    def spec(self) -> AlgorithmSpec:
+        """What algorithm.name's algorithm is made of (trinity.algorithms.registry): every rule and step
+        that depends on the algorithm asks it."""
+        return ALGORITHMS[self.algorithm.name.value]
+
     def roles(self) -> dict[str, MegatronConfig]:
-        """Megatron blocks of the roles that exist in this job, keyed by their config path."""
+        """Megatron blocks of the roles that exist in this job, keyed by their config path, in build order
+        (the recipes build these: trinity.trainer.recipes.Recipe.roles)."""
         out = {"actor_rollout_ref.actor": self.actor_rollout_ref.actor.megatron}
         # with LoRA the reference policy is the actor with its adapters off: no ref model is built
         if self.needs_ref and self.actor_rollout_ref.actor.lora.rank == 0:
@@ -53,45 +61,45 @@ class JobConfig(StrictModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _pt_concatenates(cls, data: Any) -> Any:
-        """data.packing defaults to false for pt and dpo (see its docstring); an explicit value stands."""
-        if not isinstance(data, dict):
-            return data
-        algo, section = data.get("algorithm"), data.get("data")
-        name = algo.get("name") if isinstance(algo, dict) else None
-        # dpo pads each sequence to its own row (a pair's log-probs are per-sequence sums): false too, and
-        # an explicit true is refused (trinity.config.rules.algorithms)
-        if name in (AlgorithmName.pt, "pt", AlgorithmName.dpo, "dpo") \
-                and (section is None or (isinstance(section, dict) and "packing" not in section)):
-            data = {**data, "data": {**(section or {}), "packing": False}}
-        return data
-
-    @model_validator(mode="before")
-    @classmethod
-    def _reinforce_pp_kl_in_reward(cls, data: Any) -> Any:
-        """algorithm.use_kl_in_reward defaults to true for reinforce_plus_plus: the per-token KL penalty in
-        the reward is part of REINFORCE++ (the paper, and verl's example); an explicit value stands."""
+    def _algorithm_defaults(cls, data: Any) -> Any:
+        """The defaults an algorithm changes (AlgorithmSpec.defaults) where the config leaves them unset;
+        an explicit value stands. pt and dpo: data.packing false (see its docstring; an explicit true is
+        refused for dpo); reinforce_plus_plus: algorithm.use_kl_in_reward true."""
         if not isinstance(data, dict):
             return data
         algo = data.get("algorithm")
-        if isinstance(algo, dict) and algo.get("name") in (AlgorithmName.reinforce_plus_plus, "reinforce_plus_plus") \
-                and "use_kl_in_reward" not in algo:
-            data = {**data, "algorithm": {**algo, "use_kl_in_reward": True}}
+        name = algo.get("name") if isinstance(algo, dict) else None
+        spec = ALGORITHMS.get(getattr(name, "value", name)) if isinstance(name, str) else None
+        for key, value in spec.defaults if spec is not None else ():
+            data = _set_unset(data, key.split("."), value)
         return data
 
     @property
     def needs_ref(self) -> bool:
         """The reference model exists for RL jobs that use KL, and for dpo (the frozen initial policy)."""
-        return self.algorithm.name == AlgorithmName.dpo or self.is_rl and (
-            self.actor_rollout_ref.actor.use_kl_loss or self.algorithm.use_kl_in_reward
-        )
+        kl = self.actor_rollout_ref.actor.use_kl_loss or self.algorithm.use_kl_in_reward
+        return self.spec.uses_ref(kl)
 
     @property
     def needs_critic(self) -> bool:
         """The critic (value model) exists for ppo only."""
-        return self.algorithm.name == AlgorithmName.ppo
+        return self.spec.critic
 
     @property
     def is_rl(self) -> bool:
         """Whether the job generates rollouts (dpo trains offline on pairs, like SFT: not RL here)."""
-        return self.algorithm.name not in (AlgorithmName.sft, AlgorithmName.pt, AlgorithmName.dpo)
+        return self.spec.rollout
+
+
+def _set_unset(data: dict[str, Any], path: list[str], value: bool) -> dict[str, Any]:
+    """`data` with `value` at `path` where that key is unset (a copy; a block that is not a mapping is
+    left for validation to report)."""
+    head, rest = path[0], path[1:]
+    if not rest:
+        return data if head in data else {**data, head: value}
+    section = data.get(head)
+    if section is None:
+        section = {}
+    if not isinstance(section, dict):
+        return data
+    return {**data, head: _set_unset(section, rest, value)}

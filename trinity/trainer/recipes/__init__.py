@@ -1,29 +1,21 @@
-"""Recipes: one per algorithm. A recipe says which roles it needs, how it builds its data, what one
-step does and what the console shows; `trinity.trainer.loop.run` runs any of them (resume, profiler,
-checkpoints, metrics, export). A new algorithm is one recipe module (+ its loss in
-`trinity.algorithms`) and one line in RECIPES.
+"""Recipes: how a step of an algorithm runs. A recipe builds its data and the roles its job has, runs one
+step and says what the console shows; `trinity.trainer.loop.run` runs any of them (resume, profiler,
+checkpoints, metrics, export). Which recipe an algorithm runs is its AlgorithmSpec's (trinity.algorithms.
+registry); several algorithms share one (the RL recipe runs grpo, rloo, reinforce_plus_plus and cispo).
 
-Entries are `module:Class` strings so that looking one up imports only that recipe.
+Specs name recipes as `module:Class` strings so that looking one up imports only that recipe.
 """
 
 from __future__ import annotations
 
-import importlib
 from typing import Any, ClassVar
 
+from trinity.algorithms.registry import ALGORITHMS
 from trinity.config.roles import Role
 from trinity.errors import UserError
 
-RECIPES: dict[str, str] = {
-    "sft": "trinity.trainer.recipes.sft:SFTRecipe",
-    "pt": "trinity.trainer.recipes.pt:PTRecipe",
-    "grpo": "trinity.trainer.recipes.grpo:GRPORecipe",
-    "ppo": "trinity.trainer.recipes.ppo:PPORecipe",
-    "rloo": "trinity.trainer.recipes.rloo:RLOORecipe",
-    "reinforce_plus_plus": "trinity.trainer.recipes.reinforce_plus_plus:ReinforcePlusPlusRecipe",
-    "dapo": "trinity.trainer.recipes.dapo:DAPORecipe",
-    "dpo": "trinity.trainer.recipes.dpo:DPORecipe",
-}
+# algorithm.name -> its recipe, as the registry has it
+RECIPES: dict[str, str] = {name: spec.recipe for name, spec in ALGORITHMS.items()}
 
 
 class Recipe:
@@ -47,8 +39,9 @@ class Recipe:
     # ---------------------------------------------------------------- what a recipe defines
 
     def roles(self) -> list[Role]:
-        """The roles this algorithm needs, in build order."""
-        raise NotImplementedError
+        """The roles this job has, in build order: the config decides them from the algorithm's spec
+        (JobConfig.roles)."""
+        return [Role.from_path(path) for path in self.cfg.roles()]
 
     def build_data(self) -> Any:
         """This rank's data (with state_dict / load_state_dict / steps_per_epoch / summary())."""
@@ -95,8 +88,7 @@ class Recipe:
 
 
 def get_recipe(name: str) -> type[Recipe]:
-    target = RECIPES.get(name)
-    if target is None:
+    spec = ALGORITHMS.get(name)
+    if spec is None:
         raise UserError(f"algorithm.name: no recipe is registered for {name!r}; known: {', '.join(RECIPES)}")
-    module, _, cls = target.partition(":")
-    return getattr(importlib.import_module(module), cls)
+    return spec.load_recipe()

@@ -13,7 +13,6 @@ shortfall per draw) so that the data samplers stay in step and each rank ends wi
 
 from __future__ import annotations
 
-from typing import Any
 
 import torch
 
@@ -43,12 +42,6 @@ def concat_rollouts(parts: list[Rollout], pad_id: int) -> Rollout:
 
 
 class DAPORecipe(RLRecipe):
-    def advantages(self, token_rewards: torch.Tensor, groups: list[int], mask: torch.Tensor,
-                   values: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        from trinity.algorithms.advantages import grpo_outcome_advantages
-
-        return grpo_outcome_advantages(token_rewards.sum(-1), groups, mask, self.cfg.algorithm.norm_adv_by_std_in_grpo)
-
     def draw(self, gen: torch.Generator) -> tuple[Rollout, torch.Tensor, torch.Tensor]:
         """One batch of prompts: (rollout, the reward function's scores, scores + overlong penalty)."""
         from trinity.algorithms.dapo import overlong_penalty

@@ -73,10 +73,6 @@ class DPORecipe(Recipe):
     flat_checkpoint = True  # one trained role (the ref is frozen, never saved): step_N/ is the actor's checkpoint
     optimizer_on_host = True  # one trained role, one update a step: optimizer_offload steps it in host memory, as SFT
 
-    def roles(self) -> list[Role]:
-        # with LoRA the ref is the actor with its adapters off: no second model (`ref`)
-        return [Role.actor] + ([] if uses_lora(self.cfg) else [Role.ref])
-
     def build_data(self) -> Any:
         from megatron.core import parallel_state as ps
 

@@ -1,6 +1,7 @@
-"""What GRPO and PPO share (`RLRecipe`): one step is rollout -> rewards -> ref log-probs -> old
-log-probs (+ values) -> advantages -> actor update (-> critic update), with offload between phases.
-The recipes (`grpo.py`, `ppo.py`) say which roles exist and how advantages are computed.
+"""The RL recipe (`RLRecipe`): one step is rollout -> rewards -> ref log-probs -> old log-probs (+ values)
+-> advantages -> actor update (-> critic update), with offload between phases. It runs grpo, rloo,
+reinforce_plus_plus and cispo as it is; their specs (trinity.algorithms.registry) choose the advantage
+estimator and the policy loss. PPO (`ppo.py`) adds the critic, DAPO (`dapo.py`) its dynamic sampling.
 
 Data parallelism: each DP rank generates `rollout.n` responses for its own prompts, so a GRPO group never
 spans ranks and group statistics are local; PPO whitens advantages over the whole batch of the DP group
@@ -132,12 +133,8 @@ def _masked_stats(prefix: str, x: torch.Tensor, mask: torch.Tensor) -> dict[str,
 
 
 class RLRecipe(Recipe):
-    """GRPO / PPO / RLOO / REINFORCE++ / DAPO. Subclasses set `advantages(...)`, for a critic
-    `update_critic(...)`, and may replace `sample(...)` (DAPO)."""
-
-    def roles(self) -> list[Role]:
-        # with LoRA the ref is the actor with its adapters off: no ref engine (`ref`)
-        return [Role.actor] + ([Role.ref] if self.cfg.needs_ref and not uses_lora(self.cfg) else [])
+    """Every RL algorithm. Subclasses add a critic (`update_critic(...)`, PPO) or replace `sample(...)`
+    (DAPO)."""
 
     def build_data(self) -> Any:
         from trinity.data.loader import load_tokenizer, pad_token_id
@@ -233,11 +230,16 @@ class RLRecipe(Recipe):
     def critic(self) -> Any:
         return self.engines.get(Role.critic.value)
 
-    # ---------------------------------------------------------------- what GRPO and PPO differ in
+    # ---------------------------------------------------------------- what the algorithms differ in
 
     def advantages(self, token_rewards: torch.Tensor, groups: list[int], mask: torch.Tensor,
                    values: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        raise NotImplementedError
+        """The algorithm's advantage estimator (AlgorithmSpec.advantages); whitening ones over the DP group."""
+        from trinity.algorithms.advantages import ESTIMATORS
+
+        _, dp, dp_group = _dp_info()
+        estimator = ESTIMATORS[self.cfg.spec.advantages]
+        return estimator(token_rewards, groups, mask, values, self.cfg.algorithm, dp_group if dp > 1 else None)
 
     def critic_warmup(self, step: int) -> bool:
         """Whether this step trains the critic only (PPO's critic.warmup_steps)."""
@@ -337,7 +339,7 @@ class RLRecipe(Recipe):
             actor.advance_schedule()
             out.update(ph.run("update_actor", {"actor": full}, lambda: _from_last_stage(actor_update(
                 actor, exp, cfg.actor_rollout_ref.actor, self.vocab_size, seqs_per_update=self.seqs_per_update,
-                micro=bat["actor"].reset())), bat["actor"].counts))
+                micro=bat["actor"].reset(), policy_loss=cfg.spec.load_policy_loss())), bat["actor"].counts))
             old_logp = exp.old_logp  # on-policy steps: from the update's forward
         out.update(self.update_critic(exp))
 

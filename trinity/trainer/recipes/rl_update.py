@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 import torch
 
-from trinity.algorithms.losses import actor_loss, global_agg_denominator, value_loss
+from trinity.algorithms.losses import PolicyLossFn, actor_loss, global_agg_denominator, value_loss
 from trinity.distributed import collectives
 from trinity.rollout.types import Rollout
 from trinity.trainer.recipes.rollout_forward import (
@@ -63,7 +63,7 @@ def _dp() -> tuple[int, Any]:
 
 
 def _actor_loss_func(micro: dict, actor_cfg: Any, vocab_size: int, denom: torch.Tensor, scale: float,
-                     collect: list, output: torch.Tensor):
+                     collect: list, policy_loss: PolicyLossFn | None, output: torch.Tensor):
     ro: Rollout = micro["rollout"]
     if "pack" in micro:
         logp, entropy = packed_response_logprobs(output, micro["pack"], vocab_size, with_entropy=True)
@@ -75,7 +75,7 @@ def _actor_loss_func(micro: dict, actor_cfg: Any, vocab_size: int, denom: torch.
         collect.append((micro["rows"], old_logp))
     loss, metrics = actor_loss(
         logp, old_logp, micro["advantages"], ro.response_mask, actor_cfg,
-        entropy=entropy, ref_logp=micro["ref_logp"], denominator=denom,
+        entropy=entropy, ref_logp=micro["ref_logp"], denominator=denom, policy_loss=policy_loss,
     )
     return loss * scale, {k: v.float() for k, v in metrics.items()} | {"actor/loss": loss.detach()}
 
@@ -160,9 +160,10 @@ def update(
 
 
 def actor_update(engine: Any, exp: Experience, actor_cfg: Any, vocab_size: int, *, seqs_per_update: int,
-                 micro: int | Batching) -> dict[str, float]:
+                 micro: int | Batching, policy_loss: PolicyLossFn | None = None) -> dict[str, float]:
     """The actor's updates of one step. With `exp.old_logp` None (on-policy: one epoch, one mini-batch),
-    the update's forward gives the old log-probs and `exp.old_logp` holds them afterwards, on every stage."""
+    the update's forward gives the old log-probs and `exp.old_logp` holds them afterwards, on every stage.
+    `policy_loss`: the algorithm's own (AlgorithmSpec.policy_loss), else actor.policy_loss.loss_mode's."""
     collect: list[tuple[torch.Tensor, torch.Tensor]] = []
     on_policy = exp.old_logp is None
     if on_policy and (actor_cfg.ppo_epochs != 1 or seqs_per_update < exp.size):
@@ -170,7 +171,7 @@ def actor_update(engine: Any, exp: Experience, actor_cfg: Any, vocab_size: int, 
 
     def make(denom: torch.Tensor, scale: float) -> Callable:
         return partial(_actor_loss_func, actor_cfg=actor_cfg, vocab_size=vocab_size, denom=denom, scale=scale,
-                       collect=collect)
+                       collect=collect, policy_loss=policy_loss)
 
     metrics = update(engine, exp, seqs_per_update=seqs_per_update, epochs=actor_cfg.ppo_epochs, micro=micro,
                      make_loss=_kw_last(make), mode=actor_cfg.loss_agg_mode, prefix="actor")

@@ -13,7 +13,6 @@ from typing import Any
 
 import torch
 
-from trinity.config.roles import Role
 from trinity.distributed import collectives
 from trinity.errors import UserError
 from trinity.trainer.metrics import peak_memory_gib, sft_line
@@ -56,9 +55,6 @@ class SFTLoss:
 class SFTRecipe(Recipe):
     flat_checkpoint = True  # step_N/ is the actor's dist checkpoint: `trinity convert mcore-to-hf` reads it
     optimizer_on_host = True  # one phase: optimizer_offload = the optimizer steps in host memory
-
-    def roles(self) -> list[Role]:
-        return [Role.actor]
 
     def build_data(self) -> Any:
         from megatron.core import parallel_state as ps
