@@ -224,6 +224,16 @@ class StageDecoder:
         self.use_graph = cuda_graphs and self.device.type == "cuda" and dense and not self.mla
         self.first, self.last = gpt.pre_process, gpt.post_process
 
+    def _module_qkv(self, attn: Any, hidden: torch.Tensor, freqs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """q, k, v [s, b, heads|groups, d] of the module path, RoPE applied (MLA: per-head K/V expanded from
+        the latent, `decode_mla`)."""
+        from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+
+        if self.mla:
+            return decode_mla.qkv(attn, hidden, freqs, self.mscale)
+        q, k, v = attn.get_query_key_value_tensors(hidden, None)
+        return apply_rotary_pos_emb(q, freqs, config=self.config), apply_rotary_pos_emb(k, freqs, config=self.config), v
+
     def _residual_stream(self, x: torch.Tensor) -> torch.Tensor:
         """x [s, b, h] as the [s*b, h] residual stream the lean layers overwrite (`_row_parallel_add` adds in
         place). The first stage's is its embedding's fresh output; a later stage's input is the received
@@ -310,16 +320,8 @@ class StaticDecoder(StageDecoder):
 
     # ---- the module path -----------------------------------------------------------------------
     def _attention(self, i: int, layer: Any, hidden: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
-
         attn = layer.self_attention
-        freqs = self.layer_freqs[i].index_select(0, slots)
-        if self.mla:
-            q, k, v = decode_mla.qkv(attn, hidden, freqs, self.mscale)
-        else:
-            q, k, v = attn.get_query_key_value_tensors(hidden, None)  # [s, b, heads|groups, d]
-            q = apply_rotary_pos_emb(q, freqs, config=self.config)
-            k = apply_rotary_pos_emb(k, freqs, config=self.config)
+        q, k, v = self._module_qkv(attn, hidden, self.layer_freqs[i].index_select(0, slots))
         self.keys[i].index_copy_(2, slots, k.permute(1, 2, 0, 3))
         self.values[i].index_copy_(2, slots, v.permute(1, 2, 0, 3))
         out = attend(q.permute(1, 2, 0, 3), self.keys[i], self.values[i], mask, self.scale,

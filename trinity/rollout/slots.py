@@ -33,7 +33,6 @@ import torch
 import torch.nn.functional as F
 
 from trinity.models import lora  # the lean path's linears: base weight + active LoRA adapter
-from trinity.rollout import decode_mla
 from trinity.rollout.decode import StageDecoder, block_output, capture_graph
 
 # the decode-step shapes this process has run once (SlotDecoder._capture warms a shape up only the first time)
@@ -208,15 +207,8 @@ class SlotDecoder(StageDecoder):
         return self._row_parallel_add(x, act, mlp.linear_fc2)
 
     def _module_attention(self, i: int, layer: Any, hidden: torch.Tensor, freqs: torch.Tensor, ctx: dict) -> torch.Tensor:
-        from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
-
         attn = layer.self_attention
-        if self.mla:
-            q, k, v = decode_mla.qkv(attn, hidden, freqs, self.mscale)
-        else:
-            q, k, v = attn.get_query_key_value_tensors(hidden, None)  # [s, b, heads|groups, d]
-            q = apply_rotary_pos_emb(q, freqs, config=self.config)
-            k = apply_rotary_pos_emb(k, freqs, config=self.config)
+        q, k, v = self._module_qkv(attn, hidden, freqs)
         s, b = hidden.shape[:2]
         if ctx["decode"]:
             self.keys[i][self.rows[:b], :, self.pos[:b]] = k[0]

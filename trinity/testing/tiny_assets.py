@@ -129,10 +129,9 @@ def make_tiny_qwen2(
 ) -> Path:
     """A random-init Qwen2ForCausalLM sized for the tiny tokenizer, saved (safetensors) with its tokenizer."""
     import torch
-    from transformers import AutoTokenizer, GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), trust_remote_code=False)
-    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     config = Qwen2Config(
         vocab_size=-(-len(tokenizer) // 64) * 64,  # rounded up so TP splits evenly
         hidden_size=hidden_size,
@@ -147,8 +146,15 @@ def make_tiny_qwen2(
         pad_token_id=tokenizer.pad_token_id,
     )
     torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(config)
-    # Generation stops at either end marker: EOS after a plain response, <|im_end|> after a chat turn.
+    return _save_with_tokenizer(Qwen2ForCausalLM(config), tokenizer, out_dir)
+
+
+def _save_with_tokenizer(model: Any, tokenizer: Any, out_dir: str | Path) -> Path:
+    """Save `model` (safetensors) and `tokenizer` to out_dir; generation stops at either end marker: EOS
+    after a plain response, <|im_end|> after a chat turn."""
+    from transformers import GenerationConfig
+
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     model.generation_config = GenerationConfig(
         eos_token_id=[tokenizer.eos_token_id, im_end], pad_token_id=tokenizer.pad_token_id
     )
@@ -173,10 +179,9 @@ def make_tiny_family_model(out_dir: str | Path, tokenizer_dir: str | Path, famil
         return make_tiny_qwen2(out_dir, tokenizer_dir, seed=seed)
     if family not in TINY_FAMILY_CONFIGS:
         raise ValueError(f"unknown family {family!r}; one of {sorted(TINY_FAMILY_CONFIGS)}")
-    from transformers import AutoTokenizer, GenerationConfig
+    from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), trust_remote_code=False)
-    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     shape = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, head_dim=32)
     if "head_dim" in FAMILIES[family].defaults:  # DeepSeek's: the RoPE part of MLA's heads, its own
         del shape["head_dim"]
@@ -184,14 +189,7 @@ def make_tiny_family_model(out_dir: str | Path, tokenizer_dir: str | Path, famil
         vocab_size=-(-len(tokenizer) // 64) * 64, **shape, max_position_embeddings=1024, tie_word_embeddings=True,
         bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
     )
-    model = tiny_hf_model(config, seed=seed)
-    model.generation_config = GenerationConfig(
-        eos_token_id=[tokenizer.eos_token_id, im_end], pad_token_id=tokenizer.pad_token_id
-    )
-    out = Path(out_dir)
-    model.save_pretrained(str(out), safe_serialization=True)
-    tokenizer.save_pretrained(str(out))
-    return out
+    return _save_with_tokenizer(tiny_hf_model(config, seed=seed), tokenizer, out_dir)
 
 
 def make_quickstart_assets(out_dir: str | Path, *, seed: int = 0, family: str = QUICKSTART_FAMILY) -> dict[str, Path]:
