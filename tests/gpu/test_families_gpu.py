@@ -113,18 +113,15 @@ def test_bf16_logits_within_hf_bf16_noise(cuda_tp1, tmp_path, family):
         ours = model(ids, pos, None)[..., : facts.vocab_size].float()
     theirs_err = (hf_bf16 - ref).abs()
     ours_err = (ours - ref).abs()
-def test_decoding_equals_full_forwards(cuda_tp1, tmp_path, family):
-    """fp32 on CUDA: the static batch (a CUDA graph per decode step where the family allows) and the
-    continuous engine give the tokens and log-probs of full forwards, with prompts + responses past
-    Gemma's window (MLA: per-head K/V from the latent, module path)."""
     assert ours_err.max() <= 2.0 * theirs_err.max() + 1e-2, (ours_err.max().item(), theirs_err.max().item())
     assert ours_err.mean() <= 2.0 * theirs_err.mean() + 1e-3, (ours_err.mean().item(), theirs_err.mean().item())
 
 
 @pytest.mark.parametrize("family", sorted(SHAPES))
 def test_decoding_equals_full_forwards(cuda_tp1, tmp_path, family):
-    """fp32 on CUDA: the static batch and the continuous engine give the tokens and log-probs of full
-    forwards (MLA: per-head K/V from the latent, module path)."""
+    """fp32 on CUDA: the static batch (a CUDA graph per decode step where the family allows) and the
+    continuous engine give the tokens and log-probs of full forwards, with prompts + responses past
+    Gemma's window (MLA: per-head K/V from the latent, module path)."""
     from trinity.models.facts import ModelFacts
     from trinity.rollout.continuous import KVBudget, generate_continuous
     from trinity.rollout.generate import SamplingParams, generate

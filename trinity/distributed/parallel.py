@@ -89,7 +89,9 @@ def _init_process_group(device: str, timeout_s: int) -> None:
             kwargs["device_id"] = torch.device("cuda", local_rank)
         dist.init_process_group(backend=backend, timeout=timeout, **kwargs)
     else:
-        store = dist.TCPStore("127.0.0.1", free_port(), 1, is_master=True, timeout=timeout)
+        # port 0: the OS picks a free port as the store binds it (a port picked first and bound later
+        # can be taken in between by another job starting on the same host)
+        store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=timeout)
         if device == "cuda":
             torch.cuda.set_device(0)
         dist.init_process_group(backend=backend, store=store, rank=0, world_size=1, timeout=timeout)

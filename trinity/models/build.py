@@ -264,9 +264,14 @@ def packed_attention(model: torch.nn.Module, doc_ids: torch.Tensor, device: torc
 
 
 def _scale_embedding(scale: float) -> Any:
+    rounded: dict[torch.dtype, float] = {}
+
     def hook(module: torch.nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
-        # in the activations' dtype, as transformers multiplies (the scale rounded to bf16 in bf16)
-        return out * torch.tensor(scale, dtype=torch.float32, device=out.device).to(out.dtype)
+        # the scale rounded to the activations' dtype, as transformers multiplies (sqrt(hidden) in bf16
+        # under bf16); a Python number, so that no host-to-device copy breaks a CUDA graph's capture
+        if out.dtype not in rounded:
+            rounded[out.dtype] = torch.tensor(scale, dtype=torch.float32).to(out.dtype).item()
+        return out * rounded[out.dtype]
 
     return hook
 
