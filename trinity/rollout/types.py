@@ -7,7 +7,7 @@ another (vLLM, SGLang, a remote server) only has to return the same `Rollout`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
 import torch
@@ -57,9 +57,74 @@ class Rollout:
         return Rollout(self.tokens[index], self.prompt_mask[index], self.response_mask[index], self.logprobs[index])
 
 
+@dataclass
+class RolloutStats:
+    """What the last `generate` call did (benchmarks/rl_step.py and the tests read it)."""
+
+    rows: int = 0
+    slots: int = 0
+    cache_len: int = 0
+    kv_bytes_per_token: int = 0
+    prefill_calls: int = 0
+    prefilled_prompts: int = 0
+    decode_steps: int = 0
+    live_kv_tokens: int = 0  # sum over decode steps of the live rows' context lengths (KV read floor)
+    read_kv_tokens: int = 0  # the same with a prompt's keys counted once per step where its samples share them
+    slot_steps: int = 0  # sum over decode steps of the batch bucket (rows computed, live or not)
+    tokens: int = 0
+    attention: str = ""  # the decode attention: "triton split-KV" (CUDA) or "sdpa"
+    bucket_note: str = ""  # batch buckets left out of the ladder as slower than a larger one (`decode_buckets`)
+    sampler: str = ""  # "fused" (one Triton pass over the logits) or "torch"
+    graph_tail: bool = False  # sampling and bookkeeping captured in the decode step's CUDA graph
+    graph_captures: int = 0
+    capture_s: float = 0.0
+    waves: int = 0  # admissions
+    time_buckets: bool = False  # set by the caller: time every decode step, per batch bucket (`BucketTime`)
+    buckets: dict[int, "BucketTime"] = field(default_factory=dict)  # batch bucket -> its steps (time_buckets)
+
+    def bucket_lines(self) -> list[str]:
+        """The decode steps per batch bucket (`time_buckets`) as the lines of a table, for a profiled RL
+        step's summary (trinity.trainer.profiling); [] when they were not timed."""
+        if not self.buckets:
+            return []
+        total = sum(t.ms for t in self.buckets.values())
+        lines = [f"rollout: {self.decode_steps} decode steps, {total:.1f} ms in them; per batch bucket",
+                 "bucket | steps | live rows per step | ms per step | share of the steps' time"]
+        for b in sorted(self.buckets, reverse=True):
+            t = self.buckets[b]
+            lines.append(f"{b} | {t.steps} | {t.live_rows / t.steps:.0f} | {t.ms / t.steps:.3f} | "
+                         f"{100 * t.ms / max(total, 1e-9):.1f}%")
+        if self.bucket_note:
+            lines.append(f"(left out as slower than a larger bucket: {self.bucket_note})")
+        return lines
+
+    @property
+    def computed_tokens(self) -> int:
+        """Tokens the engine computed: each row's first (from its prefill) and every decode step's batch
+        bucket, rows that had ended or held nothing included."""
+        return self.rows + self.slot_steps
+
+
+@dataclass
+class BucketTime:
+    """The decode steps of one batch bucket (`RolloutStats.time_buckets`). On CUDA `ms` is GPU time between
+    events recorded around each step (its layers, sampling and bookkeeping; not the host's gaps between
+    steps), on CPU the wall time of each (synchronous) step."""
+
+    steps: int = 0
+    ms: float = 0.0
+    live_rows: int = 0  # sum over the steps of the rows not yet retired
+    live_kv_tokens: int = 0
+    read_kv_tokens: int = 0
+
+
 class RolloutEngine(Protocol):
     """Generates `max_new_tokens` (at most) after each prompt; every rank of a model-parallel group
-    returns the same `Rollout`."""
+    returns the same `Rollout`. `stats` describes the last call (an engine that measures nothing leaves
+    the defaults); `time_buckets`, set by the caller, asks it to time its decode steps per batch bucket."""
+
+    stats: RolloutStats
+    time_buckets: bool
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
                  generator: torch.Generator | None = None) -> Rollout: ...
