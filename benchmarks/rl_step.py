@@ -87,20 +87,42 @@ def job(model: Path, prompts: Path, out: Path, *, algo: str, gpus: int, layout: 
 
 
 def run_case(cfg: dict, path: Path, timeout: int, log_tail: int = 0, lengths: str = "fixed") -> list[dict]:
+    """One `trinity run`; its output goes line by line to `<case>.log` beside the config and the step lines
+    to this process's stdout as they come, so that a case cut off by `timeout` still shows how far it got."""
+    import threading
+    import time
+
     from trinity.rollout.continuous import BENCH_LENGTHS_ENV
 
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     code = f"import sys; from trinity.cli.commands import run; sys.exit(run({str(path)!r}, []))"
     env = {**os.environ, BENCH_LENGTHS_ENV: lengths}
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, text=True,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=timeout)
+    log = path.with_suffix(".log")
+    lines: list[str] = []
+    start = time.monotonic()
+    with subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env=env, text=True, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, start_new_session=True) as proc, log.open("w") as out:
+        assert proc.stdout is not None
+        # a job that prints nothing more is stopped too
+        watchdog = threading.Timer(timeout, lambda: os.killpg(proc.pid, 9))
+        watchdog.start()
+        for line in proc.stdout:
+            out.write(line)
+            lines.append(line.rstrip("\n"))
+            if line.partition("]:")[2 if "]:" in line else 0].startswith(("step ", "data:")):  # "[default0]:step 2/3 | ..."
+                print(f"  [{time.monotonic() - start:6.0f} s] {line.rstrip()}", flush=True)
+        code_ = proc.wait()
+        watchdog.cancel()
+    if time.monotonic() - start > timeout:
+        print("\n".join(lines[-40:]))
+        raise SystemExit(f"case {path.stem} ran past {timeout} s: stopped (its log: {log})")
     if log_tail:
-        print("\n".join(proc.stdout.splitlines()[-log_tail:]), flush=True)
-    if proc.returncode != 0:
-        print(proc.stdout[-3000:])
-        raise SystemExit(f"case {path.stem} failed with exit code {proc.returncode}")
-    out = Path(cfg["trainer"]["output_dir"])
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        print("\n".join(lines[-log_tail:]), flush=True)
+    if code_ != 0:
+        print("\n".join(lines[-60:]))
+        raise SystemExit(f"case {path.stem} failed with exit code {code_}")
+    out_dir = Path(cfg["trainer"]["output_dir"])
+    return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def summarize(rows: list[dict]) -> dict[str, float]:
