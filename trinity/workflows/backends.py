@@ -1,0 +1,89 @@
+"""Chat backends: the actor's own megatron-core model through today's rollout engines, and a scripted one.
+
+`RolloutBackend` calls `trinity.rollout.continuous.generate_continuous` (or the static-batch
+`trinity.rollout.generate.generate`) once per distinct sampling setting of a wave: those take one
+`SamplingParams` per call. `ScriptedBackend` answers from a list of texts (a fixed policy: tests of the
+conversation bookkeeping that need exact assistant text a random model never writes, e.g. a Qwen3 <think>
+block).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Sequence
+
+import torch
+
+from trinity.rollout.kv_budget import KVBudget
+from trinity.rollout.types import Rollout, SamplingParams
+from trinity.workflows.types import TokenRequest, TokenResult
+
+
+def _results(rollout: Rollout, eos: Sequence[int]) -> list[TokenResult]:
+    out = []
+    for i in range(rollout.tokens.shape[0]):
+        n = int(rollout.response_mask[i].sum())
+        ids = tuple(int(t) for t in rollout.responses[i, :n])
+        logp = tuple(float(x) for x in rollout.logprobs[i, :n])
+        out.append(TokenResult(ids, logp, "stop" if ids and ids[-1] in eos else "length"))
+    return out
+
+
+@dataclass
+class RolloutBackend:
+    """A megatron GPTModel (or the rank's model chunks) behind a session, on every rank of its
+    model-parallel group alike (the engines' own contract)."""
+
+    model: object
+    vocab_size: int  # the tokenizer's: padded vocabulary columns are never sampled
+    pad_id: int
+    engine: Literal["continuous", "static"] = "continuous"
+    budget: KVBudget = field(default_factory=KVBudget)
+    generator: torch.Generator | None = None
+    calls: int = 0  # engine calls made
+
+    def generate(self, requests: Sequence[TokenRequest]) -> list[TokenResult]:
+        from trinity.rollout.continuous import generate_continuous
+        from trinity.rollout.generate import generate
+
+        groups: dict[SamplingParams, list[int]] = {}
+        for i, r in enumerate(requests):
+            groups.setdefault(r.sampling, []).append(i)
+        results: list[TokenResult | None] = [None] * len(requests)
+        for params, rows in groups.items():
+            prompts = [list(requests[i].prompt_ids) for i in rows]
+            if self.engine == "continuous":
+                rollout = generate_continuous(self.model, prompts, params, vocab_size=self.vocab_size,
+                                              pad_id=self.pad_id, budget=self.budget, generator=self.generator)
+            else:
+                rollout = generate(self.model, prompts, params, vocab_size=self.vocab_size, pad_id=self.pad_id,
+                                   generator=self.generator)
+            self.calls += 1
+            for i, result in zip(rows, _results(rollout, params.eos_token_ids)):
+                results[i] = result
+        return [r for r in results if r is not None]
+
+
+@dataclass
+class ScriptedBackend:
+    """Answers the k-th request with replies[k] (text encoded by `tokenizer`, then the request's first stop
+    id), each token with log-prob `logprob`; records the prompts it saw."""
+
+    tokenizer: object
+    replies: Sequence[str]
+    logprob: float = -0.5
+    prompts: list[tuple[int, ...]] = field(default_factory=list)
+
+    def generate(self, requests: Sequence[TokenRequest]) -> list[TokenResult]:
+        out = []
+        for r in requests:
+            k = len(self.prompts)
+            if k >= len(self.replies):
+                raise RuntimeError(f"ScriptedBackend: no reply {k} scripted")
+            self.prompts.append(r.prompt_ids)
+            ids = tuple(self.tokenizer.encode(self.replies[k], add_special_tokens=False))
+            ids = ids[: r.sampling.max_new_tokens]
+            stop = r.sampling.eos_token_ids[:1] if len(ids) < r.sampling.max_new_tokens else ()
+            ids = ids + tuple(stop)
+            out.append(TokenResult(ids, (self.logprob,) * len(ids), "stop" if stop else "length"))
+        return out

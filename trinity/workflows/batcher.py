@@ -1,0 +1,83 @@
+"""Many sessions' next turns gathered into one engine call per wave.
+
+Every live episode is an asyncio task in one event loop; `Session.chat` hands its request to the batcher and
+awaits the result. A wave starts when every live episode waits on the engine (none can add a request any
+more), or `window_s` after the first waiting request (an episode busy with a tool or its environment does
+not hold the others back longer than that). The engine runs in a worker thread, so that timeouts, tools and
+new requests keep going meanwhile; requests that arrive during a wave wait for the next one.
+
+This is waves, not a running batch: a turn waits for its wave's longest response before the next wave
+starts. A request joining the running batch (no turn waiting for the whole wave) comes with the rollout
+scheduler, behind the same `generate(request)` coroutine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from trinity.workflows.types import ChatBackend, TokenRequest, TokenResult
+
+
+class WaveBatcher:
+    def __init__(self, backend: ChatBackend, *, window_s: float = 0.01) -> None:
+        self.backend = backend
+        self.window_s = window_s
+        self.wave_sizes: list[int] = []  # requests per engine call made so far
+        self._pending: list[tuple[TokenRequest, asyncio.Future[TokenResult]]] = []
+        self._live = 0
+        self._busy = False
+        self._timer: asyncio.TimerHandle | None = None
+
+    def join(self) -> None:
+        """An episode starts (it counts towards "every live episode waits")."""
+        self._live += 1
+
+    def leave(self) -> None:
+        self._live -= 1
+        self._start_if_all_wait()
+
+    async def generate(self, request: TokenRequest) -> TokenResult:
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[TokenResult] = loop.create_future()
+        self._pending.append((request, future))
+        if not self._start_if_all_wait() and self._timer is None and not self._busy:
+            self._timer = loop.call_later(self.window_s, self._start)
+        return await future
+
+    def _start_if_all_wait(self) -> bool:
+        waiting = sum(not f.done() for _, f in self._pending)
+        if not self._busy and waiting and waiting >= self._live:
+            self._start()
+            return True
+        return False
+
+    def _start(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        batch = [(r, f) for r, f in self._pending if not f.done()]  # a timed-out turn's future is cancelled
+        self._pending = []
+        if self._busy or not batch:
+            self._pending = batch
+            return
+        self._busy = True
+        asyncio.get_running_loop().create_task(self._run(batch))
+
+    async def _run(self, batch: list[tuple[TokenRequest, asyncio.Future[TokenResult]]]) -> None:
+        try:
+            results = await asyncio.to_thread(self.backend.generate, [r for r, _ in batch])
+            if len(results) != len(batch):
+                raise RuntimeError(f"the chat backend returned {len(results)} results for {len(batch)} requests")
+        except Exception as e:  # every waiting turn gets the engine's error
+            for _, f in batch:
+                if not f.done():
+                    f.set_exception(e)
+        else:
+            for (_, f), result in zip(batch, results):
+                if not f.done():
+                    f.set_result(result)
+        finally:
+            self.wave_sizes.append(len(batch))
+            self._busy = False
+        if self._pending and not self._start_if_all_wait():
+            self._timer = asyncio.get_running_loop().call_later(self.window_s, self._start)

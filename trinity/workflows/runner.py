@@ -1,0 +1,81 @@
+"""Run a workflow over tasks, all episodes at once in one event loop, their turns batched per wave.
+
+Each episode: a `Session` over the shared `WaveBatcher`, the workflow coroutine under `episode_timeout_s`,
+then the outcome:
+- the workflow returns an `Episode` with a finite reward (or per-turn rewards): kept;
+- an `EpisodeLimit` it did not catch (`max_turns`, `context_limit`): the episode so far, scored 0;
+- it raised, ran over a timeout, or returned anything else: the error policy (`Limits.on_error`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from typing import Mapping, Sequence
+
+from trinity.rollout.types import SamplingParams
+from trinity.workflows.batcher import WaveBatcher
+from trinity.workflows.limits import Limits
+from trinity.workflows.registry import Workflow
+from trinity.workflows.session import EpisodeLimit, Session, TurnTimeout
+from trinity.workflows.types import JSON, ChatBackend, EndReason, Episode, Task
+
+
+class WorkflowError(RuntimeError):
+    """An episode failed under the `fail` error policy."""
+
+
+def _problem(episode: object) -> str | None:
+    if not isinstance(episode, Episode):
+        return f"returned {type(episode).__name__}, not an Episode (return session.finish(reward=...))"
+    scores = [episode.reward] if episode.reward is not None else list(episode.turn_rewards or [])
+    if episode.reward is None and episode.turn_rewards is None:
+        return "returned an Episode without reward or turn_rewards"
+    bad = [s for s in scores if isinstance(s, bool) or not isinstance(s, (int, float)) or not math.isfinite(s)]
+    return f"returned a reward that is not a finite number: {bad[0]!r}" if bad else None
+
+
+async def run_episode(workflow: Workflow, task: Task, batcher: WaveBatcher, tokenizer: object, *,
+                      limits: Limits = Limits(), sampling: SamplingParams = SamplingParams(),
+                      args: Mapping[str, JSON] | None = None, label: str = "task") -> Episode:
+    session = Session(task, tokenizer, batcher, limits=limits, sampling=sampling)
+    name = getattr(workflow, "__qualname__", repr(workflow))
+
+    def failed(end: EndReason, message: str) -> Episode:
+        if limits.on_error == "fail":
+            raise WorkflowError(f"workflow {name}, {label}: {end}: {message}")
+        return session.finish(reward=0.0, end=end, error=message)
+
+    batcher.join()
+    try:
+        episode = await asyncio.wait_for(workflow(task, session, **dict(args or {})), limits.episode_timeout_s)
+    except EpisodeLimit as e:
+        return session.finish(reward=0.0, end=e.reason)
+    except TurnTimeout as e:
+        return failed("timeout", str(e))
+    except TimeoutError:
+        return failed("timeout", f"the episode ran over {limits.episode_timeout_s} s")
+    except Exception as e:
+        return failed("error", f"{type(e).__name__}: {e}")
+    finally:
+        batcher.leave()
+    problem = _problem(episode)
+    return failed("error", problem) if problem else episode
+
+
+async def run_episodes(workflow: Workflow, tasks: Sequence[Task], backend: ChatBackend, tokenizer: object, *,
+                       n: int = 1, limits: Limits = Limits(), sampling: SamplingParams = SamplingParams(),
+                       args: Mapping[str, JSON] | None = None, window_s: float = 0.01) -> list[Episode]:
+    """n episodes per task (task-major order), all concurrent."""
+    batcher = WaveBatcher(backend, window_s=window_s)
+    jobs = [run_episode(workflow, task, batcher, tokenizer, limits=limits, sampling=sampling, args=args,
+                        label=f"task {i} sample {k}") for i, task in enumerate(tasks) for k in range(n)]
+    return list(await asyncio.gather(*jobs))
+
+
+def run_workflow(workflow: Workflow, tasks: Sequence[Task], backend: ChatBackend, tokenizer: object, *,
+                 n: int = 1, limits: Limits = Limits(), sampling: SamplingParams = SamplingParams(),
+                 args: Mapping[str, JSON] | None = None) -> list[Episode]:
+    """`run_episodes` from synchronous code (its own event loop)."""
+    return asyncio.run(run_episodes(workflow, tasks, backend, tokenizer, n=n, limits=limits, sampling=sampling,
+                                    args=args))
