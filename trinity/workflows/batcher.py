@@ -34,13 +34,16 @@ class WaveBatcher:
 
     def leave(self) -> None:
         self._live -= 1
-        self._start_if_all_wait()
+        asyncio.get_running_loop().call_soon(self._start_if_all_wait)
 
     async def generate(self, request: TokenRequest) -> TokenResult:
         loop = asyncio.get_running_loop()
         future: asyncio.Future[TokenResult] = loop.create_future()
         self._pending.append((request, future))
-        if not self._start_if_all_wait() and self._timer is None and not self._busy:
+        # checked once the episodes that are ready this loop iteration (e.g. all those just started, or just
+        # given their results) have run up to their next request
+        loop.call_soon(self._start_if_all_wait)
+        if self._timer is None and not self._busy:
             self._timer = loop.call_later(self.window_s, self._start)
         return await future
 
