@@ -80,7 +80,7 @@ def test_multi_turn_logprobs_equal_a_teacher_forced_forward(tiny, engine):
     for ep in episodes:
         assert ep.end == "finished" and len(ep.turns) == 3 and len(ep.sequences) == 1
         (seq,) = ep.sequences
-        tokens, mask, behaviour = seq.tensors()
+        _, mask, behaviour = seq.tensors()
         assert int(mask.sum()) == sum(len(t.output_ids) for t in ep.turns) >= 3
         # the last turn's prompt is the whole conversation before its response
         assert ep.turns[-1].prompt_ids == seq.tokens[: len(ep.turns[-1].prompt_ids)]

@@ -82,14 +82,18 @@ def test_tool_conversation_mask_equals_a_hand_built_one(tokenizer):
     assert [m["role"] for m in ep.messages] == ["user", "assistant", "tool", "assistant", "tool", "assistant"]
 
     # a template without tools (the tiny tokenizer's own, SmolLM2-style) refuses tools= with a clear error
-    with pytest.raises(WorkflowError, match="does not use `tools`"):
-        _run(_with_template(tokenizer, CHAT_TEMPLATE), calculator_workflow, replies, tasks=[{"prompt": "1+1=", "answer": "2"}])
+    plain = _with_template(tokenizer, CHAT_TEMPLATE)
+    with pytest.raises(ToolsNotSupported, match=r"^the chat template of tokenizer '.*tok0' does not use `tools`"):
+        asyncio.run(Session({}, plain, engine=None).chat([user], tools=[CALCULATOR_TOOL]))
+    with pytest.raises(WorkflowError, match="ToolsNotSupported: .* does not use `tools`"):  # a setup error: not scored
+        _run(plain, calculator_workflow, replies, tasks=[{"prompt": "1+1=", "answer": "2"}],
+             limits=Limits(on_error="zero"))
 
 
 def test_qwen3_thinking_dropped_from_earlier_turns_starts_a_new_segment(tokenizer):
     tok = _with_template(tokenizer, QWEN3)
     replies = ["<think>\nhalf of 100\n</think>\n\n50", "<think>\nhalf again\n</think>\n\n25", "37"]
-    (ep,), backend = _run(tok, guess_number_workflow, replies, tasks=[{"secret": 37}])
+    (ep,), _ = _run(tok, guess_number_workflow, replies, tasks=[{"secret": 37}])
     assert ep.end == "finished" and len(ep.turns) == 3
     # each new user message makes the template drop the earlier turns' <think>: one sequence per turn
     assert len(ep.sequences) == 3
@@ -151,6 +155,11 @@ async def _nan(task, session):
     return session.finish(reward=float("nan"))
 
 
+async def _short_turn_rewards(task, session):
+    await session.chat([{"role": "user", "content": "hi"}])
+    return session.finish(turn_rewards=[1.0, 0.0])
+
+
 def _not_async(task, session):
     return None
 
@@ -166,6 +175,7 @@ class _SlowBackend(ScriptedBackend):
     (_hangs, "timeout", "the episode ran over 0.2 s"),
     (_garbage, "error", "returned dict, not an Episode (return session.finish(reward=...))"),
     (_nan, "error", "returned a reward that is not a finite number: nan"),
+    (_short_turn_rewards, "error", "returned 2 turn_rewards for 1 turns"),
 ])
 def test_error_policy(tokenizer, workflow, end, message):
     tok = _with_template(tokenizer, QWEN2_5)
@@ -175,6 +185,18 @@ def test_error_policy(tokenizer, workflow, end, message):
     assert [e.task for e in episodes] == [{"i": 0}, {"i": 1}]
     with pytest.raises(WorkflowError, match=rf"^workflow {workflow.__name__}, task 0 sample 0: {end}: {re.escape(message)}$"):
         _run(tok, workflow, ["a", "b"], limits=Limits(on_error="fail", **limits))
+
+
+class _Broken(ScriptedBackend):
+    def generate(self, requests):
+        raise RuntimeError("out of KV cache")
+
+
+def test_engine_failure_stops_the_run_whatever_the_policy(tokenizer):
+    tok = _with_template(tokenizer, QWEN2_5)
+    with pytest.raises(WorkflowError, match=r"task 0 sample 0: error: EngineError: the chat backend _Broken failed: "
+                                            r"RuntimeError: out of KV cache$"):
+        run_workflow(guess_number_workflow, [{"secret": 3}], _Broken(tok, []), tok, limits=Limits(on_error="zero"))
 
 
 def test_turn_timeout_and_resolution(tokenizer):

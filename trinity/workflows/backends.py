@@ -34,7 +34,7 @@ class RolloutBackend:
     """A megatron GPTModel (or the rank's model chunks) behind a session, on every rank of its
     model-parallel group alike (the engines' own contract)."""
 
-    model: object
+    model: torch.nn.Module | list[torch.nn.Module]  # a GPTModel (or DDP wrapper), or the rank's VPP chunks
     vocab_size: int  # the tokenizer's: padded vocabulary columns are never sampled
     pad_id: int
     engine: Literal["continuous", "static"] = "continuous"
@@ -42,10 +42,16 @@ class RolloutBackend:
     generator: torch.Generator | None = None
     calls: int = 0  # engine calls made
 
+    def _chunks(self) -> list[torch.nn.Module]:
+        return list(self.model) if isinstance(self.model, (list, tuple)) else [self.model]
+
     def generate(self, requests: Sequence[TokenRequest]) -> list[TokenResult]:
         from trinity.rollout.continuous import generate_continuous
         from trinity.rollout.generate import generate
 
+        device = next(self._chunks()[0].parameters()).device
+        if device.type == "cuda":  # the engine runs in the batcher's worker thread, whose device is cuda:0
+            torch.cuda.set_device(device)
         groups: dict[SamplingParams, list[int]] = {}
         for i, r in enumerate(requests):
             groups.setdefault(r.sampling, []).append(i)

@@ -4,7 +4,10 @@ Every live episode is an asyncio task in one event loop; `Session.chat` hands it
 awaits the result. A wave starts when every live episode waits on the engine (none can add a request any
 more), or `window_s` after the first waiting request (an episode busy with a tool or its environment does
 not hold the others back longer than that). The engine runs in a worker thread, so that timeouts, tools and
-new requests keep going meanwhile; requests that arrive during a wave wait for the next one.
+new requests keep going meanwhile; requests that arrive during a wave wait for the next one. The worker is
+one thread of the batcher's own for all its waves (CUDA graphs are captured and replayed on one thread;
+the backend sets its device there). An engine that raises ends every waiting turn with `EngineError`,
+which the runner never scores away.
 
 This is waves, not a running batch: a turn waits for its wave's longest response before the next wave
 starts. A request joining the running batch (no turn waiting for the whole wave) comes with the rollout
@@ -14,8 +17,13 @@ scheduler, behind the same `generate(request)` coroutine.
 from __future__ import annotations
 
 import asyncio
+from concurrent.futures import ThreadPoolExecutor
 
 from trinity.workflows.types import ChatBackend, TokenRequest, TokenResult
+
+
+class EngineError(RuntimeError):
+    """The chat backend failed: not an episode's fault, so no error policy turns it into a score."""
 
 
 class WaveBatcher:
@@ -27,6 +35,11 @@ class WaveBatcher:
         self._live = 0
         self._busy = False
         self._timer: asyncio.TimerHandle | None = None
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="trinity-engine")
+
+    def close(self) -> None:
+        """Wait for a wave still running (a timed-out turn's), so that the engine is idle on return."""
+        self._worker.shutdown(wait=True)
 
     def join(self) -> None:
         """An episode starts (it counts towards "every live episode waits")."""
@@ -68,13 +81,16 @@ class WaveBatcher:
 
     async def _run(self, batch: list[tuple[TokenRequest, asyncio.Future[TokenResult]]]) -> None:
         try:
-            results = await asyncio.to_thread(self.backend.generate, [r for r, _ in batch])
+            loop = asyncio.get_running_loop()
+            results = await loop.run_in_executor(self._worker, self.backend.generate, [r for r, _ in batch])
             if len(results) != len(batch):
-                raise RuntimeError(f"the chat backend returned {len(results)} results for {len(batch)} requests")
+                raise RuntimeError(f"returned {len(results)} results for {len(batch)} requests")
         except Exception as e:  # every waiting turn gets the engine's error
+            error = EngineError(f"the chat backend {type(self.backend).__name__} failed: {type(e).__name__}: {e}")
+            error.__cause__ = e
             for _, f in batch:
                 if not f.done():
-                    f.set_exception(e)
+                    f.set_exception(error)
         else:
             for (_, f), result in zip(batch, results):
                 if not f.done():

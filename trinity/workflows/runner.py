@@ -4,7 +4,10 @@ Each episode: a `Session` over the shared `WaveBatcher`, the workflow coroutine 
 then the outcome:
 - the workflow returns an `Episode` with a finite reward (or per-turn rewards): kept;
 - an `EpisodeLimit` it did not catch (`max_turns`, `context_limit`): the episode so far, scored 0;
-- it raised, ran over a timeout, or returned anything else: the error policy (`Limits.on_error`).
+- it raised, ran over a timeout, or returned anything else: the error policy (`Limits.on_error`);
+- except errors of the setup, never an episode's: the engine failed (`EngineError`), tools given to a
+  template without tools (`ToolsNotSupported`), a template mismatch under the `fail` policy
+  (`TemplateMismatch`): these stop the run whatever the policy.
 """
 
 from __future__ import annotations
@@ -14,15 +17,20 @@ import math
 from typing import Mapping, Sequence
 
 from trinity.rollout.types import SamplingParams
-from trinity.workflows.batcher import WaveBatcher
+from trinity.workflows.batcher import EngineError, WaveBatcher
 from trinity.workflows.limits import Limits
 from trinity.workflows.registry import Workflow
 from trinity.workflows.session import EpisodeLimit, Session, TurnTimeout
+from trinity.workflows.tool_calls import ToolsNotSupported
+from trinity.workflows.transcript import TemplateMismatch
 from trinity.workflows.types import JSON, ChatBackend, EndReason, Episode, Task
 
 
 class WorkflowError(RuntimeError):
-    """An episode failed under the `fail` error policy."""
+    """An episode failed under the `fail` error policy, or the setup failed."""
+
+
+_SETUP_ERRORS = (EngineError, ToolsNotSupported, TemplateMismatch)
 
 
 def _problem(episode: object) -> str | None:
@@ -31,6 +39,8 @@ def _problem(episode: object) -> str | None:
     scores = [episode.reward] if episode.reward is not None else list(episode.turn_rewards or [])
     if episode.reward is None and episode.turn_rewards is None:
         return "returned an Episode without reward or turn_rewards"
+    if episode.turn_rewards is not None and len(episode.turn_rewards) != len(episode.turns):
+        return f"returned {len(episode.turn_rewards)} turn_rewards for {len(episode.turns)} turns"
     bad = [s for s in scores if isinstance(s, bool) or not isinstance(s, (int, float)) or not math.isfinite(s)]
     return f"returned a reward that is not a finite number: {bad[0]!r}" if bad else None
 
@@ -41,8 +51,8 @@ async def run_episode(workflow: Workflow, task: Task, batcher: WaveBatcher, toke
     session = Session(task, tokenizer, batcher, limits=limits, sampling=sampling)
     name = getattr(workflow, "__qualname__", repr(workflow))
 
-    def failed(end: EndReason, message: str) -> Episode:
-        if limits.on_error == "fail":
+    def failed(end: EndReason, message: str, setup: bool = False) -> Episode:
+        if limits.on_error == "fail" or setup:
             raise WorkflowError(f"workflow {name}, {label}: {end}: {message}")
         return session.finish(reward=0.0, end=end, error=message)
 
@@ -56,7 +66,7 @@ async def run_episode(workflow: Workflow, task: Task, batcher: WaveBatcher, toke
     except TimeoutError:
         return failed("timeout", f"the episode ran over {limits.episode_timeout_s} s")
     except Exception as e:
-        return failed("error", f"{type(e).__name__}: {e}")
+        return failed("error", f"{type(e).__name__}: {e}", setup=isinstance(e, _SETUP_ERRORS))
     finally:
         batcher.leave()
     problem = _problem(episode)
@@ -70,7 +80,10 @@ async def run_episodes(workflow: Workflow, tasks: Sequence[Task], backend: ChatB
     batcher = WaveBatcher(backend, window_s=window_s)
     jobs = [run_episode(workflow, task, batcher, tokenizer, limits=limits, sampling=sampling, args=args,
                         label=f"task {i} sample {k}") for i, task in enumerate(tasks) for k in range(n)]
-    return list(await asyncio.gather(*jobs))
+    try:
+        return list(await asyncio.gather(*jobs))
+    finally:
+        batcher.close()
 
 
 def run_workflow(workflow: Workflow, tasks: Sequence[Task], backend: ChatBackend, tokenizer: object, *,
