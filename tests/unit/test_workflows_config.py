@@ -40,3 +40,5 @@ def test_runner_limits_refuse_nonpositive_values():
         Limits(max_turns=0)
     with pytest.raises(ValueError, match="episode_timeout_s must be positive, got -1"):
         Limits(episode_timeout_s=-1)
+    with pytest.raises(ValueError, match="on_error must be fail or zero, got 'skip'"):
+        Limits(on_error="skip")

@@ -131,3 +131,17 @@ def test_concurrent_episodes_equal_sequential_ones_at_greedy(tiny):
     for a, b in zip(together, alone):
         assert a.messages == b.messages and a.sequences[0].tokens == b.sequences[0].tokens
         assert max(abs(x - y) for x, y in zip(a.sequences[0].logprobs, b.sequences[0].logprobs)) < 1e-5
+
+
+def test_demo_lines(tiny):
+    """What `python -m trinity.workflows.demo` prints (docs/workflows.md), on this module's model."""
+    from trinity.workflows.demo import calculator_lines, guess_number_lines
+
+    model, tokenizer = tiny
+    assert guess_number_lines(tokenizer) == [
+        "guess_number: finished, reward 0.75, turn rewards [0.51, 0.51, 1.0]",
+        "  conversation after the task: ['50', 'Lower.', '25', 'Higher.', '37']",
+        "  one sequence of 271 tokens, 9 of them trained"]
+    lines = calculator_lines(model, tokenizer)
+    assert lines[0] == "calculator: 4 episodes, 1 engine calls"  # the four first turns in one wave
+    assert all(" finished, reward 0.0, 1 turns, sequences of [" in line for line in lines[1:]), lines

@@ -155,6 +155,11 @@ async def _nan(task, session):
     return session.finish(reward=float("nan"))
 
 
+async def _two_turns_at_once(task, session):
+    messages = [{"role": "user", "content": "hi"}]
+    await asyncio.gather(session.chat(messages), session.chat(messages))
+
+
 async def _short_turn_rewards(task, session):
     await session.chat([{"role": "user", "content": "hi"}])
     return session.finish(turn_rewards=[1.0, 0.0])
@@ -176,6 +181,8 @@ class _SlowBackend(ScriptedBackend):
     (_garbage, "error", "returned dict, not an Episode (return session.finish(reward=...))"),
     (_nan, "error", "returned a reward that is not a finite number: nan"),
     (_short_turn_rewards, "error", "returned 2 turn_rewards for 1 turns"),
+    (_two_turns_at_once, "error", "RuntimeError: a session runs one chat turn at a time: await each session.chat "
+                                  "before the next"),
 ])
 def test_error_policy(tokenizer, workflow, end, message):
     tok = _with_template(tokenizer, QWEN2_5)
@@ -197,6 +204,14 @@ def test_engine_failure_stops_the_run_whatever_the_policy(tokenizer):
     with pytest.raises(WorkflowError, match=r"task 0 sample 0: error: EngineError: the chat backend _Broken failed: "
                                             r"RuntimeError: out of KV cache$"):
         run_workflow(guess_number_workflow, [{"secret": 3}], _Broken(tok, []), tok, limits=Limits(on_error="zero"))
+
+
+def test_wrong_args_stop_the_run_whatever_the_policy(tokenizer):
+    tok = _with_template(tokenizer, QWEN2_5)
+    with pytest.raises(WorkflowError, match=r"^workflow guess_number_workflow: its args do not fit \(task, session, "
+                                            r"\*\*args\): got an unexpected keyword argument 'max_new'$"):
+        run_workflow(guess_number_workflow, [{"secret": 3}], ScriptedBackend(tok, ["3"]), tok,
+                     args={"max_new": 4}, limits=Limits(on_error="zero"))
 
 
 def test_turn_timeout_and_resolution(tokenizer):

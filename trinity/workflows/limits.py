@@ -33,6 +33,10 @@ class Limits:
         for name in ("max_turns", "context_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.on_error not in ("fail", "zero"):
+            raise ValueError(f"on_error must be fail or zero, got {self.on_error!r}")
+        if self.template_mismatch not in ("segment", "fail"):
+            raise ValueError(f"template_mismatch must be segment or fail, got {self.template_mismatch!r}")
         for name in ("turn_timeout_s", "episode_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")

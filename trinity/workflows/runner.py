@@ -13,6 +13,7 @@ then the outcome:
 from __future__ import annotations
 
 import asyncio
+import inspect
 import math
 from typing import Mapping, Sequence
 
@@ -50,6 +51,11 @@ async def run_episode(workflow: Workflow, task: Task, batcher: WaveBatcher, toke
                       args: Mapping[str, JSON] | None = None, label: str = "task") -> Episode:
     session = Session(task, tokenizer, batcher, limits=limits, sampling=sampling)
     name = getattr(workflow, "__qualname__", repr(workflow))
+    kwargs = dict(args or {})
+    try:  # wrong args are the setup's mistake, not an episode's: never scored away
+        inspect.signature(workflow).bind(task, session, **kwargs)
+    except TypeError as e:
+        raise WorkflowError(f"workflow {name}: its args do not fit (task, session, **args): {e}") from None
 
     def failed(end: EndReason, message: str, setup: bool = False) -> Episode:
         if limits.on_error == "fail" or setup:
@@ -58,7 +64,7 @@ async def run_episode(workflow: Workflow, task: Task, batcher: WaveBatcher, toke
 
     batcher.join()
     try:
-        episode = await asyncio.wait_for(workflow(task, session, **dict(args or {})), limits.episode_timeout_s)
+        episode = await asyncio.wait_for(workflow(task, session, **kwargs), limits.episode_timeout_s)
     except EpisodeLimit as e:
         return session.finish(reward=0.0, end=e.reason)
     except TurnTimeout as e:

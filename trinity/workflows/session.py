@@ -74,12 +74,24 @@ class Session:
         self.transcript = Transcript(tokenizer, limits.template_mismatch)
         self.messages: list[Message] = []
         self.turns: list[Turn] = []
+        self._in_turn = False
 
     async def chat(self, messages: Sequence[Message], tools: Sequence[dict[str, JSON]] | None = None, *,
                    temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
                    max_new_tokens: int | None = None) -> Reply:
         """The next assistant turn after `messages` (the whole conversation so far, as a chat API takes it);
         `tools`: function specs the template shows the model (OpenAI's JSON schema form)."""
+        if self._in_turn:  # two turns at once would each extend the same conversation
+            raise RuntimeError("a session runs one chat turn at a time: await each session.chat before the next")
+        self._in_turn = True
+        try:
+            return await self._chat(messages, tools, temperature, top_p, top_k, max_new_tokens)
+        finally:
+            self._in_turn = False
+
+    async def _chat(self, messages: Sequence[Message], tools: Sequence[dict[str, JSON]] | None,
+                    temperature: float | None, top_p: float | None, top_k: int | None,
+                    max_new_tokens: int | None) -> Reply:
         parser: ToolCallParser | None = None
         if tools:
             check_tools_supported(self.tokenizer)
