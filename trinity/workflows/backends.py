@@ -16,7 +16,7 @@ import torch
 
 from trinity.rollout.kv_budget import KVBudget
 from trinity.rollout.types import Rollout, SamplingParams
-from trinity.workflows.types import TokenRequest, TokenResult
+from trinity.workflows.types import ChatTokenizer, TokenRequest, TokenResult
 
 
 def _results(rollout: Rollout, eos: Sequence[int]) -> list[TokenResult]:
@@ -75,7 +75,7 @@ class ScriptedBackend:
     """Answers the k-th request with replies[k] (text encoded by `tokenizer`, then the request's first stop
     id), each token with log-prob `logprob`; records the prompts it saw."""
 
-    tokenizer: object
+    tokenizer: ChatTokenizer
     replies: Sequence[str]
     logprob: float = -0.5
     prompts: list[tuple[int, ...]] = field(default_factory=list)

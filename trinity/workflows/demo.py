@@ -18,9 +18,10 @@ from trinity.workflows.calculator import calculator_workflow
 from trinity.workflows.guess_number import guess_number_workflow
 from trinity.workflows.limits import Limits
 from trinity.workflows.runner import run_workflow
+from trinity.workflows.types import ChatTokenizer
 
 
-def guess_number_lines(tokenizer: object) -> list[str]:
+def guess_number_lines(tokenizer: ChatTokenizer) -> list[str]:
     (ep,) = run_workflow(guess_number_workflow, [{"secret": 37}], ScriptedBackend(tokenizer, ["50", "25", "37"]),
                          tokenizer)
     seq = ep.sequences[0]
@@ -29,7 +30,7 @@ def guess_number_lines(tokenizer: object) -> list[str]:
             f"  one sequence of {len(seq.tokens)} tokens, {sum(seq.loss_mask)} of them trained"]
 
 
-def calculator_lines(model: torch.nn.Module, tokenizer: object) -> list[str]:
+def calculator_lines(model: torch.nn.Module, tokenizer: ChatTokenizer) -> list[str]:
     backend = RolloutBackend(model, vocab_size=len(tokenizer), pad_id=tokenizer.pad_token_id,
                              generator=torch.Generator().manual_seed(0))
     tasks = [{"prompt": "12+7=", "answer": "19"}, {"prompt": "3-8=", "answer": "-5"}]
@@ -37,9 +38,9 @@ def calculator_lines(model: torch.nn.Module, tokenizer: object) -> list[str]:
                             sampling=SamplingParams(temperature=1.0, max_new_tokens=16))
     lines = [f"calculator: {len(episodes)} episodes, {backend.calls} engine calls"]
     for ep in episodes:
+        trained = sum(sum(s.loss_mask) for s in ep.sequences)
         lines.append(f"  {ep.task['prompt']} {ep.end}, reward {ep.reward}, {len(ep.turns)} turns, sequences of "
-                     f"{[len(s.tokens) for s in ep.sequences]} tokens ({sum(map(sum, (s.loss_mask for s in ep.sequences)))} "
-                     "trained)")
+                     f"{[len(s.tokens) for s in ep.sequences]} tokens ({trained} trained)")
     return lines
 
 

@@ -24,7 +24,7 @@ from trinity.workflows.registry import Workflow
 from trinity.workflows.session import EpisodeLimit, Session, TurnTimeout
 from trinity.workflows.tool_calls import ToolsNotSupported
 from trinity.workflows.transcript import TemplateMismatch
-from trinity.workflows.types import JSON, ChatBackend, EndReason, Episode, Task
+from trinity.workflows.types import JSON, ChatBackend, ChatTokenizer, EndReason, Episode, Task
 
 
 class WorkflowError(RuntimeError):
@@ -46,7 +46,7 @@ def _problem(episode: object) -> str | None:
     return f"returned a reward that is not a finite number: {bad[0]!r}" if bad else None
 
 
-async def run_episode(workflow: Workflow, task: Task, batcher: WaveBatcher, tokenizer: object, *,
+async def run_episode(workflow: Workflow, task: Task, batcher: WaveBatcher, tokenizer: ChatTokenizer, *,
                       limits: Limits = Limits(), sampling: SamplingParams = SamplingParams(),
                       args: Mapping[str, JSON] | None = None, label: str = "task") -> Episode:
     session = Session(task, tokenizer, batcher, limits=limits, sampling=sampling)
@@ -79,7 +79,7 @@ async def run_episode(workflow: Workflow, task: Task, batcher: WaveBatcher, toke
     return failed("error", problem) if problem else episode
 
 
-async def run_episodes(workflow: Workflow, tasks: Sequence[Task], backend: ChatBackend, tokenizer: object, *,
+async def run_episodes(workflow: Workflow, tasks: Sequence[Task], backend: ChatBackend, tokenizer: ChatTokenizer, *,
                        n: int = 1, limits: Limits = Limits(), sampling: SamplingParams = SamplingParams(),
                        args: Mapping[str, JSON] | None = None, window_s: float = 0.01) -> list[Episode]:
     """n episodes per task (task-major order), all concurrent."""
@@ -92,7 +92,7 @@ async def run_episodes(workflow: Workflow, tasks: Sequence[Task], backend: ChatB
         batcher.close()
 
 
-def run_workflow(workflow: Workflow, tasks: Sequence[Task], backend: ChatBackend, tokenizer: object, *,
+def run_workflow(workflow: Workflow, tasks: Sequence[Task], backend: ChatBackend, tokenizer: ChatTokenizer, *,
                  n: int = 1, limits: Limits = Limits(), sampling: SamplingParams = SamplingParams(),
                  args: Mapping[str, JSON] | None = None) -> list[Episode]:
     """`run_episodes` from synchronous code (its own event loop)."""

@@ -18,8 +18,8 @@ from trinity.rollout.types import SamplingParams
 from trinity.workflows.limits import Limits
 from trinity.workflows.tool_calls import ToolCallParser, check_tools_supported, parser_for
 from trinity.workflows.transcript import Transcript
-from trinity.workflows.types import (JSON, EndReason, Episode, Finish, Message, Task, TokenRequest, TokenResult,
-                                     ToolCall, Turn)
+from trinity.workflows.types import (JSON, ChatTokenizer, EndReason, Episode, Finish, Message, Task, TokenRequest,
+                                     TokenResult, ToolCall, Turn)
 
 
 class EpisodeLimit(Exception):
@@ -51,7 +51,7 @@ class Reply:
         return self.message["content"]
 
 
-def chat_stop_ids(tokenizer: object) -> tuple[int, ...]:
+def chat_stop_ids(tokenizer: ChatTokenizer) -> tuple[int, ...]:
     """The id that ends an assistant turn: `<|im_end|>` where the vocabulary has it (ChatML templates),
     else EOS. A turn stopped by an id the template does not render after it would not extend."""
     vocab = tokenizer.get_vocab()
@@ -61,7 +61,7 @@ def chat_stop_ids(tokenizer: object) -> tuple[int, ...]:
 
 
 class Session:
-    def __init__(self, task: Task, tokenizer: object, engine: Engine, *, limits: Limits = Limits(),
+    def __init__(self, task: Task, tokenizer: ChatTokenizer, engine: Engine, *, limits: Limits = Limits(),
                  sampling: SamplingParams = SamplingParams(), stop_ids: Sequence[int] | None = None,
                  tool_format: str | None = None) -> None:
         self.task = task

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from trinity.workflows.limits import TemplatePolicy
-from trinity.workflows.types import JSON, Message, TrainingSequence
+from trinity.workflows.types import JSON, ChatTokenizer, Message, TrainingSequence
 
 
 class TemplateMismatch(ValueError):
@@ -47,13 +47,13 @@ class Prompt:
     new_segment: bool
 
 
-def render(tokenizer: object, messages: Sequence[Message], tools: Sequence[dict[str, JSON]] | None) -> str:
+def render(tokenizer: ChatTokenizer, messages: Sequence[Message], tools: Sequence[dict[str, JSON]] | None) -> str:
     kwargs = {"tools": list(tools)} if tools else {}
     return tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True, **kwargs)
 
 
 class Transcript:
-    def __init__(self, tokenizer: object, policy: TemplatePolicy = "segment") -> None:
+    def __init__(self, tokenizer: ChatTokenizer, policy: TemplatePolicy = "segment") -> None:
         self.tokenizer = tokenizer
         self.policy = policy
         self._closed: list[_Segment] = []

@@ -23,6 +23,21 @@ EndReason = Literal["finished", "max_turns", "context_limit", "timeout", "error"
 Finish = Literal["stop", "length"]  # a turn ended at a stop id, or at its token limit
 
 
+class ChatTokenizer(Protocol):
+    """What a session needs of a (transformers) tokenizer."""
+
+    chat_template: str | None
+    eos_token_id: int | None
+
+    def apply_chat_template(self, conversation: list[Message], **kwargs: object) -> str: ...
+
+    def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = ...) -> str: ...
+
+    def get_vocab(self) -> dict[str, int]: ...
+
+
 @dataclass(frozen=True)
 class TokenRequest:
     """One turn's generation: the prompt's token ids and how to sample (its stop ids in `eos_token_ids`)."""
