@@ -14,7 +14,7 @@ import pytest
 from trinity.rollout.types import SamplingParams
 from trinity.testing.chat_templates import QWEN2_5, QWEN3
 from trinity.workflows.backends import ScriptedBackend
-from trinity.workflows.calculator import CALCULATOR_TOOL, calculator_workflow
+from trinity.workflows.calculator import CALCULATOR_TOOL, calculator, calculator_workflow
 from trinity.workflows.guess_number import guess_number_workflow
 from trinity.workflows.limits import Limits
 from trinity.workflows.registry import resolve_workflow
@@ -255,3 +255,43 @@ def test_session_sampling_and_stop_ids(tokenizer):
     seq = ep.sequences[0]
     cut_end = len(ep.turns[0].prompt_ids) + 3
     assert seq.tokens[cut_end] == im_end and seq.loss_mask[cut_end] == 0
+
+
+def test_tool_results_and_tool_errors_go_back_to_the_model(tokenizer):
+    tok = _with_template(tokenizer, QWEN2_5)
+
+    def call(args: str) -> str:
+        return f'<tool_call>{{"name": "calculator", "arguments": {args}}}</tool_call>'
+
+    reply = call('{"expression": "2**10"}') + call('{"expression": "1/0"}') + call('{"expr": "1"}') + "<tool_call>{"
+
+    answers = []
+
+    async def one_round(task, session: Session):
+        got = await session.chat([{"role": "user", "content": "go"}], tools=[CALCULATOR_TOOL])
+        answers.extend(await session.call_tools(got, {"calculator": calculator}))
+        return session.finish(reward=1.0)
+
+    run_workflow(one_round, [{}], ScriptedBackend(tok, [reply]), tok, sampling=SamplingParams(max_new_tokens=512))
+    assert [m["content"] for m in answers] == [
+        "1024", "error: division by zero", "error: calculator() got an unexpected keyword argument 'expr'",
+        "error: a <tool_call> block is not closed with </tool_call>"]
+    assert all(m["role"] == "tool" for m in answers)
+
+
+def test_a_tool_past_the_turn_timeout_ends_the_episode(tokenizer):
+    tok = _with_template(tokenizer, QWEN2_5)
+
+    def slow(**_: object) -> str:
+        time.sleep(0.6)
+        return "late"
+
+    async def uses_slow_tool(task, session: Session):
+        got = await session.chat([{"role": "user", "content": "go"}], tools=[CALCULATOR_TOOL])
+        await session.call_tools(got, {"calculator": slow})
+        return session.finish(reward=1.0)
+
+    reply = '<tool_call>{"name": "calculator", "arguments": {}}</tool_call>'
+    (ep,) = run_workflow(uses_slow_tool, [{}], ScriptedBackend(tok, [reply]), tok,
+                         limits=Limits(turn_timeout_s=0.3, on_error="zero"))
+    assert (ep.end, ep.reward, ep.error, len(ep.turns)) == ("timeout", 0.0, "tool 'calculator' ran over 0.3 s", 1)
