@@ -33,7 +33,7 @@ def tiny(tmp_path_factory):
     from trinity.testing.tiny_assets import make_tiny_tokenizer
     from trinity.testing.tiny_models import make_tiny_hf_model
 
-    tokenizer = AutoTokenizer.from_pretrained(str(make_tiny_tokenizer(tmp_path_factory.mktemp("tok"))))
+    tokenizer = AutoTokenizer.from_pretrained(str(make_tiny_tokenizer(tmp_path_factory.mktemp("tok"))), trust_remote_code=False)
     tokenizer.chat_template = QWEN2_5
     path = make_tiny_hf_model("qwen2", tmp_path_factory.mktemp("qwen2"), vocab_size=320,
                               max_position_embeddings=4096)

@@ -32,7 +32,7 @@ def tokenizer(tmp_path_factory):
 
     from trinity.testing.tiny_assets import make_tiny_tokenizer
 
-    return AutoTokenizer.from_pretrained(str(make_tiny_tokenizer(tmp_path_factory.mktemp("tok"))))
+    return AutoTokenizer.from_pretrained(str(make_tiny_tokenizer(tmp_path_factory.mktemp("tok"))), trust_remote_code=False)
 
 
 def _with_template(tokenizer, template):

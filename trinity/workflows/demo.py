@@ -56,7 +56,7 @@ def main(folder: str = "tiny-assets") -> None:
     from trinity.testing.tiny_assets import make_quickstart_assets
 
     path = make_quickstart_assets(folder)["model"]
-    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
     tokenizer.chat_template = QWEN2_5  # the tiny tokenizer's own template has no tools
     print("\n".join(guess_number_lines(tokenizer)))
     facts = ModelFacts.from_hf_dir(path)
