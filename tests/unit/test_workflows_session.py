@@ -295,3 +295,28 @@ def test_a_tool_past_the_turn_timeout_ends_the_episode(tokenizer):
     (ep,) = run_workflow(uses_slow_tool, [{}], ScriptedBackend(tok, [reply]), tok,
                          limits=Limits(turn_timeout_s=0.3, on_error="zero"))
     assert (ep.end, ep.reward, ep.error, len(ep.turns)) == ("timeout", 0.0, "tool 'calculator' ran over 0.3 s", 1)
+
+
+def test_an_episode_busy_with_its_environment_does_not_hold_the_wave_back(tokenizer):
+    """Both first turns go in one engine call; then episode 1 spends 0.3 s in its environment, and episode 0's
+    second turn goes alone after the batcher's window (10 ms) instead of waiting for it."""
+    tok = _with_template(tokenizer, QWEN2_5)
+    sizes, at = [], []
+
+    class Recorder(ScriptedBackend):
+        def generate(self, requests):
+            sizes.append(len(requests))
+            at.append(time.perf_counter())
+            return super().generate(requests)
+
+    async def two_turns(task, session: Session):
+        messages = [{"role": "user", "content": "a"}]
+        reply = await session.chat(messages)
+        await asyncio.sleep(task["env_s"])
+        await session.chat([*messages, reply.message, {"role": "user", "content": "b"}])
+        return session.finish(reward=1.0)
+
+    episodes = run_workflow(two_turns, [{"env_s": 0.0}, {"env_s": 0.3}], Recorder(tok, ["x"] * 4), tok)
+    assert [e.end for e in episodes] == ["finished"] * 2
+    assert sizes == [2, 1, 1]
+    assert at[1] - at[0] < 0.25 <= at[2] - at[0]
