@@ -14,9 +14,10 @@ def test_defaults_are_the_runners():
     assert cfg.limits() == Limits()
     cfg = WorkflowConfig(function="my_pkg.flows:play", args={"level": 3, "names": ["a"], "opts": {"x": None}},
                          max_turns=4, context_tokens=512, turn_timeout_s=5, episode_timeout_s=30, on_error="zero",
-                         template_mismatch="fail")
+                         template_mismatch="fail", template_args={"enable_thinking": False})
     assert cfg.limits() == Limits(4, 512, 5.0, 30.0, "zero", "fail")
     assert cfg.args == {"level": 3, "names": ["a"], "opts": {"x": None}}
+    assert cfg.template_args == {"enable_thinking": False}
 
 
 @pytest.mark.parametrize("function", ["calculatr", "my_pkg.flows", "my_pkg.flows:", ":play", "my-pkg:play",

@@ -320,3 +320,16 @@ def test_an_episode_busy_with_its_environment_does_not_hold_the_wave_back(tokeni
     assert [e.end for e in episodes] == ["finished"] * 2
     assert sizes == [2, 1, 1]
     assert at[1] - at[0] < 0.25 <= at[2] - at[0]
+
+
+def test_template_args_reach_the_template(tokenizer):
+    """Qwen3 without thinking: its generation prompt closes an empty <think> block, which the prompt the
+    engine gets ends with (and which is context, not trained)."""
+    tok = _with_template(tokenizer, QWEN3)
+    backend = ScriptedBackend(tok, ["5"])
+    (ep,) = run_workflow(guess_number_workflow, [{"secret": 5}], backend, tok,
+                         template_args={"enable_thinking": False})
+    assert ep.end == "finished"
+    assert tok.decode(list(backend.prompts[0])).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    (plain,) = run_workflow(guess_number_workflow, [{"secret": 5}], ScriptedBackend(tok, ["5"]), tok)
+    assert tok.decode(list(plain.turns[0].prompt_ids)).endswith("<|im_start|>assistant\n")

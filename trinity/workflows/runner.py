@@ -48,8 +48,10 @@ def _problem(episode: object) -> str | None:
 
 async def run_episode(workflow: Workflow, task: Task, batcher: WaveBatcher, tokenizer: ChatTokenizer, *,
                       limits: Limits = Limits(), sampling: SamplingParams = SamplingParams(),
-                      args: Mapping[str, JSON] | None = None, label: str = "task") -> Episode:
-    session = Session(task, tokenizer, batcher, limits=limits, sampling=sampling)
+                      args: Mapping[str, JSON] | None = None, label: str = "task",
+                      template_args: Mapping[str, JSON] | None = None) -> Episode:
+    """One episode; `template_args`: the chat template's own variables (Qwen3's `enable_thinking`)."""
+    session = Session(task, tokenizer, batcher, limits=limits, sampling=sampling, template_args=template_args)
     name = getattr(workflow, "__qualname__", repr(workflow))
     kwargs = dict(args or {})
     try:  # wrong args are the setup's mistake, not an episode's: never scored away
@@ -81,11 +83,13 @@ async def run_episode(workflow: Workflow, task: Task, batcher: WaveBatcher, toke
 
 async def run_episodes(workflow: Workflow, tasks: Sequence[Task], backend: ChatBackend, tokenizer: ChatTokenizer, *,
                        n: int = 1, limits: Limits = Limits(), sampling: SamplingParams = SamplingParams(),
-                       args: Mapping[str, JSON] | None = None, window_s: float = 0.01) -> list[Episode]:
+                       args: Mapping[str, JSON] | None = None, window_s: float = 0.01,
+                       template_args: Mapping[str, JSON] | None = None) -> list[Episode]:
     """n episodes per task (task-major order), all concurrent."""
     batcher = WaveBatcher(backend, window_s=window_s)
     jobs = [run_episode(workflow, task, batcher, tokenizer, limits=limits, sampling=sampling, args=args,
-                        label=f"task {i} sample {k}") for i, task in enumerate(tasks) for k in range(n)]
+                        label=f"task {i} sample {k}", template_args=template_args)
+            for i, task in enumerate(tasks) for k in range(n)]
     try:
         return list(await asyncio.gather(*jobs))
     finally:
@@ -94,7 +98,8 @@ async def run_episodes(workflow: Workflow, tasks: Sequence[Task], backend: ChatB
 
 def run_workflow(workflow: Workflow, tasks: Sequence[Task], backend: ChatBackend, tokenizer: ChatTokenizer, *,
                  n: int = 1, limits: Limits = Limits(), sampling: SamplingParams = SamplingParams(),
-                 args: Mapping[str, JSON] | None = None) -> list[Episode]:
+                 args: Mapping[str, JSON] | None = None,
+                 template_args: Mapping[str, JSON] | None = None) -> list[Episode]:
     """`run_episodes` from synchronous code (its own event loop)."""
     return asyncio.run(run_episodes(workflow, tasks, backend, tokenizer, n=n, limits=limits, sampling=sampling,
-                                    args=args))
+                                    args=args, template_args=template_args))

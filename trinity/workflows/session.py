@@ -63,7 +63,7 @@ def chat_stop_ids(tokenizer: ChatTokenizer) -> tuple[int, ...]:
 class Session:
     def __init__(self, task: Task, tokenizer: ChatTokenizer, engine: Engine, *, limits: Limits = Limits(),
                  sampling: SamplingParams = SamplingParams(), stop_ids: Sequence[int] | None = None,
-                 tool_format: str | None = None) -> None:
+                 tool_format: str | None = None, template_args: Mapping[str, JSON] | None = None) -> None:
         self.task = task
         self.tokenizer = tokenizer
         self.engine = engine
@@ -71,7 +71,7 @@ class Session:
         stops = tuple(stop_ids) if stop_ids is not None else chat_stop_ids(tokenizer)
         self.sampling = dataclasses.replace(sampling, eos_token_ids=stops)
         self.tool_format = tool_format
-        self.transcript = Transcript(tokenizer, limits.template_mismatch)
+        self.transcript = Transcript(tokenizer, limits.template_mismatch, template_args)
         self.messages: list[Message] = []
         self.turns: list[Turn] = []
         self._in_turn = False

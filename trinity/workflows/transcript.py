@@ -15,7 +15,7 @@ with the text of the tokens the segment already holds (earlier prompts' ids and 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from trinity.workflows.limits import TemplatePolicy
 from trinity.workflows.types import JSON, ChatTokenizer, Message, TrainingSequence
@@ -47,15 +47,22 @@ class Prompt:
     new_segment: bool
 
 
-def render(tokenizer: ChatTokenizer, messages: Sequence[Message], tools: Sequence[dict[str, JSON]] | None) -> str:
-    kwargs = {"tools": list(tools)} if tools else {}
+def render(tokenizer: ChatTokenizer, messages: Sequence[Message], tools: Sequence[dict[str, JSON]] | None,
+           template_args: Mapping[str, JSON] | None = None) -> str:
+    """The chat template's text of the next turn's prompt; `template_args`: the template's own variables
+    (Qwen3's `enable_thinking`, for example)."""
+    kwargs: dict[str, JSON] = dict(template_args or {})
+    if tools:
+        kwargs["tools"] = list(tools)
     return tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True, **kwargs)
 
 
 class Transcript:
-    def __init__(self, tokenizer: ChatTokenizer, policy: TemplatePolicy = "segment") -> None:
+    def __init__(self, tokenizer: ChatTokenizer, policy: TemplatePolicy = "segment",
+                 template_args: Mapping[str, JSON] | None = None) -> None:
         self.tokenizer = tokenizer
         self.policy = policy
+        self.template_args = dict(template_args or {})
         self._closed: list[_Segment] = []
         self._seg = _Segment()
 
@@ -64,7 +71,7 @@ class Transcript:
 
     def prompt(self, messages: Sequence[Message], tools: Sequence[dict[str, JSON]] | None = None) -> Prompt:
         """The next turn's prompt (nothing is recorded until `record`)."""
-        text = render(self.tokenizer, messages, tools)
+        text = render(self.tokenizer, messages, tools, self.template_args)
         seg = self._seg
         if seg.tokens and text.startswith(seg.text):
             tail = text[len(seg.text):]

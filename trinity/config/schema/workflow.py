@@ -21,6 +21,8 @@ class WorkflowConfig(StrictModel):
     """A built-in workflow (`calculator`, `guess_number`) or a user coroutine `module.path:function`."""
     args: dict[str, JsonValue] = Field(default_factory=dict)
     """Keyword arguments the function gets after (task, session)."""
+    template_args: dict[str, JsonValue] = Field(default_factory=dict)
+    """Variables of the chat template itself, e.g. `{enable_thinking: false}` for Qwen3."""
     max_turns: int = Field(default=Limits.max_turns, gt=0)
     """Assistant turns per episode; one more ends it with `max_turns`."""
     context_tokens: int = Field(default=Limits.context_tokens, gt=0)
