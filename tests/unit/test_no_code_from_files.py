@@ -92,7 +92,7 @@ def _build(hf: Path) -> list[torch.nn.Module]:
 
 @pytest.fixture
 def cpu_world():
-    from trinity.distributed import cpu_compat
+    from trinity.compat import cpu_compat
     from trinity.distributed.layout import ParallelLayout
     from trinity.distributed.parallel import destroy, init_parallel
 

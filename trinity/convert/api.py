@@ -156,7 +156,7 @@ def hf_to_mcore(
 
     World size 1 runs in this process, unless `isolate`: the CLI's conversions run in a child process
     (`conversion_job`), which a Ctrl-C, SIGTERM or SIGHUP stops at once (`Interrupted` raised here);
-    `debug` keeps the third-party warnings there (trinity.launch.quiet)."""
+    `debug` keeps the third-party warnings there (trinity.compat.quiet)."""
     if backend not in BACKENDS:
         raise UserError(f"--backend: {backend!r} is not one of {', '.join(BACKENDS)}")
     torch_dtype(dtype)

@@ -224,7 +224,7 @@ class RoleEngine:
     def save(self, path: Path, *, hf_dir: Any, extra: dict[str, Any], meta: dict[str, Any]) -> None:
         """Model + optimizer as a reshardable trinity dist checkpoint at `path` (all ranks call)."""
         from trinity.convert.dist_ckpt import save_model_checkpoint
-        from trinity.distributed import cpu_compat
+        from trinity.compat import cpu_compat
         from trinity.trainer.engine.optimizer_state import ReshardableOptimizer
 
         if self.lora is not None:  # adapters + optimizer only: the base comes from the weight source on resume
@@ -269,7 +269,7 @@ class RoleEngine:
         """Model + optimizer from `path`; returns the checkpoint's `extra`. The optimizer's
         hyper-parameters stay the config's (a resume with a changed optim.lr applies it)."""
         from trinity.convert.dist_ckpt import load_model_checkpoint
-        from trinity.distributed import cpu_compat
+        from trinity.compat import cpu_compat
         from trinity.trainer.engine.optimizer_state import ReshardableOptimizer, keep_config_hyperparams
 
         self._check_lora_matches(path)
