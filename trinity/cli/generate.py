@@ -193,7 +193,7 @@ def generate_answers(
             load_hf_weights(chunks, source.weights, facts)
         else:
             from trinity.convert.dist_ckpt import read_meta
-            from trinity.trainer.export import load_lora_checkpoint, lora_of
+            from trinity.convert.load import load_lora_checkpoint, lora_of
 
             lora = lora_of(read_meta(source.weights))
             if lora is None:

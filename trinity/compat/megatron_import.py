@@ -37,7 +37,7 @@ import os
 import sys
 from typing import Any, Callable, Iterator
 
-from trinity.compat import quiet
+from trinity.compat.quiet import hidden
 from trinity.compat.checks import PINNED, require
 
 TARGET = "megatron.core"
@@ -103,7 +103,7 @@ class _Finder(importlib.abc.MetaPathFinder):
         exec_module = spec.loader.exec_module
 
         def exec_light(module: Any) -> None:
-            with quiet.hidden(), _light_import():
+            with hidden(), _light_import():
                 exec_module(module)
 
         spec.loader.exec_module = exec_light  # type: ignore[method-assign]  # this spec's own loader instance

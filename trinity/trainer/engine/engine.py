@@ -108,7 +108,7 @@ class RoleEngine:
         them; `chunks` are already built and loaded ones (the worker's actor)."""
         if chunks is None:
             from trinity.models.build import build_model
-            from trinity.trainer.engine.weights import load_weights
+            from trinity.convert.load import load_weights
 
             chunks = build_model(facts, megatron, device=device, dtype=dtype, value_head=role.value_head)
             load_weights(chunks, source, facts, value_head=role.value_head)
