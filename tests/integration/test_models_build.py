@@ -180,7 +180,7 @@ def test_document_packed_params_through_the_model_equal_the_dense_mask(tp1, tiny
 def test_packed_attention_gives_our_spec_boundaries_and_transformer_engine_the_dense_mask(tp1, tiny_dir):
     """The SFT loop's attention arguments: real tokens get the logits of the trainer's dense
     block-causal mask (padding, -1, differs only in what the padding itself sees)."""
-    from trinity.data.packing import block_causal_mask
+    from trinity.models.doc_masks import block_causal_mask
     from trinity.models import spec as specs
     from trinity.models.build import packed_attention
 

@@ -41,9 +41,9 @@ def export_hf(ctx: WorkerContext, chunks: list[Any]) -> Path:
 
 
 def write_adapter_folder(chunks: list[Any], lora: Any, facts: Any, base_model: str | Path, folder: Path) -> Path:
-    """LoRA adapters as a PEFT folder (trinity.models.peft_io) with the job's rank, alpha and dropout
+    """LoRA adapters as a PEFT folder (trinity.convert.peft_io) with the job's rank, alpha and dropout
     (`lora`: actor.lora); all ranks call, rank 0 writes. `base_model`: the HF model it adapts (model.path)."""
-    from trinity.models.peft_io import save_peft_folder
+    from trinity.convert.peft_io import save_peft_folder
 
     save_peft_folder(chunks, facts, folder, rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout,
                      base_model=str(base_model))

@@ -75,7 +75,7 @@ class RoleEngine:
 
             self.lora_params = apply_lora(chunks, self.lora)  # before DDP: its buffers see only adapters
             if self.lora.adapter_path:
-                from trinity.models.peft_io import load_peft_adapters
+                from trinity.convert.peft_io import load_peft_adapters
 
                 if facts is None:
                     raise ValueError("RoleEngine: lora.adapter_path needs the model's facts")
