@@ -14,7 +14,8 @@ lists them with what each replaces; each module's first line states what it is w
 - `fused_optimizer`: megatron-core's optimizer on torch's fused kernels (optimizer set-up);
 - `grad_fusion`: apex's weight-gradient GEMM contract on torch (DDP set-up of eager CUDA layers);
 - `rope`: megatron-core's fused RoPE entry points (model build without TransformerEngine);
-- `te_absent`: the names megatron-core leaves wrong without TransformerEngine (layer spec build).
+- `te_absent`: the names megatron-core leaves wrong without TransformerEngine (layer spec build);
+- `scoped`: megatron-core module attributes replaced for one block (the dist-checkpoint loader).
 """
 
 from __future__ import annotations
