@@ -63,15 +63,15 @@ def load_lora_checkpoint(chunks: list[Any], ckpt_dir: str | Path, facts: Any, lo
     from trinity.config.schema import JobConfig, LoraConfig
     from trinity.config.weights import WeightKind, WeightSource, weight_source
     from trinity.convert.cache import is_cache_entry
-    from trinity.config.loader import RESOLVED_CONFIG_FILE as CONFIG_FILE
+    from trinity.config.loader import RESOLVED_CONFIG_FILE
     from trinity.convert.dist_ckpt import _flat_sharded, load_model_checkpoint
     from trinity.errors import UserError
     from trinity.models.lora import apply_lora
 
     ckpt = Path(ckpt_dir)
-    stored = next((d / CONFIG_FILE for d in (ckpt, ckpt.parent) if (d / CONFIG_FILE).is_file()), None)
+    stored = next((d / RESOLVED_CONFIG_FILE for d in (ckpt, ckpt.parent) if (d / RESOLVED_CONFIG_FILE).is_file()), None)
     if stored is None:
-        raise UserError(f"{ckpt}: a LoRA checkpoint holds the adapters only, and the {CONFIG_FILE} that names its "
+        raise UserError(f"{ckpt}: a LoRA checkpoint holds the adapters only, and the {RESOLVED_CONFIG_FILE} that names its "
                         "base model is not beside it; copy the whole step_N/ folder")
     cfg = JobConfig.model_validate(yaml.safe_load(stored.read_text(encoding="utf-8")))
     source = weight_source(cfg, Role.actor)
