@@ -133,7 +133,7 @@ def main() -> None:
         raise SystemExit("needs a CUDA GPU (or --device cpu --shapes tiny for a smoke run)")
     from trinity.distributed.layout import ParallelLayout
     from trinity.distributed.parallel import destroy, init_parallel
-    from trinity.launch import quiet
+    from trinity.compat import quiet
 
     quiet.install(False)
     init_parallel(device=args.device, layout=ParallelLayout(), seed=0)

@@ -18,7 +18,7 @@ tokens/s is the fair comparison); --packed names the kernel of the packed rows (
 and, with `--optimizer torch-fused` (the default), torch's fused AdamW over them (fp32 on CPU).
 `--optimizer trainer` steps ours as `trinity run` does: megatron-core DDP (fp32 grad buffer), its
 mixed-precision optimizer (fp32 master weights, gradient clipping at 1.0) on the fused kernels of
-`trinity.trainer.engine.fused_optimizer`; `megatron-stock` is the same with megatron-core's own fallbacks
+`trinity.compat.fused_optimizer`; `megatron-stock` is the same with megatron-core's own fallbacks
 without TE/apex (foreach AdamW, a host sync per parameter in the gradient norm).
 ours takes the loss through `trinity.models.logprobs` (chunked, no full-vocabulary fp32 logits), HF
 through its own loss. Peak memory = torch.cuda.max_memory_allocated, reset per case. Warm-up steps

@@ -22,6 +22,12 @@ sys.dont_write_bytecode = False
 import pytest
 import yaml
 
+from trinity import compat
+
+# As the workers and the CLI do: the tests (and the ranks they spawn, which import this module) import
+# megatron-core in-process, through trinity.compat's light import.
+compat.install_all()
+
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "tests" / "fixtures"
 HF_CONFIGS = FIXTURES / "hf_configs"

@@ -1,5 +1,5 @@
 """What a documented command may not print by default: third-party warnings, progress bars, stray blank
-lines (trinity.launch.quiet hides them; `--debug` shows them). Used by the tests that run documented
+lines (trinity.compat.quiet hides them; `--debug` shows them). Used by the tests that run documented
 commands and keep their console output."""
 
 from __future__ import annotations

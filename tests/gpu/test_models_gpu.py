@@ -13,7 +13,7 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def cuda_tp1():
-    from trinity.distributed import cpu_compat
+    from trinity.compat import cpu_compat
     from trinity.distributed.layout import ParallelLayout
     from trinity.distributed.parallel import destroy, init_parallel
 

@@ -1,5 +1,5 @@
 """The trainer's optimizer on CUDA: torch's fused AdamW and the multi-tensor norm / scale of
-trinity.trainer.engine.fused_optimizer step bf16 params (fp32 master weights) as megatron-core's stock
+trinity.compat.fused_optimizer step bf16 params (fp32 master weights) as megatron-core's stock
 fallbacks do."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def cuda_tiny(tmp_path_factory):
-    from trinity.distributed import cpu_compat
+    from trinity.compat import cpu_compat
     from trinity.distributed.layout import ParallelLayout
     from trinity.distributed.parallel import destroy, init_parallel
     from trinity.models.facts import ModelFacts
@@ -62,7 +62,7 @@ def test_weight_gradients_accumulate_into_the_fp32_buffer(tmp_path, tied):
 
     from trinity.config.megatron import MegatronConfig
     from trinity.convert.builtin import load_hf_weights
-    from trinity.distributed import cpu_compat
+    from trinity.compat import cpu_compat
     from trinity.distributed.layout import ParallelLayout
     from trinity.distributed.parallel import destroy, init_parallel
     from trinity.models.build import build_model

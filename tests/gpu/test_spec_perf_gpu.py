@@ -15,7 +15,7 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def cuda_tp1():
-    from trinity.distributed import cpu_compat
+    from trinity.compat import cpu_compat
     from trinity.distributed.layout import ParallelLayout
     from trinity.distributed.parallel import destroy, init_parallel
 
@@ -70,7 +70,7 @@ def test_varlen_packed_rows_match_dense_mask_through_the_core_attention(cuda_tp1
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from trinity.data.packing import block_causal_mask
+    from trinity.models.doc_masks import block_causal_mask
     from trinity.models.attention import SDPACoreAttention, document_packed_params
 
     seed = int(torch.randint(0, 2**31, (1,)))

@@ -52,7 +52,7 @@ def _job(hf_dir: str, out: str) -> None:
     import torch.distributed as dist
     from safetensors.torch import load_file
 
-    from trinity.convert.api import megatron_config
+    from trinity.convert.options import megatron_config
     from trinity.convert.builtin import export_hf_weights, load_hf_weights
     from trinity.convert.dist_ckpt import load_model_checkpoint, save_model_checkpoint
     from trinity.convert.jobs import _build
@@ -95,7 +95,7 @@ def _job_ep2(hf_dir: str, out: str) -> None:
     import torch.distributed as dist
     from safetensors.torch import load_file
 
-    from trinity.convert.api import megatron_config
+    from trinity.convert.options import megatron_config
     from trinity.convert.builtin import export_hf_weights, load_hf_weights
     from trinity.convert.jobs import _build
     from trinity.convert.verify import random_tokens

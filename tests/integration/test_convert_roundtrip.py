@@ -14,7 +14,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from trinity.convert import jobs, mbridge_adapter
-from trinity.convert.api import hf_to_mcore, megatron_config, mcore_to_hf
+from trinity.convert.api import hf_to_mcore, mcore_to_hf
+from trinity.convert.options import megatron_config
 from trinity.convert.builtin import export_hf_weights, load_hf_weights
 from trinity.convert.dist_ckpt import read_meta
 from trinity.convert.hf_io import HF_SIDE_FILES

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from trinity.convert.api import megatron_config
+from trinity.convert.options import megatron_config
 from trinity.convert.builtin import load_hf_weights
 from trinity.convert.dist_ckpt import load_model_checkpoint
 from trinity.convert.hf_io import HFCheckpoint

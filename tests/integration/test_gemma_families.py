@@ -67,7 +67,7 @@ def test_training_lowers_the_loss_and_peft_adapters_give_our_logits(family, tmp_
     from trinity.distributed.parallel import destroy, init_parallel
     from trinity.models.build import build_model, causal_mask
     from trinity.models.lora import apply_lora
-    from trinity.models.peft_io import save_peft_folder
+    from trinity.convert.peft_io import save_peft_folder
     from trinity.testing.tiny_models import make_tiny_hf_model
 
     hf_dir = make_tiny_hf_model(family, tmp_path / "hf", tie_word_embeddings=True)

@@ -22,7 +22,7 @@ def _compare(hf_dir: Path, ep: int) -> None:
     """Build the model twice at this process group's layout, load one through the builtin converter
     and one through mbridge: every parameter equal; both exports equal the HF source."""
     from trinity.convert import mbridge_adapter
-    from trinity.convert.api import megatron_config
+    from trinity.convert.options import megatron_config
     from trinity.convert.builtin import export_hf_weights, load_hf_weights
     from trinity.convert.jobs import _build
     from trinity.models.facts import ModelFacts
@@ -51,7 +51,7 @@ def _compare(hf_dir: Path, ep: int) -> None:
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
 def test_mbridge_moe_equals_builtin_at_ep1(tmp_path, family):
-    from trinity.convert.api import megatron_config
+    from trinity.convert.options import megatron_config
     from trinity.convert.jobs import parallel_session
 
     hf = make_tiny_hf_model(family, tmp_path / "hf")

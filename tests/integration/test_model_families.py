@@ -186,7 +186,7 @@ def test_lora_adapters_save_as_a_peft_folder_that_peft_runs_with_our_logits(tp1,
 
     from trinity.models.build import causal_mask
     from trinity.models.lora import apply_lora, lora_modules
-    from trinity.models.peft_io import save_peft_folder
+    from trinity.convert.peft_io import save_peft_folder
 
     path = tiny(family)
     chunks, facts = _loaded(path)

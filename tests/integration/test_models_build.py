@@ -118,7 +118,7 @@ def test_recompute_none_full_selective_give_identical_loss_and_grads(tp1, tiny_d
     for recompute in ({}, {"recompute_granularity": "full"},
                       {"recompute_granularity": "selective", "recompute_modules": ["core_attn", "mlp"]}):
         torch.manual_seed(11)  # same init for every variant
-        from trinity.distributed import cpu_compat
+        from trinity.compat import cpu_compat
 
         cpu_compat.model_parallel_seed(11)
         block = MegatronConfig.model_validate({"override_transformer_config": recompute})
@@ -180,7 +180,7 @@ def test_document_packed_params_through_the_model_equal_the_dense_mask(tp1, tiny
 def test_packed_attention_gives_our_spec_boundaries_and_transformer_engine_the_dense_mask(tp1, tiny_dir):
     """The SFT loop's attention arguments: real tokens get the logits of the trainer's dense
     block-causal mask (padding, -1, differs only in what the padding itself sees)."""
-    from trinity.data.packing import block_causal_mask
+    from trinity.models.doc_masks import block_causal_mask
     from trinity.models import spec as specs
     from trinity.models.build import packed_attention
 
@@ -242,7 +242,7 @@ def test_context_parallel_without_te_is_a_clear_error(tp1, tiny_dir):
 def test_cpu_compat_enable_is_idempotent_and_disable_restores(tp1):
     import megatron.core.tensor_parallel.random as mrandom
 
-    from trinity.distributed import cpu_compat
+    from trinity.compat import cpu_compat
 
     assert cpu_compat.is_enabled()  # init_parallel(device="cpu") enabled it
     patched = list(cpu_compat._patches)
@@ -265,7 +265,7 @@ def test_cpu_compat_synchronizes_nothing_on_a_machine_with_a_gpu(tp1, monkeypatc
     """CPU mode on a machine with a GPU: megatron's pipeline shape exchange calls torch.cuda.synchronize()
     with no device, which must not look up the patched current device ("cpu": "invalid argument to
     exchangeDevice" on a 2-GPU machine). Checked by enabling CPU mode as there (CUDA reported available)."""
-    from trinity.distributed import cpu_compat
+    from trinity.compat import cpu_compat
 
     cpu_compat.disable()
     try:

@@ -29,7 +29,7 @@ def train_steps(model_dir, *, distributed_optimizer: bool, steps: int = 3) -> li
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from trinity.distributed import cpu_compat
+    from trinity.compat import cpu_compat
     from trinity.models.build import build_model, causal_mask
 
     torch.manual_seed(SEED)

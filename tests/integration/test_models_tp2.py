@@ -27,7 +27,7 @@ def _run(model_dir: Path, tp: int, sequence_parallel: bool) -> dict[str, torch.T
 
     facts = ModelFacts.from_hf_dir(model_dir)
     torch.manual_seed(SEED)
-    from trinity.distributed import cpu_compat
+    from trinity.compat import cpu_compat
 
     cpu_compat.model_parallel_seed(SEED)
     block = MegatronConfig(tensor_model_parallel_size=tp, sequence_parallel=sequence_parallel)

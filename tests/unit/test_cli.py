@@ -257,7 +257,7 @@ def test_help_shows_no_type_for_flags(argv):
         assert "--dry-run Print the plan and the launch command, start nothing." in text, text
     if "--debug" in text:  # every command that has it says what it shows besides tracebacks
         assert "--debug Show tracebacks of internal errors, and the third-party warnings and progress bars " \
-               "hidden otherwise (trinity/launch/quiet.py)." in text, text
+               "hidden otherwise (trinity/compat/quiet.py)." in text, text
 
 
 def test_top_level_help_lists_every_algorithm_from_the_config():

@@ -337,7 +337,7 @@ def test_supervised_child_dies_with_a_killed_cli():
 def test_quiet_filters_known_warnings_and_debug_keeps_them(monkeypatch):
     import warnings
 
-    from trinity.launch import quiet
+    from trinity.compat import quiet
 
     monkeypatch.setattr(quiet, "_debug", None)
     monkeypatch.setenv("HF_HUB_DISABLE_PROGRESS_BARS", "0")  # the user's choice stands
@@ -362,7 +362,7 @@ def test_quiet_hidden_scopes_the_filters_to_a_library_call(monkeypatch):
     known warnings inside the block only, and not at all with TRINITY_DEBUG=1."""
     import warnings
 
-    from trinity.launch import quiet
+    from trinity.compat import quiet
 
     monkeypatch.setattr(quiet, "_debug", None)  # install() not called: TRINITY_DEBUG decides
     known = "--moe-layer-recompute is deprecated. Use --recompute-granularity selective instead."

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from trinity.data.packing import block_causal_mask, cu_seqlens, first_fit_decreasing, pack, pad
+from trinity.data.packing import first_fit_decreasing, pack, pad
+from trinity.models.doc_masks import block_causal_mask, cu_seqlens
 from trinity.data.sft import Sample
 
 PAD = 0

@@ -231,7 +231,7 @@ def test_lora_on_mla_projections_gives_peft_logits(tmp_path):
     from trinity.distributed.parallel import destroy, init_parallel
     from trinity.models.build import build_model
     from trinity.models.lora import apply_lora, lora_modules
-    from trinity.models.peft_io import save_peft_folder
+    from trinity.convert.peft_io import save_peft_folder
 
     src = make_tiny_hf_model("deepseek_v3", tmp_path / "hf")
     facts = ModelFacts.from_hf_dir(src)

@@ -256,7 +256,7 @@ def test_validate_and_convert_render_the_same_layout_rule():
 def test_a_patch_whose_target_moved_fails_at_enable_naming_it(monkeypatch):
     import megatron.core.optimizer.clip_grads as clip_grads
 
-    from trinity.trainer.engine import fused_optimizer
+    from trinity.compat import fused_optimizer
 
     fused_optimizer.uninstall()
     monkeypatch.delattr(clip_grads, "l2_norm_impl")

@@ -1,4 +1,4 @@
-"""megatron-core's optimizer on torch's fused / multi-tensor kernels (trinity.trainer.engine.fused_optimizer)
+"""megatron-core's optimizer on torch's fused / multi-tensor kernels (trinity.compat.fused_optimizer)
 computes what megatron-core's stock fallbacks compute, on the real optimizer, CPU/gloo."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from trinity.testing.optim_checks import megatron_stock, trainer_steps
-from trinity.trainer.engine import fused_optimizer
+from trinity.compat import fused_optimizer
 
 
 def test_l2_norm_is_the_norm_of_all_tensors_as_one_vector():

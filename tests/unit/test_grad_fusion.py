@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from trinity.trainer.engine.grad_fusion import TorchWgradGemm
+from trinity.compat.grad_fusion import TorchWgradGemm
 
 
 def test_half_precision_buffer_accumulates_the_weight_gradient():

@@ -66,7 +66,7 @@ def gpt():
     import tempfile
     from pathlib import Path
 
-    from trinity.convert.api import megatron_config
+    from trinity.convert.options import megatron_config
     from trinity.convert.jobs import _build, parallel_session
     from trinity.models.facts import ModelFacts
     from trinity.testing.tiny_models import make_tiny_hf_model

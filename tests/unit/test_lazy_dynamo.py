@@ -1,4 +1,4 @@
-"""trinity.trainer.engine.lazy_dynamo: torch.optim without importing torch._dynamo, same updates."""
+"""trinity.compat.lazy_dynamo: torch.optim without importing torch._dynamo, same updates."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import json, sys
 import torch
 skip = sys.argv[1] == "skip"
 if skip:
-    from trinity.trainer.engine.lazy_dynamo import skip_dynamo_import
+    from trinity.compat.lazy_dynamo import skip_dynamo_import
     changed = skip_dynamo_import()
 else:
     changed = 0

@@ -1,4 +1,4 @@
-"""LoRA adapters as a PEFT folder (trinity.models.peft_io) and the merged HF export, against PEFT and
+"""LoRA adapters as a PEFT folder (trinity.convert.peft_io) and the merged HF export, against PEFT and
 transformers themselves, in fp32 on CPU.
 
 The tiny Qwen2 has GQA (4 heads, 2 query groups), so megatron's fused linear_qkv interleaves
@@ -78,7 +78,7 @@ def _hf_logits(hf_dir: Path) -> torch.Tensor:
 @pytest.fixture(scope="module")
 def adapted(tiny_qwen2_tp1, tmp_path_factory):
     """(facts, HF folder, chunks with random adapters, their logits, their PEFT folder)."""
-    from trinity.models.peft_io import save_peft_folder
+    from trinity.convert.peft_io import save_peft_folder
 
     facts, hf_dir = tiny_qwen2_tp1
     chunks = _build(facts, hf_dir)
@@ -120,7 +120,7 @@ def test_q_k_v_share_a_and_take_their_rows_of_b(adapted):
 
 def test_peft_folder_loads_back_exactly(adapted):
     from trinity.models.lora import lora_modules
-    from trinity.models.peft_io import load_peft_adapters
+    from trinity.convert.peft_io import load_peft_adapters
 
     fresh = _build(adapted.facts, adapted.hf_dir)
     assert load_peft_adapters(fresh, adapted.folder, adapted.facts, rank=RANK, alpha=ALPHA) == 8
@@ -135,7 +135,7 @@ def test_foreign_adapter_with_its_own_a_per_projection_is_refused(adapted, tmp_p
 
     from safetensors.torch import load_file, save_file
 
-    from trinity.models.peft_io import load_peft_adapters
+    from trinity.convert.peft_io import load_peft_adapters
 
     folder = tmp_path / "foreign"
     shutil.copytree(adapted.folder, folder)
@@ -186,7 +186,7 @@ def _tp2_worker(rank: int, port: int, hf_dir: str, folder: str, out: str) -> Non
     from trinity.distributed.layout import ParallelLayout
     from trinity.distributed.parallel import destroy, init_parallel
     from trinity.models.facts import ModelFacts
-    from trinity.models.peft_io import load_peft_adapters, save_peft_folder
+    from trinity.convert.peft_io import load_peft_adapters, save_peft_folder
 
     init_parallel(device="cpu", layout=ParallelLayout(tp=2), seed=3, timeout_s=120)
     facts = ModelFacts.from_hf_dir(hf_dir)

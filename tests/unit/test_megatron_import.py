@@ -1,4 +1,4 @@
-"""trinity.megatron_import: megatron.core imported without torch._dynamo or wandb, and the deferred
+"""trinity.compat.megatron_import: megatron.core imported without torch._dynamo or wandb, and the deferred
 torch.compile behaving as torch.compile's own result (compiled once at the first call; inlined by an
 outer compiled region)."""
 
@@ -11,11 +11,12 @@ import sys
 
 import torch
 
-from trinity.megatron_import import lazy_compile
+from trinity.compat.megatron_import import lazy_compile
 
 PROBE = """
 import json, sys, time
-import trinity, torch
+import trinity.compat, torch
+trinity.compat.install_all()  # as the workers and the CLI do
 start = time.perf_counter()
 import megatron.core, megatron.core.models.gpt
 seconds = time.perf_counter() - start
@@ -41,6 +42,13 @@ def test_megatron_core_imports_without_dynamo_and_wandb_and_wandb_works_after():
     eager = _probe(TRINITY_EAGER_MEGATRON_IMPORT="1")  # the switch: megatron-core's own import
     assert eager["loaded"] == {"torch._dynamo": True, "wandb": True} and eager["megatron_sees_wandb"]
     print(f"import megatron.core: {light['seconds']:.2f} s light, {eager['seconds']:.2f} s eager")
+
+
+def test_importing_trinity_installs_nothing():
+    probe = ("import sys; before = list(sys.meta_path); import trinity, trinity.compat; "
+             "print(sys.meta_path == before, 'torch' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert proc.stdout.split() == ["True", "False"], proc.stderr[-2000:]
 
 
 def test_lazy_compile_compiles_once_at_the_first_call():

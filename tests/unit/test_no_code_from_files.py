@@ -92,7 +92,7 @@ def _build(hf: Path) -> list[torch.nn.Module]:
 
 @pytest.fixture
 def cpu_world():
-    from trinity.distributed import cpu_compat
+    from trinity.compat import cpu_compat
     from trinity.distributed.layout import ParallelLayout
     from trinity.distributed.parallel import destroy, init_parallel
 
@@ -279,7 +279,7 @@ def test_a_critic_backbone_loads_through_the_same_readers(tiny, tmp_path, cpu_wo
     from trinity.config.megatron import MegatronConfig
     from trinity.models.build import build_model
     from trinity.models.facts import ModelFacts
-    from trinity.trainer.engine.weights import load_backbone_from_dist_checkpoint
+    from trinity.convert.load import load_backbone_from_dist_checkpoint
 
     facts = ModelFacts.from_hf_dir(tiny[0])
     critic = build_model(facts, MegatronConfig(), device="cpu", dtype=torch.float32, value_head=True)

@@ -274,7 +274,7 @@ def test_roll_moe_keys_reach_megatron_transformer_config():
     """moe_layer_recompute, moe_grouped_gemm and moe_token_dispatcher_type as ROLL sets them end up in
     megatron-core's TransformerConfig (built by trinity.models.build, as the workers do)."""
     from trinity.config.megatron import MegatronConfig
-    from trinity.launch import quiet
+    from trinity.compat import quiet
     from trinity.models.build import transformer_config
     from trinity.models.facts import ModelFacts
 

@@ -58,7 +58,7 @@ def test_warmup_then_constant_and_short_runs():
 
 @pytest.fixture(scope="module")
 def cpu_world(tmp_path_factory):
-    from trinity.distributed import cpu_compat
+    from trinity.compat import cpu_compat
     from trinity.distributed.layout import ParallelLayout
     from trinity.distributed.parallel import destroy, init_parallel
     from trinity.testing.tiny_models import make_tiny_hf_model
@@ -163,7 +163,7 @@ def test_no_clipping_below_the_threshold(cpu_world):
 def test_checkpoint_io_gathers_distributed_optimizer_state_on_cpu(cpu_world):
     """cpu_compat.checkpoint_io(): megatron-core's fully_reshardable gather
     (get_parameter_state_dp_zero(use_gloo_comm=False)) moves shards with `.cuda()`."""
-    from trinity.distributed import cpu_compat
+    from trinity.compat import cpu_compat
 
     state = _train_state(cpu_world, OptimConfig(lr=1e-3), MegatronConfig(use_distributed_optimizer=True))
     _step(state, loss_scale=1.0)
@@ -188,7 +188,7 @@ def test_save_at_dp1_writes_megatrons_fully_reshardable_state_without_the_gather
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
     from trinity.convert.dist_ckpt import _flat_sharded
-    from trinity.distributed import cpu_compat
+    from trinity.compat import cpu_compat
     from trinity.trainer.engine.optimizer_state import ReshardableOptimizer
 
     state = _train_state(cpu_world, OptimConfig(lr=1e-3), MegatronConfig(use_distributed_optimizer=True))
@@ -226,7 +226,7 @@ def test_checkpoint_at_dp1_loads_the_saved_optimizer_state_back(cpu_world, tmp_p
     and a load, every main param and Adam moment is the saved one again, and a step from there equals
     the step taken right after the save."""
     from trinity.convert.dist_ckpt import load_model_checkpoint, save_model_checkpoint
-    from trinity.distributed import cpu_compat
+    from trinity.compat import cpu_compat
     from trinity.trainer.engine.optimizer_state import ReshardableOptimizer
 
     state = _train_state(cpu_world, OptimConfig(lr=1e-3), MegatronConfig(use_distributed_optimizer=True))

@@ -60,7 +60,7 @@ def run(config: Path, overrides: list[str], *, dry_run: bool = False, debug: boo
 def _run(config: Path, overrides: list[str], *, dry_run: bool, debug: bool, force: bool, no_cache: bool) -> int:
     import time
 
-    from trinity.launch import quiet
+    from trinity.compat import quiet
     from trinity.launch.failures import job_failure_line
     from trinity.launch.lock import acquire, lock_name, prepare_output_dir
     from trinity.launch.ownership import check_ownership
@@ -292,7 +292,7 @@ def _convert_in_run_folder(src: Path, dtype: str, out: Path, debug: bool) -> Pat
 
 def tiny_assets(output: Path, *, family: str = "qwen2", debug: bool = False) -> int:
     from trinity.config.loader import check_output_dir
-    from trinity.launch import quiet
+    from trinity.compat import quiet
 
     quiet.install(debug)  # before transformers is imported: its "Writing model shards" bar stays off
     from trinity.testing.tiny_assets import TINY_FAMILY_CONFIGS, make_quickstart_assets
@@ -317,7 +317,7 @@ def plot(run_dirs: list[Path], out: Path | None) -> int:
 
 
 def convert_hf_to_mcore(hf_path: Path, output: Path, *, debug: bool = False, **kwargs) -> int:
-    from trinity.launch import quiet
+    from trinity.compat import quiet
 
     quiet.install(debug)  # before megatron-core is imported
     from trinity.convert.api import hf_to_mcore
@@ -333,7 +333,7 @@ def convert_hf_to_mcore(hf_path: Path, output: Path, *, debug: bool = False, **k
 
 
 def convert_mcore_to_hf(mcore_path: Path, output: Path, *, debug: bool = False, **kwargs) -> int:
-    from trinity.launch import quiet
+    from trinity.compat import quiet
 
     quiet.install(debug)  # before megatron-core is imported
     from trinity.convert.api import mcore_to_hf

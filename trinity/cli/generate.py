@@ -22,8 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence, TextIO
 
+from trinity import compat
+from trinity.compat.quiet import quietly
 from trinity.errors import UserError
-from trinity.launch.quiet import quietly
 
 META = "trinity_meta.json"  # the file trinity.convert.dist_ckpt writes into every dist checkpoint
 
@@ -155,6 +156,7 @@ def generate_answers(
         raise UserError(f"--top-p: must be in (0, 1], got {top_p}")
     source = resolve_model(Path(model))
     # Heavy imports after the cheap checks: a mistyped option fails at once.
+    compat.install_all()  # a Python API too: a user's script reaches megatron-core here first
     import torch
 
     from trinity.config.megatron import MegatronConfig
@@ -191,7 +193,7 @@ def generate_answers(
             load_hf_weights(chunks, source.weights, facts)
         else:
             from trinity.convert.dist_ckpt import read_meta
-            from trinity.trainer.export import load_lora_checkpoint, lora_of
+            from trinity.convert.load import load_lora_checkpoint, lora_of
 
             lora = lora_of(read_meta(source.weights))
             if lora is None:
@@ -237,7 +239,7 @@ def run(
     truncate_prompt: str | None = None,
 ) -> int:
     """The command: prints each prompt's answer (or one JSON line per prompt with --json)."""
-    from trinity.launch import quiet
+    from trinity.compat import quiet
 
     quiet.install(debug)  # before megatron-core is imported: its known harmless warnings stay hidden
     stream = out or sys.stdout

@@ -14,7 +14,7 @@ import click
 import typer
 from typer.core import TyperCommand, TyperGroup
 
-from trinity import __version__
+from trinity import __version__, compat
 
 
 def _flags_take_no_value(command: click.Command, ctx: click.Context) -> None:
@@ -66,7 +66,7 @@ app.add_typer(convert_app, name="convert")
 ConfigOpt = typer.Option(..., "--config", "-c", help="Job YAML file.", show_default=False)
 OverridesArg = typer.Argument(None, help="dotted.key=value overrides, e.g. trainer.total_steps=10", show_default=False)
 DebugOpt = typer.Option(False, "--debug", help="Show tracebacks of internal errors, and the third-party warnings and "
-                                                "progress bars hidden otherwise (trinity/launch/quiet.py).")
+                                                "progress bars hidden otherwise (trinity/compat/quiet.py).")
 
 
 def _guard(fn: Callable[[], int | None], debug: bool) -> None:
@@ -224,6 +224,7 @@ def mcore_to_hf(
 
 
 def main() -> None:
+    compat.install_all()  # before any command imports megatron-core
     try:
         app()
     except SystemExit as exc:

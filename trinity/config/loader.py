@@ -59,6 +59,8 @@ class _StrictLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
+# The job's config as it ran: beside the outputs and in every checkpoint, read back by resume and export.
+RESOLVED_CONFIG_FILE = "resolved_config.yaml"
 # A job config nests a few levels (section, role, megatron, ...); far deeper is a broken file.
 MAX_DEPTH = 64
 

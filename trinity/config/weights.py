@@ -2,7 +2,7 @@
 
 `trinity run` converts every HF source to a cached dist checkpoint before launch (`prepare_weights`
 rewrites those roles to the cache), and the workers load whatever the source says
-(`trinity.trainer.engine.weights.load_weights`): nobody else re-reads the `use_mbridge` /
+(`trinity.convert.load.load_weights`): nobody else re-reads the `use_mbridge` /
 `use_dist_checkpointing` flags.
 """
 

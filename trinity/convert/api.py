@@ -8,69 +8,22 @@ its own shards.
 from __future__ import annotations
 
 import json
-import math
 import os
 import shutil
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from trinity.convert.hf_io import HFCheckpoint
+from trinity.convert.options import torch_dtype
 from trinity.convert.outdir import check_output
+from trinity.convert.report import ConvertReport
 from trinity.errors import UserError
 from trinity.models.facts import ModelFacts, mbridge_refusal
 
-DTYPES = ("bf16", "fp16", "fp32")
 BACKENDS = ("builtin", "mbridge")
-
-
-@dataclass
-class ConvertReport:
-    direction: str
-    output: str
-    bytes_written: int
-    seconds: float
-    tensors: int = 0
-    max_abs_diff: float | None = None
-    mean_abs_diff: float | None = None
-    verified: str | None = None  # what was compared, when --verify
-    phases: dict[str, float] = field(default_factory=dict)  # seconds per phase (rank 0), in order
-
-    @property
-    def gb_per_s(self) -> float:
-        return self.bytes_written / 1e9 / self.seconds if self.seconds > 0 else 0.0
-
-    def __str__(self) -> str:
-        line = (
-            f"{self.direction}: wrote {_num(self.bytes_written / 1e9)} GB to {self.output} in {self.seconds:.2f} s "
-            f"({_num(self.gb_per_s)} GB/s)"
-        )
-        if self.phases:
-            line += " [" + ", ".join(f"{k} {v:.2f} s" for k, v in self.phases.items()) + "]"
-        if self.verified:
-            line += f"; verified {self.verified}: max |Δ| {self.max_abs_diff:.3e}, mean |Δ| {self.mean_abs_diff:.3e}"
-        return line
-
-
-def _num(x: float) -> str:
-    """Three significant digits, never scientific notation: 15.2, 0.153, 0.000412 (tiny models too)."""
-    if x == 0:
-        return "0"
-    digits = max(0, 2 - math.floor(math.log10(abs(x))))
-    return f"{x:.{digits}f}"
-
-
-def torch_dtype(name: str) -> Any:
-    import torch
-
-    table = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
-             "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-    if name not in table:
-        raise UserError(f"--dtype: {name!r} is not one of {', '.join(DTYPES)}")
-    return table[name]
 
 
 def _device(device: str) -> str:
@@ -81,26 +34,6 @@ def _device(device: str) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def megatron_config(*, tp: int = 1, pp: int = 1, vpp: int | None = None, ep: int = 1) -> Any:
-    """The job-config megatron block for a conversion layout (other fields at their defaults).
-
-    Parameters are not randomly initialised: every one is overwritten by the loader (which checks
-    that), and megatron-core's CPU init materialises full master weights, which would set the peak.
-    """
-    from trinity.config.megatron import MegatronConfig
-
-    return MegatronConfig(
-        tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp,
-        virtual_pipeline_model_parallel_size=vpp,
-        expert_model_parallel_size=ep,
-        # megatron-core refuses TP>1 with EP>1 without it; it changes activations only, never weights.
-        sequence_parallel=tp > 1 and ep > 1,
-        override_transformer_config={"perform_initialization": False},
-    )
-
-
-# How the conversion CLI spells the layout fields (trinity.distributed.layout.layout_problems names them).
 FLAGS = {"tensor_model_parallel_size": "--tp", "pipeline_model_parallel_size": "--pp",
          "virtual_pipeline_model_parallel_size": "--vpp", "expert_model_parallel_size": "--ep",
          "expert_tensor_parallel_size": "--ep"}
@@ -132,10 +65,6 @@ def check_layout(facts: ModelFacts, *, tp: int, pp: int, vpp: int | None, ep: in
             )
 
 
-def dir_bytes(path: str | Path) -> int:
-    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
-
-
 def hf_to_mcore(
     hf_path: str,
     output: str,
@@ -156,7 +85,7 @@ def hf_to_mcore(
 
     World size 1 runs in this process, unless `isolate`: the CLI's conversions run in a child process
     (`conversion_job`), which a Ctrl-C, SIGTERM or SIGHUP stops at once (`Interrupted` raised here);
-    `debug` keeps the third-party warnings there (trinity.launch.quiet)."""
+    `debug` keeps the third-party warnings there (trinity.compat.quiet)."""
     if backend not in BACKENDS:
         raise UserError(f"--backend: {backend!r} is not one of {', '.join(BACKENDS)}")
     torch_dtype(dtype)
@@ -281,7 +210,3 @@ def rank_logs(log_dir: Path, lines: int = 30) -> str:
             tail = "\n".join(text.splitlines()[-lines:])
             parts.append(f"--- rank {f.parent.name} {f.stem} ---\n{tail}")
     return "\n".join(parts) or "(the other ranks wrote nothing)"
-
-
-def report_to_json(report: ConvertReport) -> dict[str, Any]:
-    return asdict(report)

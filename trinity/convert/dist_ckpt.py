@@ -21,9 +21,8 @@ import json
 import queue
 import shutil
 import time
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
@@ -162,36 +161,24 @@ def _safe_planner(base: type, ckpt_dir: Path) -> type:
     return SafePlanner
 
 
-@contextmanager
-def _patched(module: Any, **values: Any) -> Iterator[None]:
-    """Module attributes replaced for the duration (megatron builds its reader and planner inside its
-    strategy's methods through module-level names)."""
-    saved = {name: getattr(module, name) for name in values}
-    for name, value in values.items():
-        setattr(module, name, value)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            setattr(module, name, value)
-
-
 def _load_strategy() -> Any:
     """megatron-core's torch_dist loader, reading with `_parallel_reader` and `_safe_planner`."""
     from megatron.core.dist_checkpointing.strategies import torch as mtorch
 
+    from trinity.compat.scoped import replaced
+
     class Strategy(mtorch.TorchDistLoadShardedStrategy):
         def load(self, sharded_state_dict: Any, checkpoint_dir: Any) -> Any:
             planner = _safe_planner(mtorch.MCoreLoadPlanner, Path(checkpoint_dir))
-            with _patched(mtorch, _get_filesystem_reader=_parallel_reader, MCoreLoadPlanner=planner):
+            with replaced("dist_ckpt reader", mtorch, _get_filesystem_reader=_parallel_reader, MCoreLoadPlanner=planner):
                 return super().load(sharded_state_dict, checkpoint_dir)
 
         def load_tensors_metadata(self, checkpoint_dir: Any, metadata: Any = None) -> Any:
-            with _patched(mtorch, _get_filesystem_reader=_parallel_reader):
+            with replaced("dist_ckpt reader", mtorch, _get_filesystem_reader=_parallel_reader):
                 return super().load_tensors_metadata(checkpoint_dir, metadata)
 
         def load_sharded_metadata(self, checkpoint_dir: Any) -> Any:
-            with _patched(mtorch, _get_filesystem_reader=_parallel_reader):
+            with replaced("dist_ckpt reader", mtorch, _get_filesystem_reader=_parallel_reader):
                 return super().load_sharded_metadata(checkpoint_dir)
 
     return Strategy()

@@ -14,7 +14,8 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
-from trinity.convert.api import ConvertReport, dir_bytes, megatron_config, torch_dtype
+from trinity.convert.options import megatron_config, torch_dtype
+from trinity.convert.report import ConvertReport, dir_bytes
 from trinity.convert.builtin import export_hf_weights, load_hf_weights
 from trinity.convert.dist_ckpt import hf_dir_of, load_model_checkpoint, read_meta, save_model_checkpoint
 from trinity.convert.hf_io import HFCheckpoint, copy_side_files, write_shards
@@ -183,7 +184,7 @@ def run_mcore_to_hf(
     megatron = megatron_config()
     start = time.perf_counter()
     phase = _Phases()
-    from trinity.trainer.export import load_lora_checkpoint, lora_of
+    from trinity.convert.load import load_lora_checkpoint, lora_of
 
     lora = lora_of(meta)
     with parallel_session(device, megatron), contextlib.ExitStack() as merged:

@@ -24,7 +24,7 @@ def main(argv: list[str]) -> int:
     spec = json.loads(Path(argv[0]).read_text())
     report_path = Path(spec["report"])
     rank = int(os.environ.get("RANK", "0"))
-    from trinity.convert.api import report_to_json
+    from trinity.convert.report import report_to_json
     from trinity.convert.jobs import run_hf_to_mcore
     from trinity.errors import UserError
 

@@ -9,9 +9,8 @@ Row fields (numpy arrays of shape [rows, seq_len] from `PackedRows.rows`; torch 
 - `position_ids`: 0, 1, ... restarting at each document.
 - `doc_ids`: index of the token's document within its row (0, 1, ...); -1 for padding.
 
-Attention for a row is block-diagonal causal over `doc_ids`: `block_causal_mask` builds it in
-megatron's convention for our SDPA attention, `cu_seqlens` gives the same boundaries for varlen
-kernels (THD / flash-attn). A sample is never split across rows: samples must be at most
+Attention for a row is block-diagonal causal over `doc_ids` (trinity.models.doc_masks builds the
+masks and varlen boundaries from them). A sample is never split across rows: samples must be at most
 `seq_len` tokens (tokenize_sft truncates or drops longer ones).
 """
 
@@ -19,14 +18,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from trinity.data.sft import Sample
-
-if TYPE_CHECKING:
-    import torch
 
 ROW_FIELDS = ("tokens", "labels", "loss_mask", "position_ids", "doc_ids")
 
@@ -148,37 +143,3 @@ def pad(samples: Sequence[Sample], seq_len: int, *, pad_id: int) -> PackedRows:
     if too_long:
         raise ValueError(f"{len(too_long)} samples exceed seq_len={seq_len}, e.g. sample {too_long[0]}")
     return _rows(samples, [[i] for i in range(len(samples))], seq_len, pad_id)
-
-
-def block_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:
-    """Attention mask [b, 1, s, s] from doc_ids [b, s], in megatron's convention (True = masked out).
-
-    A token sees earlier tokens of its own document. A padding token sees only itself: a query row
-    with every key masked gives NaN in softmax, which would poison gradients even with loss_mask 0.
-    """
-    import torch
-
-    s = doc_ids.shape[-1]
-    real = doc_ids >= 0
-    causal = torch.ones(s, s, dtype=torch.bool, device=doc_ids.device).tril_()
-    allowed = (doc_ids[:, :, None] == doc_ids[:, None, :]) & causal & real[:, :, None]
-    allowed |= (~real)[:, :, None] & torch.eye(s, dtype=torch.bool, device=doc_ids.device)
-    return (~allowed)[:, None]
-
-
-def cu_seqlens(doc_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """Cumulative sequence lengths (int32, starting at 0) over the rows of doc_ids [b, s], flattened.
-
-    Each document is one sequence and a row's padding is one more, so the lengths sum to b * s
-    (the THD layout of megatron's PackedSeqParams / flash-attn varlen). Returns (cu_seqlens, max_seqlen).
-    """
-    import torch
-
-    b, s = doc_ids.shape
-    flat = doc_ids.reshape(-1)
-    starts = torch.ones_like(flat, dtype=torch.bool)
-    starts[1:] = flat[1:] != flat[:-1]
-    starts[::s] = True  # a new row always starts a new sequence
-    bounds = torch.nonzero(starts).flatten()
-    cu = torch.cat([bounds, bounds.new_tensor([b * s])]).to(torch.int32)
-    return cu, int((cu[1:] - cu[:-1]).max()) if b * s else 0

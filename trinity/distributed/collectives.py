@@ -219,7 +219,7 @@ def _guard(name: str, original: Callable) -> Callable:
     def guarded(*args, **kwargs):
         frame = sys._getframe(1)
         caller = frame.f_globals.get("__name__", "")
-        # a torch function mode (cpu_compat's) re-dispatches a call someone else made: not the caller
+        # a torch function mode (trinity.compat.cpu_compat's) re-dispatches a call someone else made: not the caller
         if caller.split(".")[0] == "trinity" and caller != __name__ and frame.f_code.co_name != "__torch_function__":
             raise StrictCollectiveError(
                 f"{caller} calls torch.distributed.{name} directly: go through trinity.distributed.collectives, "

@@ -112,7 +112,7 @@ def init_parallel(*, device: str, layout: ParallelLayout, seed: int, timeout_s: 
     if device == "cuda" and not torch.cuda.is_available():
         raise UserError("cluster.device: 'cuda' but no CUDA device is visible; use 'cpu'")
     if device == "cpu":
-        from trinity.distributed import cpu_compat
+        from trinity.compat import cpu_compat
 
         cpu_compat.enable()
     # On GPUs too: torchrun leaves each of several local ranks one intra-op thread, and the host

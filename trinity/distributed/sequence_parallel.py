@@ -35,7 +35,7 @@ def round_up(length: int, multiple: int) -> int:
 def sp_multiple(model: Any) -> int:
     """What a forward's sequence length must be a multiple of for `model` (a GPTModel chunk or its
     wrapper): TP with sequence parallel on, else 1."""
-    from trinity.models.build import unwrap
+    from trinity.distributed.wrappers import unwrap
 
     config = unwrap(model).config
     return config.tensor_model_parallel_size if config.sequence_parallel else 1
@@ -59,7 +59,7 @@ def _sp_state(chunks: list[Any]) -> list[tuple[Any, str]]:
     from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
-    from trinity.models.build import unwrap
+    from trinity.distributed.wrappers import unwrap
 
     required = {
         ColumnParallelLinear: ("sequence_parallel",),
@@ -104,7 +104,7 @@ def _sp_state(chunks: list[Any]) -> list[tuple[Any, str]]:
 def sequence_parallel_disabled(chunks: Any) -> Iterator[None]:
     """Run `chunks` (a model chunk or a list of them, bare or wrapped) with sequence parallel off; every
     flag gets its own value back on exit. A no-op for models built without SP."""
-    from trinity.models.build import unwrap
+    from trinity.distributed.wrappers import unwrap
 
     chunks = list(chunks) if isinstance(chunks, (list, tuple)) else [chunks]
     if not any(unwrap(c).config.sequence_parallel for c in chunks):

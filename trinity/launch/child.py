@@ -1,7 +1,8 @@
 """Set-up of every worker process, called first thing in trinity.trainer.worker.main().
 
-- quiet the known third-party warnings (trinity.launch.quiet) unless `trinity run --debug`
-  (TRINITY_DEBUG=1);
+- quiet the known third-party warnings (trinity.compat.quiet) unless `trinity run --debug`
+  (TRINITY_DEBUG=1), and install trinity's patches of megatron-core that must precede its import
+  (`trinity.compat.install_all()`);
 - stop this rank when the `trinity run` that started the job is gone (TRINITY_CLI_PID). torchrun
   starts each worker in a session of its own and gets a parent-death signal from `trinity run`
   (trinity.launch.torchrun.supervise), but if torchrun itself is killed with -9 or hangs on its way
@@ -18,7 +19,8 @@ import threading
 import time
 from typing import Any, Iterator
 
-from trinity.launch import quiet
+from trinity import compat
+from trinity.compat import quiet
 
 CLI_PID_ENV = "TRINITY_CLI_PID"
 DEBUG_ENV = quiet.DEBUG_ENV
@@ -27,6 +29,7 @@ _WATCH_S = 0.5
 
 def setup() -> None:
     quiet.install(os.environ.get(DEBUG_ENV) == "1")
+    compat.install_all()  # before the worker imports megatron-core
     start_watchdog()
 
 

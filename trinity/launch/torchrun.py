@@ -16,7 +16,7 @@ from typing import IO, Any, Mapping
 
 from trinity.config.schema import JobConfig
 from trinity.errors import UserError
-from trinity.launch import quiet
+from trinity.compat import quiet
 from trinity.launch.child import FORWARDED, die_with_parent, group_alive
 
 WORKER_MODULE = "trinity.trainer.worker"
@@ -63,7 +63,7 @@ def worker_env(environ: Mapping[str, str], stream: IO[str], *, debug: bool = Fal
     trinity.trainer.progress: the workers' own stdout is a log file or a pipe) and, on a terminal, its
     width (COLUMNS, for rich). PYTHONUNBUFFERED makes the workers write their output as it comes, the
     progress bar's partial lines included. TRINITY_DEBUG=1 (`--debug`) keeps the third-party warnings
-    that trinity.launch.quiet filters otherwise."""
+    that trinity.compat.quiet filters otherwise."""
     from trinity.trainer.progress import TTY_ENV, live_console
 
     env = dict(environ)

@@ -252,7 +252,7 @@ def document_packed_params(
     elif kernel == "auto":
         kernel = "varlen" if _varlen_available() else "flex"
     if kernel == "varlen":
-        from trinity.data.packing import cu_seqlens
+        from trinity.models.doc_masks import cu_seqlens
 
         cu, params.doc_max_seqlen = cu_seqlens(doc_ids.cpu() if device.type == "cuda" else doc_ids)
         params.doc_cu_seqlens = _bucketed(cu, b * s).to(device, non_blocking=True)

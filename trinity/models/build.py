@@ -30,7 +30,8 @@ from megatron.core import tensor_parallel
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
-from trinity.data.packing import block_causal_mask
+from trinity.models.doc_masks import block_causal_mask
+from trinity.distributed.wrappers import unwrap
 from trinity.errors import UserError
 from trinity.models import rope
 from trinity.models import spec as specs
@@ -247,16 +248,9 @@ class ValueHead(torch.nn.Linear):
         return values, None
 
 
-def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The GPTModel inside DDP / Float16Module wrappers."""
-    while hasattr(model, "module"):
-        model = model.module
-    return model
-
-
 def packed_attention(model: torch.nn.Module, doc_ids: torch.Tensor, device: torch.device) -> dict[str, Any]:
     """GPTModel.forward's attention arguments for packed rows, `doc_ids` [b, s] (-1 = padding,
-    trinity.data.packing; on the CPU, the boundaries need no GPU sync). Our layer spec gets the document boundaries once per micro batch (flash
+    trinity.models.doc_masks; on the CPU, the boundaries need no GPU sync). Our layer spec gets the document boundaries once per micro batch (flash
     varlen on CUDA: no [b, 1, s, s] mask read by every layer); TransformerEngine gets the dense mask."""
     if getattr(unwrap(model), "trinity_backend", None) == specs.BACKEND_TE:
         return {"attention_mask": block_causal_mask(doc_ids.to(device, non_blocking=True))}

@@ -25,9 +25,22 @@ differently.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from trinity.errors import UserError
+
+
+@dataclass(frozen=True)
+class MLAFacts:
+    """Multi-latent attention geometry (DeepSeek-V2/V3), HF names."""
+
+    q_lora_rank: int | None  # None: q_proj straight from the hidden state (V2-Lite)
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+
 
 _YARN_KEYS = {"rope_type", "type", "rope_theta", "factor", "original_max_position_embeddings", "beta_fast",
               "beta_slow", "mscale", "mscale_all_dim", "truncate"}
@@ -36,8 +49,6 @@ _YARN_KEYS = {"rope_type", "type", "rope_theta", "factor", "original_max_positio
 def read_deepseek(raw: dict[str, Any], source: str) -> dict[str, Any]:
     """The DeepSeek fields of ModelFacts from an HF config dict; UserError naming the field for what
     megatron-core would compute differently from transformers."""
-    from trinity.models.facts import MLAFacts
-
     arch = (raw.get("architectures") or ["?"])[0]
     v3 = arch == "DeepseekV3ForCausalLM"
 

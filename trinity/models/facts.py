@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from trinity.errors import UserError
+from trinity.models.deepseek import MLAFacts, mla_parameters, read_deepseek
 
 
 @dataclass(frozen=True)
@@ -122,17 +123,6 @@ def refuse_custom_code(folder: str | Path) -> None:
                 f"{path} has auto_map (custom code); trinity never runs code from a model folder: "
                 "use a model whose architecture transformers ships"
             )
-
-
-@dataclass(frozen=True)
-class MLAFacts:
-    """Multi-latent attention geometry (DeepSeek-V2/V3), HF names."""
-
-    q_lora_rank: int | None  # None: q_proj straight from the hidden state (V2-Lite)
-    kv_lora_rank: int
-    qk_nope_head_dim: int
-    qk_rope_head_dim: int
-    v_head_dim: int
 
 
 @dataclass(frozen=True)
@@ -262,8 +252,6 @@ class ModelFacts:
 
         extra: dict[str, Any] = {}
         if info.mla:
-            from trinity.models.deepseek import read_deepseek
-
             extra = read_deepseek(raw, source)
             head_dim = extra["mla"].qk_nope_head_dim + extra["mla"].qk_rope_head_dim
         num_experts = moe_ffn = topk = None
@@ -341,8 +329,6 @@ class ModelFacts:
         attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.qkv_bias else 0)
         attn += 2 * self.head_dim if self.qk_norm else 0
         if self.mla is not None:
-            from trinity.models.deepseek import mla_parameters
-
             attn = mla_parameters(self)
         dense = 3 * h * self.ffn_hidden_size
         if self.is_moe:

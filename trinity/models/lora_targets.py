@@ -54,7 +54,7 @@ def resolve_targets(names: Iterable[str]) -> list[str]:
     return [t for t in LORA_TARGETS if t in out]
 
 
-# A PEFT adapter folder (trinity.models.peft_io writes and reads it; config validation reads its config)
+# A PEFT adapter folder (trinity.convert.peft_io writes and reads it; config validation reads its config)
 PEFT_CONFIG_FILE = "adapter_config.json"
 PEFT_WEIGHTS_FILE = "adapter_model.safetensors"
 # the HF projections one fused megatron linear holds: a folder must adapt all of them or none

@@ -117,18 +117,11 @@ def _thd_needs_te(*args: Any, **kwargs: Any) -> Tensor:
 
 
 def install() -> bool:
-    """Make `fused_rope` megatron's fused RoPE when TransformerEngine's is absent. Returns whether
-    megatron now has a fused RoPE (TE's or ours)."""
-    from megatron.core.models.common.embeddings import rope_utils
+    """`fused_rope` as megatron's fused RoPE where TransformerEngine's is absent (trinity.compat.rope).
+    Returns whether megatron now has a fused RoPE (TE's or ours)."""
+    from trinity.compat import rope as compat_rope
 
-    from trinity.distributed.patches import require
-
-    require("rope", rope_utils, "fused_apply_rotary_pos_emb", "fused_apply_rotary_pos_emb_thd")
-    if rope_utils.fused_apply_rotary_pos_emb is None:
-        rope_utils.fused_apply_rotary_pos_emb = fused_rope
-    if rope_utils.fused_apply_rotary_pos_emb_thd is None:  # fused mode routes thd here; say why it fails
-        rope_utils.fused_apply_rotary_pos_emb_thd = _thd_needs_te
-    return rope_utils.fused_apply_rotary_pos_emb is not None
+    return compat_rope.install(fused_rope, _thd_needs_te)
 
 
 __all__ = ["fused_rope", "install", "rotate_half"]

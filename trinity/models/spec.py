@@ -61,6 +61,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
+from trinity.compat import te_absent
 from trinity.models.attention import SDPACoreAttention, mla_self_attention
 from trinity.models.facts import ModelFacts
 from trinity.models.layer import LayerSubmodules, TransformerLayer, ZeroCenteredRMSNorm
@@ -181,27 +182,10 @@ def needs_local_spec(facts: ModelFacts) -> bool:
     return facts.post_block_norms or facts.gemma or facts.mla is not None
 
 
-def _define_missing_te_names() -> None:
-    """megatron-core 0.16.1 moe_utils imports `te_general_gemm` only when TE imports, but the MoE
-    router (RouterGatingLinearFunction) tests `te_general_gemm is not None` unconditionally: without TE
-    every MoE forward raises NameError, on GPUs too. Define it as None, which selects the torch path."""
-    import megatron.core.transformer.moe.moe_utils as moe_utils
-
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
-    # multi_latent_attention imports TE's layer classes from megatron's extension, which without TE
-    # binds them to MagicMocks and still sets HAVE_TE; its `isinstance(linear_proj, TELinear)` then raises
-    # TypeError on building any MLA layer. Without TE it must read False.
-    import megatron.core.transformer.multi_latent_attention as mla
-
-    if not have_transformer_engine():
-        mla.HAVE_TE = False
-
-
 def layer_spec(facts: ModelFacts, config: TransformerConfig, layer: int = 0) -> ModuleSpec:
     """Our transformer-layer spec for global layer `layer` (0-based) of `facts`: the same for every
     layer except Gemma's sliding / global options and DeepSeek's first `moe_dense_layers` dense layers."""
-    _define_missing_te_names()
+    te_absent.install(have_transformer_engine())
     moe = facts.is_moe and layer >= facts.moe_dense_layers
     mla = facts.mla is not None
     spec = get_gpt_layer_local_spec(

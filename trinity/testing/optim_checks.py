@@ -1,5 +1,5 @@
 """Training steps through the trainer's optimizer, shared by the CPU and GPU tests of
-`trinity.trainer.engine.fused_optimizer`."""
+`trinity.compat.fused_optimizer`."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import torch
 
 from trinity.config.megatron import MegatronConfig
 from trinity.config.schema import OptimConfig
-from trinity.trainer.engine import fused_optimizer, grad_fusion
+from trinity.compat import fused_optimizer
+from trinity.trainer.engine import grad_fusion
 
 TOKENS = [[3, 9, 27, 81, 4, 12, 36, 8], [5, 25, 7, 49, 11, 13, 17, 19]]
 

@@ -41,58 +41,10 @@ def export_hf(ctx: WorkerContext, chunks: list[Any]) -> Path:
 
 
 def write_adapter_folder(chunks: list[Any], lora: Any, facts: Any, base_model: str | Path, folder: Path) -> Path:
-    """LoRA adapters as a PEFT folder (trinity.models.peft_io) with the job's rank, alpha and dropout
+    """LoRA adapters as a PEFT folder (trinity.convert.peft_io) with the job's rank, alpha and dropout
     (`lora`: actor.lora); all ranks call, rank 0 writes. `base_model`: the HF model it adapts (model.path)."""
-    from trinity.models.peft_io import save_peft_folder
+    from trinity.convert.peft_io import save_peft_folder
 
     save_peft_folder(chunks, facts, folder, rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout,
                      base_model=str(base_model))
     return folder
-
-
-# ---------------------------------------------------------------- a LoRA checkpoint outside its job
-
-
-def lora_of(meta: dict[str, Any]) -> dict[str, Any] | None:
-    """The actor.lora settings a training checkpoint was written with (its trinity_meta.json), None
-    without LoRA."""
-    lora = meta.get("lora")
-    return lora if isinstance(lora, dict) and int(lora.get("rank", 0)) > 0 else None
-
-
-def load_lora_checkpoint(chunks: list[Any], ckpt_dir: str | Path, facts: Any, lora: dict[str, Any]) -> None:
-    """Fill bare model chunks (TP=PP=1, as `trinity convert` and `trinity generate` build them) from a LoRA
-    training checkpoint, which holds the adapters only: the base weights from the job's weight source
-    (named in the checkpoint's resolved_config.yaml), then the adapters added and loaded. The caller
-    merges them (trinity.models.lora.adapters_merged) where it needs plain weights."""
-    import yaml
-
-    from trinity.config.roles import Role
-    from trinity.config.schema import JobConfig, LoraConfig
-    from trinity.config.weights import WeightKind, WeightSource, weight_source
-    from trinity.convert.cache import is_cache_entry
-    from trinity.convert.dist_ckpt import _flat_sharded, load_model_checkpoint
-    from trinity.errors import UserError
-    from trinity.models.lora import apply_lora
-    from trinity.trainer.engine.weights import load_weights
-    from trinity.trainer.resume import CONFIG_FILE
-
-    ckpt = Path(ckpt_dir)
-    stored = next((d / CONFIG_FILE for d in (ckpt, ckpt.parent) if (d / CONFIG_FILE).is_file()), None)
-    if stored is None:
-        raise UserError(f"{ckpt}: a LoRA checkpoint holds the adapters only, and the {CONFIG_FILE} that names its "
-                        "base model is not beside it; copy the whole step_N/ folder")
-    cfg = JobConfig.model_validate(yaml.safe_load(stored.read_text(encoding="utf-8")))
-    source = weight_source(cfg, Role.actor)
-    if is_cache_entry(source.path) and not Path(source.path).exists() and Path(cfg.model.path).is_dir():
-        # The conversion `trinity run` made of model.path was removed since (the conversion cache is
-        # bounded): the HF folder it was made from holds the same weights.
-        source = WeightSource(WeightKind.hf, cfg.model.path)
-    if not Path(source.path).exists():
-        raise UserError(f"{ckpt}: a LoRA checkpoint holds the adapters only; its base model {source.path} "
-                        f"(from {stored}) does not exist any more; restore it there")
-    load_weights(chunks, source, facts, value_head=False)
-    apply_lora(chunks, LoraConfig.model_validate(lora))
-    flat, _ = _flat_sharded(chunks)
-    base = tuple(sorted({v.key for v in flat.values() if ".lora.lora_" not in v.key}))
-    load_model_checkpoint(chunks, ckpt, exclude=base)

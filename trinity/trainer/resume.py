@@ -21,7 +21,7 @@ import yaml
 
 from trinity.errors import UserError
 
-CONFIG_FILE = "resolved_config.yaml"
+from trinity.config.loader import RESOLVED_CONFIG_FILE as CONFIG_FILE  # noqa: F401
 # A checkpoint is the folder <output_dir>/checkpoints/step_<N>; it is complete once trinity.trainer.checkpoint
 # has written COMPLETE into it. Here, without torch, for the CLI (`trinity run` names the last complete
 # checkpoint after a run; `trinity generate` loads the newest).

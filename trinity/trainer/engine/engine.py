@@ -75,7 +75,7 @@ class RoleEngine:
 
             self.lora_params = apply_lora(chunks, self.lora)  # before DDP: its buffers see only adapters
             if self.lora.adapter_path:
-                from trinity.models.peft_io import load_peft_adapters
+                from trinity.convert.peft_io import load_peft_adapters
 
                 if facts is None:
                     raise ValueError("RoleEngine: lora.adapter_path needs the model's facts")
@@ -108,7 +108,7 @@ class RoleEngine:
         them; `chunks` are already built and loaded ones (the worker's actor)."""
         if chunks is None:
             from trinity.models.build import build_model
-            from trinity.trainer.engine.weights import load_weights
+            from trinity.convert.load import load_weights
 
             chunks = build_model(facts, megatron, device=device, dtype=dtype, value_head=role.value_head)
             load_weights(chunks, source, facts, value_head=role.value_head)
@@ -224,7 +224,7 @@ class RoleEngine:
     def save(self, path: Path, *, hf_dir: Any, extra: dict[str, Any], meta: dict[str, Any]) -> None:
         """Model + optimizer as a reshardable trinity dist checkpoint at `path` (all ranks call)."""
         from trinity.convert.dist_ckpt import save_model_checkpoint
-        from trinity.distributed import cpu_compat
+        from trinity.compat import cpu_compat
         from trinity.trainer.engine.optimizer_state import ReshardableOptimizer
 
         if self.lora is not None:  # adapters + optimizer only: the base comes from the weight source on resume
@@ -269,7 +269,7 @@ class RoleEngine:
         """Model + optimizer from `path`; returns the checkpoint's `extra`. The optimizer's
         hyper-parameters stay the config's (a resume with a changed optim.lr applies it)."""
         from trinity.convert.dist_ckpt import load_model_checkpoint
-        from trinity.distributed import cpu_compat
+        from trinity.compat import cpu_compat
         from trinity.trainer.engine.optimizer_state import ReshardableOptimizer, keep_config_hyperparams
 
         self._check_lora_matches(path)

@@ -6,9 +6,9 @@ apex (the lent GPUs, most pip installs) megatron computes a bf16 weight gradient
 adds it into the fp32 buffer: one more write and read of every gradient, an add kernel per parameter
 and a bf16 rounding of each micro batch's gradient before it is summed.
 
-`enable(chunks)` gives megatron's layers the same two entry points as apex's extension, on torch's
-cuBLAS GEMM with an fp32 output (`torch.addmm(..., out_dtype=torch.float32)`, CUDA only), and turns the
-fusion on for the linear layers of DDP-wrapped CUDA chunks. It leaves alone: TransformerEngine's layers
+`enable(chunks)` gives megatron's layers the same two entry points as apex's extension
+(`trinity.compat.grad_fusion`, on torch's cuBLAS GEMM with an fp32 output), and turns the fusion on
+for the linear layers of DDP-wrapped CUDA chunks. It leaves alone: TransformerEngine's layers
 (they fuse by themselves), CPU chunks (no fp32-output GEMM there), and an output layer that shares its
 weight with the embedding (megatron marks the whole parameter as already added, which would drop the
 embedding's own gradient of the same weight).
@@ -18,32 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
-
-class TorchWgradGemm:
-    """apex's `fused_weight_gradient_mlp_cuda` contract: main_grad += grad_output^T @ total_input."""
-
-    @staticmethod
-    def wgrad_gemm_accum_fp32(total_input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor) -> None:
-        torch.addmm(main_grad, grad_output.t(), total_input, torch.float32, out=main_grad)
-
-    @staticmethod
-    def wgrad_gemm_accum_fp16(total_input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor) -> None:
-        main_grad.addmm_(grad_output.t(), total_input)
-
-
-def _install() -> None:
-    from megatron.core.tensor_parallel import layers
-
-    from trinity.distributed.patches import require, require_global
-
-    require("grad_fusion", layers, "_grad_accum_fusion_available", "LinearWithGradAccumulationAndAsyncCommunication")
-    require_global("grad_fusion", layers.LinearWithGradAccumulationAndAsyncCommunication.backward,
-                   "fused_weight_gradient_mlp_cuda", "wgrad_gemm_accum_fp32", "wgrad_gemm_accum_fp16")
-    if not layers._grad_accum_fusion_available:  # apex's extension wins where it imports
-        layers.fused_weight_gradient_mlp_cuda = TorchWgradGemm
-        layers._grad_accum_fusion_available = True
+from trinity.compat.grad_fusion import install as install_wgrad_gemm
 
 
 def fusable_layers(model: Any) -> list[Any]:
@@ -70,10 +45,10 @@ def enable(chunks: list[Any]) -> int:
 
     layers = [layer for chunk in chunks for layer in fusable_layers(unwrap(chunk))]
     if layers:
-        _install()
+        install_wgrad_gemm()
     for layer in layers:
         layer.gradient_accumulation_fusion = True
     return len(layers)
 
 
-__all__ = ["TorchWgradGemm", "enable", "fusable_layers"]
+__all__ = ["enable", "fusable_layers"]

@@ -77,7 +77,7 @@ def _entries(inner: Any) -> list[_Entry]:
     (`_copy_model_grads_to_main_grads` / `_copy_main_params_to_model_params`)."""
     from megatron.core.optimizer import DistributedOptimizer, Float16OptimizerWithFloat16Params, FP32Optimizer
 
-    from trinity.distributed import patches
+    from trinity.compat import checks as patches
 
     opt = getattr(inner, "optimizer", None)
     if opt is None or getattr(inner, "is_stub_optimizer", False):
@@ -275,7 +275,7 @@ def grad_buffers_released(model: list[Any]) -> Iterator[None]:
     (16 bytes per parameter with bf16 weights) on the GPU."""
     from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBuffer
 
-    from trinity.distributed import patches
+    from trinity.compat import checks as patches
     from trinity.trainer.engine.offload import _ddp_buffers
 
     patches.require("host optimizer", _ParamAndGradBuffer, "offload_to_cpu", "reload_from_cpu")

@@ -9,7 +9,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from trinity.trainer.engine import fused_optimizer
+from trinity.compat import fused_optimizer
 
 # Param-group entries that come from the job's `optim:` block: on resume the config's values win
 # (a changed optim.lr must apply, not the checkpoint's); `lr` itself follows from them at the next
@@ -85,7 +85,7 @@ def _instance_methods(opts: list[Any], patch: str, name: str, make: Callable[[An
                       needs: tuple[str, ...] = ()) -> Iterator[None]:
     """For the `with` block, each of `opts` has `make(opt)` as its method `name` (an instance attribute over
     the class's); first checks that megatron-core still has `name` and `needs` (patches.require)."""
-    from trinity.distributed.patches import require
+    from trinity.compat.checks import require
 
     for opt in opts:
         require(patch, opt, name, *needs)

@@ -75,11 +75,11 @@ def wrap_ddp(chunks: list[Any], megatron: MegatronConfig) -> list[Any]:
 
 def build_optimizer(model: list[Any], optim: OptimConfig, megatron: MegatronConfig, dtype: torch.dtype) -> Any:
     """megatron-core Adam(W) over the DDP chunks: fp32 master weights when params are bf16/fp16; on
-    torch's fused kernels where TE / apex are absent (`trinity.trainer.engine.fused_optimizer`)."""
+    torch's fused kernels where TE / apex are absent (`trinity.compat.fused_optimizer`)."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    from trinity.distributed import cpu_compat
-    from trinity.trainer.engine import fused_optimizer, lazy_dynamo
+    from trinity.compat import cpu_compat
+    from trinity.compat import fused_optimizer, lazy_dynamo
 
     if cpu_compat.is_enabled():  # CPU mode: torch.optim's first call is all that would import torch._dynamo
         lazy_dynamo.skip_dynamo_import()

@@ -7,7 +7,7 @@ shows; `--debug` (TRINITY_DEBUG=1 in the workers) keeps every one of them, and t
 
 `install()` must run before megatron-core is imported: most of these fire at import time. Library
 calls that users make from their own Python (`trinity.cli.generate.generate_answers`, the first import
-of megatron-core after `import trinity`: trinity.megatron_import) run inside `hidden()` instead, which
+of megatron-core after `import trinity`: trinity.compat.megatron_import) run inside `hidden()` instead, which
 leaves the caller's warning filters as they were.
 """
 

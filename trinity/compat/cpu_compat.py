@@ -1,4 +1,4 @@
-"""Everything megatron-core 0.16.1 needs to run on CPU with gloo, in one place.
+"""megatron-core 0.16.1 on CPU with gloo: without these, no CPU job (and no CPU test) runs at all.
 
 `enable()` applies each accommodation once (idempotent); `disable()` undoes them (tests on a GPU
 machine run CPU and CUDA cases in one process). Each patch names the megatron-core code that needs it
@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.overrides import TorchFunctionMode
 
-from trinity.distributed import collectives
+from trinity.compat.checks import require
 
 _patches: list[tuple[Any, str, Any]] = []  # (owner, attribute, original) in the order applied
 
@@ -30,8 +30,6 @@ def is_enabled() -> bool:
 
 
 def _patch(owner: Any, name: str, value: Any) -> None:
-    from trinity.distributed.patches import require
-
     require("cpu_compat", owner, name)  # a moved name fails here, at start, not mid-step
     # classes: keep the raw descriptor (a classmethod must be restored as one)
     original = vars(owner)[name] if isinstance(owner, type) else getattr(owner, name)
@@ -257,19 +255,21 @@ def _uneven_gather(original: Callable[..., Any]) -> Callable[..., Any]:
         if output_split_sizes is None or group.size() == 1:
             return original(input_, group, output_split_sizes, use_global_buffer)
         sizes = [int(n) for n in output_split_sizes]
-        padded = input_.new_zeros((max(sizes), *input_.shape[1:]))
+        rows = max(sizes)
+        padded = input_.new_zeros((rows, *input_.shape[1:]))
         padded[: input_.shape[0]] = input_
-        parts = collectives.all_gather(padded, group=group)
-        return torch.cat([part[:n] for part, n in zip(parts, sizes)])
+        # megatron-core's own equal-size gather (all_gather_into_tensor, which gloo runs)
+        full = original(padded.detach(), group)
+        return torch.cat([part[:n] for part, n in zip(full.split(rows), sizes)])
 
     return gather
 
 
-def _uneven_reduce_scatter(original: Callable[..., Any]) -> Callable[..., Any]:
+def _uneven_reduce_scatter(original: Callable[..., Any], reduce: Callable[..., Any]) -> Callable[..., Any]:
     def reduce_scatter(input_: torch.Tensor, group: Any, input_split_sizes: Any = None, use_global_buffer: bool = False) -> torch.Tensor:
         if input_split_sizes is None or group.size() == 1:
             return original(input_, group, input_split_sizes, use_global_buffer)
-        total = collectives.all_reduce(input_, group=group)
+        total = reduce(input_.detach().clone(), group)  # megatron-core's all-reduce, on a copy (it reduces in place)
         return list(torch.split(total, [int(n) for n in input_split_sizes], dim=0))[group.rank()].contiguous()
 
     return reduce_scatter
@@ -340,7 +340,9 @@ def enable() -> None:
     import megatron.core.tensor_parallel.mappings as mappings
 
     _patch(mappings, "_gather_along_first_dim", _uneven_gather(mappings._gather_along_first_dim))
-    _patch(mappings, "_reduce_scatter_along_first_dim", _uneven_reduce_scatter(mappings._reduce_scatter_along_first_dim))
+    require("cpu_compat", mappings, "_reduce")
+    _patch(mappings, "_reduce_scatter_along_first_dim",
+           _uneven_reduce_scatter(mappings._reduce_scatter_along_first_dim, mappings._reduce))
     # optimizer/clip_grads.py: device='cuda' buffers and `param.grad.type() == 'torch.cuda.FloatTensor'`;
     # optimizer.py imports these three by name.
     for name in ("get_grad_norm_fp32", "clip_grad_by_total_norm_fp32", "count_zeros_fp32"):

@@ -1,27 +1,30 @@
-"""Importing megatron-core without the ~3 s it spends on code trinity never runs at import.
+"""`import megatron.core` without the code trinity never runs at import: 4.3-5.4 -> 1.7-1.9 s on 2 cores.
 
-`import megatron.core` took 4.3-5.4 s on a 2-core CI runner, against 1.7-1.9 s with the two changes
-below (torch 2.13.0 CPU wheel, megatron-core 0.16.1). Every process of a job
-imports it (each torchrun rank, the CLI when it converts), and the CPU test suite starts hundreds:
+Every process of a job imports megatron-core (each torchrun rank, the CLI when it converts), and the
+CPU test suite starts hundreds (torch 2.13.0 CPU wheel, megatron-core 0.16.1). Two changes, both only
+while the `megatron.core` package executes:
 - `megatron.core.jit` sets `jit_fuser = torch.compile`, and megatron-core decorates its fused
   pointwise functions with it at import (bias-SwiGLU, bias-GeLU, bias-dropout-add, ...). Decorating
   imports torch._dynamo and parts of inductor (~2 s) although nothing compiles until a first call,
-  and CPU runs never call them (every fusion is off there, `trinity.models.build`). While
-  megatron.core is imported, torch.compile is `lazy_compile`: it returns a function that compiles
-  at its first call, as torch.compile's own result does, and calls the plain function inside an
-  outer compiled region (where dynamo inlines it, as it inlines a torch.compile'd function).
+  and CPU runs never call them (every fusion is off there, `trinity.models.build`). torch.compile is
+  `lazy_compile` then: it returns a function that compiles at its first call, as torch.compile's own
+  result does, and calls the plain function inside an outer compiled region (where dynamo inlines
+  it, as it inlines a torch.compile'd function).
 - megatron-core's dynamic inference context (`megatron.core.inference.contexts.dynamic_context`, not
   used by trinity: its engine needs flash-attn) imports wandb (~0.8 s) for its own logging, if wandb
-  is installed. While megatron.core is imported, `import wandb` finds nothing; afterwards it works
-  as usual (trinity's trackers import it themselves).
+  is installed. `import wandb` finds nothing then; afterwards it works as usual (trinity's trackers
+  import it themselves).
 
 The same import is also where megatron-core warns that TransformerEngine / Apex are missing (every CPU
-process): it runs inside trinity.launch.quiet.hidden(), so a user's own script that imports trinity
-first (docs/pretraining.md) stays as quiet as `trinity run` (TRINITY_DEBUG=1 shows them).
+process): it runs inside trinity.compat.quiet.hidden(), so a user's own script that calls
+`trinity.compat.install_all()` first (docs/pretraining.md) stays as quiet as `trinity run`
+(TRINITY_DEBUG=1 shows them).
 
-`install()` (called by `trinity/__init__.py`, so every trinity process has it before any megatron
-import; cheap: it imports neither torch nor megatron) adds a finder that applies all three around the
-execution of the `megatron.core` package only, once. TRINITY_EAGER_MEGATRON_IMPORT=1 turns it off.
+`install()` (through `trinity.compat.install_all()`, which the workers and the CLI call before any
+megatron import; cheap: it imports neither torch nor megatron) adds a finder that applies both around
+the execution of the `megatron.core` package only, once. It checks its targets when they come into
+play: the package's loader must execute modules, and torch must have `compile`.
+TRINITY_EAGER_MEGATRON_IMPORT=1 turns it off.
 """
 
 from __future__ import annotations
@@ -34,7 +37,8 @@ import os
 import sys
 from typing import Any, Callable, Iterator
 
-from trinity.launch import quiet
+from trinity.compat.quiet import hidden
+from trinity.compat.checks import PINNED, require
 
 TARGET = "megatron.core"
 
@@ -68,6 +72,7 @@ def lazy_compile(real: Callable[..., Any]) -> Callable[..., Any]:
 def _light_import() -> Iterator[None]:
     import torch
 
+    require("megatron_import", torch, "compile")
     real = torch.compile
     hide_wandb = "wandb" not in sys.modules
     torch.compile = lazy_compile(real)
@@ -89,12 +94,16 @@ class _Finder(importlib.abc.MetaPathFinder):
             return None
         uninstall()  # once per process, and not for the lookup below
         spec = importlib.machinery.PathFinder.find_spec(name, path)
-        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
-            return spec
+        if spec is None:  # megatron-core not installed: the import fails as it would without the finder
+            return None
+        if spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            raise ImportError(f"{TARGET} is not a package of source files that trinity's megatron_import patch can "
+                              f"execute (loader {spec.loader!r}); install the megatron-core version trinity pins, "
+                              f"{PINNED} (pip install -e . in the repository), or set TRINITY_EAGER_MEGATRON_IMPORT=1")
         exec_module = spec.loader.exec_module
 
         def exec_light(module: Any) -> None:
-            with quiet.hidden(), _light_import():
+            with hidden(), _light_import():
                 exec_module(module)
 
         spec.loader.exec_module = exec_light  # type: ignore[method-assign]  # this spec's own loader instance

@@ -1,4 +1,4 @@
-"""megatron-core's optimizer step on torch's fused and multi-tensor kernels when TE and apex are absent.
+"""megatron-core's optimizer step on torch's fused and multi-tensor kernels without TE / apex: with grad_fusion, a 1.5B step 0.2167 -> 0.1919 s (H200).
 
 Without TransformerEngine or apex, megatron-core 0.16.1 falls back to code written for correctness:
 - `torch.optim.AdamW` without `fused=True`: the foreach path, several passes over the fp32 state;
@@ -51,7 +51,7 @@ def install() -> bool:
     import megatron.core.optimizer.optimizer as optimizer
     from megatron.core import utils
 
-    from trinity.distributed.patches import require
+    from trinity.compat.checks import require
 
     if _patches:
         return True

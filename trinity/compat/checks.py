@@ -1,7 +1,7 @@
-"""What trinity's megatron-core patches replace, checked when each is enabled.
+"""What trinity's megatron-core patches replace, checked when each is installed.
 
 Each patch (listed in docs/architecture.md, "megatron-core patches") replaces names inside
-megatron-core 0.16.1. A megatron-core release that moved or renamed one of them would otherwise leave
+megatron-core 0.16.1 (`PINNED`). A megatron-core release that moved or renamed one of them would otherwise leave
 the patch silently unapplied (or fail mid-step); `require` makes it one clear error when the patch is
 enabled, at the start of the job.
 """
@@ -12,6 +12,8 @@ import inspect
 from typing import Any
 
 from trinity.errors import UserError
+
+PINNED = "0.16.1"  # the megatron-core version of pyproject.toml, which every patch was written against
 
 
 def _version() -> str:
@@ -32,7 +34,7 @@ def require(patch: str, owner: Any, *names: str) -> None:
         label = f"{where}.{owner.__qualname__}" if where else getattr(owner, "__name__", repr(owner))
         raise UserError(
             f"megatron-core {_version()}: {label} has no {', '.join(missing)}, which trinity's {patch} patch "
-            "replaces; install the megatron-core version trinity pins (pip install -e . in the repository)"
+            f"replaces; install the megatron-core version trinity pins, {PINNED} (pip install -e . in the repository)"
         )
 
 
@@ -46,5 +48,5 @@ def require_global(patch: str, function: Any, *names: str) -> None:
         raise UserError(
             f"megatron-core {_version()}: {function.__module__}.{function.__qualname__} no longer uses "
             f"{', '.join(missing)}, which trinity's {patch} patch provides; install the megatron-core "
-            "version trinity pins (pip install -e . in the repository)"
+            f"version trinity pins, {PINNED} (pip install -e . in the repository)"
         )
