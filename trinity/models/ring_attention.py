@@ -121,19 +121,20 @@ class _FlashBlock:
     final log-sum-exp and output, which is exactly its share of the whole row's gradient."""
 
     @staticmethod
-    def forward(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool) -> tuple[Tensor, Tensor]:
-        out, lse, _rng, _unused, _ = torch.ops.aten._flash_attention_forward(
+    def forward(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool) -> tuple[Tensor, Tensor, Any]:
+        # cum_seq None: the batch (not varlen) kernel; the rng tensors go back to the backward as they came
+        # (no dropout reads them), as trinity.models.attention._FlashVarlen passes them
+        out, lse, rng, unused, _ = torch.ops.aten._flash_attention_forward(
             q, k, v, None, None, q.size(1), k.size(1), 0.0, causal, False, scale=scale)
-        return out, lse
+        return out, lse, (rng, unused)
 
     @staticmethod
     def backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float,
-                 causal: bool) -> tuple[Tensor, Tensor, Tensor]:
-        # no dropout: the rng state is not read
-        empty = torch.empty(0, device=q.device)
+                 causal: bool, state: Any) -> tuple[Tensor, Tensor, Tensor]:
+        rng, unused = state
         dq, dk, dv = torch.ops.aten._flash_attention_backward(
             dout.contiguous(), q, k, v, out.contiguous(), lse.contiguous(), None, None, q.size(1), k.size(1),
-            0.0, causal, empty, empty, scale=scale)
+            0.0, causal, rng, unused, scale=scale)
         return dq, dk, dv
 
 
@@ -190,19 +191,20 @@ class _Ring:
             mask = same if mask is None else same & mask
         return mask
 
-    def block_forward(self, q: Tensor, k: Tensor, v: Tensor, src: int, step: _Step) -> tuple[Tensor, Tensor]:
+    def block_forward(self, q: Tensor, k: Tensor, v: Tensor, src: int, step: _Step) -> tuple[Tensor, Tensor, Any]:
+        """(partial output, log-sum-exp, what the kernel's backward needs of this call)"""
         q, k, v = q[:, step.q], k[:, step.k], v[:, step.k]
         if self.use_flash:
             return _FlashBlock.forward(q.contiguous(), k.contiguous(), v.contiguous(), self.scale, step.causal)
-        return _MathBlock.forward(q, k, v, self.scale, self.attend(src, step, q.device))
+        return (*_MathBlock.forward(q, k, v, self.scale, self.attend(src, step, q.device)), None)
 
     def block_backward(self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, src: int,
-                       step: _Step) -> tuple[Tensor, Tensor, Tensor]:
+                       step: _Step, state: Any) -> tuple[Tensor, Tensor, Tensor]:
         q, k, v, dout, out = q[:, step.q], k[:, step.k], v[:, step.k], dout[:, step.q], out[:, step.q]
         lse = lse[:, :, step.q]
         if self.use_flash:
             return _FlashBlock.backward(dout, q.contiguous(), k.contiguous(), v.contiguous(), out, lse, self.scale,
-                                        step.causal)
+                                        step.causal, state)
         return _MathBlock.backward(dout, q, k, v, out, lse, self.scale, self.attend(src, step, q.device))
 
 
@@ -216,11 +218,13 @@ class _RingAttention(torch.autograd.Function):
         out = torch.zeros(b, sq, h, v.size(-1), dtype=torch.float32, device=q.device)
         lse = torch.full((b, h, sq), float("-inf"), dtype=torch.float32, device=q.device)
         kv = [k, v]
+        states = []
         for i in range(ring.n):
             moving = collectives.ring_shift(kv, ring.group, tag=_KV_TAG) if i < ring.n - 1 else None
             src = (ring.rank - i) % ring.n
             step = _plan(ring.rank, src, ring.chunk)
-            block_out, block_lse = ring.block_forward(q, kv[0], kv[1], src, step)
+            block_out, block_lse, state = ring.block_forward(q, kv[0], kv[1], src, step)
+            states.append(state)
             old_out, old_lse = out[:, step.q], lse[:, :, step.q]
             new_lse = torch.logaddexp(old_lse, block_lse.float())
             # the first step (src == r) leaves every query a key (itself), so new_lse is finite from there on
@@ -232,7 +236,7 @@ class _RingAttention(torch.autograd.Function):
                 kv = moving.wait()
         result = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, result, lse)
-        ctx.ring = ring
+        ctx.ring, ctx.states = ring, states
         return result
 
     @staticmethod
@@ -247,7 +251,7 @@ class _RingAttention(torch.autograd.Function):
             moving = collectives.ring_shift(kv, ring.group, tag=_KV_TAG) if i < ring.n - 1 else None
             src = (ring.rank - i) % ring.n
             step = _plan(ring.rank, src, ring.chunk)
-            dq_b, dk_b, dv_b = ring.block_backward(dout, q, kv[0], kv[1], out, lse, src, step)
+            dq_b, dk_b, dv_b = ring.block_backward(dout, q, kv[0], kv[1], out, lse, src, step, ctx.states[i])
             dq[:, step.q] += dq_b.float()
             if grads is None:  # step 0: our own block's accumulator starts here
                 dk_acc = torch.zeros_like(k, dtype=torch.float32)
