@@ -113,7 +113,9 @@ def _ring4(rank: int) -> dict:
         ref = _reference(q, k, v, doc_ids, 0.3)
         ref.backward(dout)
         lq, lk, lv = (cpx.split_for_rank(t.detach(), 4, rank).requires_grad_() for t in (q, k, v))
-        got = ring_attention(lq, lk, lv, dist.group.WORLD, scale=0.3, doc_ids=doc_ids)
+        # the math kernel's query tiles: whole blocks, and 3 or 6 rows per tile (uneven) in half the cases
+        tiles = {"score_bytes": 4 * B * heads * 8 * 3} if name in ("unpacked_mha", "packed_gqa") else {}
+        got = ring_attention(lq, lk, lv, dist.group.WORLD, scale=0.3, doc_ids=doc_ids, **tiles)
         got.backward(cpx.split_for_rank(dout, 4, rank))
         res[name] = {what: float((mine.detach() - cpx.split_for_rank(full, 4, rank)).abs().max())
                      for what, mine, full in (("out", got, ref.detach()), ("dq", lq.grad, q.grad),

@@ -26,6 +26,11 @@ the scores explicitly (`_MathBlock`, fp32 softmax); bf16/fp16 blocks without one
 
 Conventions are megatron's, as SDPACoreAttention's: q [s, b, heads, d], k/v [s, b, groups, d] (s: this
 rank's 2 chunks), output [s, b, heads * d_v].
+
+Memory per rank and layer call: its q/k/v/output, two K/V blocks (one computing, one arriving), in the
+backward two fp32 gradient accumulators of K/V's size, and the kernel's own: flash's, or the math kernel's
+fp32 score tiles of at most `SCORE_BYTES` (queries in tiles, so packed rows at long lengths fit; fp32
+matmuls are several times slower than flash on GPUs).
 """
 
 from __future__ import annotations
@@ -68,9 +73,20 @@ def ring_document_params(doc_ids: Tensor, *, device: torch.device | str | None =
 # Layout inside the ring: q [b, sq, heads, d], k/v [b, sk, groups, d]; lse [b, heads, sq] fp32.
 
 
+SCORE_BYTES = 256 << 20
+"""The math kernel's budget for one fp32 score tile ([b, heads, rows, keys]): queries go through it in
+tiles of as many rows as fit, so its memory does not grow with the square of the block."""
+
+
 class _MathBlock:
-    """Scores computed explicitly in fp32, any boolean mask (True = attend) broadcastable to [b, sq, sk]. A
-    query with no key to attend in the block gets output 0 and log-sum-exp -inf (adds nothing when merged)."""
+    """Scores computed explicitly in fp32, any boolean mask (True = attend) broadcastable to [b, sq, sk],
+    queries in tiles of `rows`. A query with no key to attend in the block gets output 0 and log-sum-exp
+    -inf (adds nothing when merged)."""
+
+    @staticmethod
+    def rows(q: Tensor, k: Tensor, budget: int) -> int:
+        b, _, h, _ = q.shape
+        return max(1, budget // (4 * b * h * k.size(1)))
 
     @staticmethod
     def _scores(q: Tensor, k: Tensor, scale: float, attend: Optional[Tensor]) -> tuple[Tensor, Tensor]:
@@ -84,7 +100,19 @@ class _MathBlock:
         return s, q5
 
     @staticmethod
-    def forward(q: Tensor, k: Tensor, v: Tensor, scale: float, attend: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    def forward(q: Tensor, k: Tensor, v: Tensor, scale: float, attend: Optional[Tensor],
+                budget: int = SCORE_BYTES) -> tuple[Tensor, Tensor]:
+        rows = _MathBlock.rows(q, k, budget)
+        outs, lses = [], []
+        for r in range(0, q.size(1), rows):
+            tile = slice(r, r + rows)
+            o, lse = _MathBlock._forward(q[:, tile], k, v, scale, None if attend is None else attend[:, tile])
+            outs.append(o)
+            lses.append(lse)
+        return torch.cat(outs, 1), torch.cat(lses, 2)
+
+    @staticmethod
+    def _forward(q: Tensor, k: Tensor, v: Tensor, scale: float, attend: Optional[Tensor]) -> tuple[Tensor, Tensor]:
         b, sq, h, _ = q.shape
         s, _ = _MathBlock._scores(q, k, scale, attend)
         lse = torch.logsumexp(s, dim=-1, keepdim=True)  # [b, g, rep, sq, 1]
@@ -95,7 +123,20 @@ class _MathBlock:
 
     @staticmethod
     def backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float,
-                 attend: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+                 attend: Optional[Tensor], budget: int = SCORE_BYTES) -> tuple[Tensor, Tensor, Tensor]:
+        rows = _MathBlock.rows(q, k, budget)
+        dqs, dk, dv = [], None, None
+        for r in range(0, q.size(1), rows):
+            tile = slice(r, r + rows)
+            dq_t, dk_t, dv_t = _MathBlock._backward(dout[:, tile], q[:, tile], k, v, out[:, tile], lse[:, :, tile],
+                                                    scale, None if attend is None else attend[:, tile])
+            dqs.append(dq_t)
+            dk, dv = (dk_t, dv_t) if dk is None else (dk + dk_t, dv + dv_t)
+        return torch.cat(dqs, 1), dk, dv
+
+    @staticmethod
+    def _backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float,
+                  attend: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
         b, sq, h, d = q.shape
         g = k.size(2)
         s, q5 = _MathBlock._scores(q, k, scale, attend)
@@ -166,8 +207,10 @@ def _plan(rank: int, src: int, chunk: int) -> _Step:
 class _Ring:
     """One attention call's ring: the group, this rank's place, the kernel and the documents."""
 
-    def __init__(self, group: Any, scale: float, doc_ids: Optional[Tensor], use_flash: bool, local_len: int):
+    def __init__(self, group: Any, scale: float, doc_ids: Optional[Tensor], use_flash: bool, local_len: int,
+                 score_bytes: int = SCORE_BYTES):
         self.group = group
+        self.score_bytes = score_bytes
         self.n = collectives.size(group)
         self.rank = collectives.rank(group)
         self.scale = scale
@@ -196,7 +239,7 @@ class _Ring:
         q, k, v = q[:, step.q], k[:, step.k], v[:, step.k]
         if self.use_flash:
             return _FlashBlock.forward(q.contiguous(), k.contiguous(), v.contiguous(), self.scale, step.causal)
-        return (*_MathBlock.forward(q, k, v, self.scale, self.attend(src, step, q.device)), None)
+        return (*_MathBlock.forward(q, k, v, self.scale, self.attend(src, step, q.device), self.score_bytes), None)
 
     def block_backward(self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, src: int,
                        step: _Step, state: Any) -> tuple[Tensor, Tensor, Tensor]:
@@ -205,7 +248,8 @@ class _Ring:
         if self.use_flash:
             return _FlashBlock.backward(dout, q.contiguous(), k.contiguous(), v.contiguous(), out, lse, self.scale,
                                         step.causal, state)
-        return _MathBlock.backward(dout, q, k, v, out, lse, self.scale, self.attend(src, step, q.device))
+        return _MathBlock.backward(dout, q, k, v, out, lse, self.scale, self.attend(src, step, q.device),
+                                   self.score_bytes)
 
 
 _KV_TAG, _GRAD_TAG = 0, 1
@@ -268,15 +312,17 @@ class _RingAttention(torch.autograd.Function):
 
 
 def ring_attention(q: Tensor, k: Tensor, v: Tensor, group: Any, *, scale: float,
-                   doc_ids: Optional[Tensor] = None, use_flash: Optional[bool] = None) -> Tensor:
+                   doc_ids: Optional[Tensor] = None, use_flash: Optional[bool] = None,
+                   score_bytes: int = SCORE_BYTES) -> Tensor:
     """Causal attention of this CP rank's queries over the whole rows, in the ring layout: q [b, s, heads, d],
     k/v [b, s, groups, d], s = this rank's two chunks; `doc_ids` [b, s * CP] the whole rows' document ids
-    (None: one document per row). Returns [b, s, heads, d_v]. `use_flash` None: where `flash_supported`."""
+    (None: one document per row). Returns [b, s, heads, d_v]. `use_flash` None: where `flash_supported`;
+    `score_bytes`: the math kernel's score tile budget (`SCORE_BYTES`)."""
     if q.size(1) % 2:
         raise ValueError(f"ring attention: a rank holds two equal chunks, got {q.size(1)} tokens")
     if use_flash is None:
         use_flash = flash_supported(q, v)
-    ring = _Ring(group, scale, doc_ids, use_flash, q.size(1))
+    ring = _Ring(group, scale, doc_ids, use_flash, q.size(1), score_bytes)
     return _RingAttention.apply(q, k, v, ring)
 
 
