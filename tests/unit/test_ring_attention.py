@@ -3,7 +3,8 @@
 one process's full causal attention in fp32, unpacked and packed, MHA, GQA and MQA. One spawn of four
 ranks runs both rings: CP=2 through the layer's core-attention module (megatron's CP groups, DP=2), and a
 ring of four over the world (at CP=2 the next rank is also the previous one, which would hide a ring
-sent the wrong way round)."""
+sent the wrong way round); then a two-layer GPTModel at CP=2 gives the logits and (summed over the CP group)
+the parameter gradients of the same weights at CP=1, megatron's RoPE slicing the rotary table per rank."""
 
 from __future__ import annotations
 
@@ -123,6 +124,83 @@ def _ring4(rank: int) -> dict:
     return res
 
 
+def _gpt(cp: int, core_attention):
+    """A two-layer GPTModel of our local layer spec (RoPE, GQA, RMSNorm, SwiGLU), fp32 on the CPU, with
+    `core_attention` as its core attention."""
+    import copy
+
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from trinity.models.spec import TorchNorm
+
+    spec = copy.deepcopy(get_gpt_layer_local_spec(normalization="RMSNorm"))
+    spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = TorchNorm
+    spec.submodules.self_attention.submodules.core_attention = core_attention
+    config = TransformerConfig(
+        num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, kv_channels=8, ffn_hidden_size=48,
+        context_parallel_size=cp, normalization="RMSNorm", gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu, add_bias_linear=False, attention_dropout=0.0, hidden_dropout=0.0,
+        use_cpu_initialization=True, bias_activation_fusion=False, masked_softmax_fusion=False,
+        bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False)
+    return GPTModel(config, spec, vocab_size=64, max_sequence_length=S, position_embedding_type="rope",
+                    rotary_base=100)
+
+
+def _model_cp2(rank: int) -> dict:
+    """A GPTModel at CP=2 (RingCoreAttention; megatron's RoPE takes this rank's chunks of the rotary table)
+    against the same weights at CP=1 (SDPACoreAttention): logits and the parameters' gradients summed over
+    the CP group, unpacked and packed rows. Re-initialises megatron's parallel state twice."""
+    from megatron.core import parallel_state as ps
+
+    from trinity.distributed import collectives
+    from trinity.distributed import context_parallel as cpx
+    from trinity.distributed.layout import ParallelLayout
+    from trinity.distributed.parallel import init_parallel
+    from trinity.models.attention import SDPACoreAttention, document_packed_params
+    from trinity.models.ring_attention import RingCoreAttention, ring_document_params
+
+    torch.manual_seed(5)
+    tokens = torch.randint(0, 64, (B, S))
+    positions = torch.arange(S).expand(B, S)
+    weights = torch.randn(B, S, 64)  # the "loss": sum(logits * weights)
+    res = {}
+    init_parallel(device="cpu", layout=ParallelLayout(), seed=1)  # CP=1 (DP=4)
+    ref = _gpt(1, SDPACoreAttention)
+    state = {n: p.detach().clone() for n, p in ref.named_parameters()}
+    want = {}
+    for packed in (False, True):
+        ref.zero_grad()
+        extra = {"packed_seq_params": document_packed_params(_doc_ids())} if packed else {}
+        logits = ref(tokens, positions, None, **extra)
+        (logits * weights).sum().backward()
+        want[packed] = (logits.detach(), {n: p.grad.clone() for n, p in ref.named_parameters()})
+    # the CPU accommodation cpu_compat is to make at CP>1: megatron's rotary slice pins host memory
+    from megatron.core.models.common.embeddings import rotary_pos_embedding
+
+    rotary_pos_embedding.get_pos_emb_on_this_cp_rank = cpx.pos_emb_on_this_rank
+    init_parallel(device="cpu", layout=ParallelLayout(cp=2), seed=1)
+    group, cp_rank = ps.get_context_parallel_group(), ps.get_context_parallel_rank()
+    model = _gpt(2, RingCoreAttention)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_(state[n])
+    for packed in (False, True):
+        model.zero_grad()
+        extra = {"packed_seq_params": ring_document_params(_doc_ids())} if packed else {}
+        local = cpx.split_batch({"tokens": tokens, "positions": positions, "weights": weights}, 2, cp_rank)
+        logits = model(local["tokens"], local["positions"], None, **extra)
+        (logits * local["weights"]).sum().backward()
+        ref_logits, ref_grads = want[packed]
+        grad_err = max(float((collectives.all_reduce(p.grad, "sum", group) - ref_grads[n]).abs().max())
+                       for n, p in model.named_parameters())
+        res["packed" if packed else "unpacked"] = {
+            "logits": float((logits.detach() - cpx.split_for_rank(ref_logits, 2, cp_rank)).abs().max()),
+            "grads": grad_err, "grad_scale": max(float(g.abs().max()) for g in ref_grads.values())}
+    return res
+
+
 def _worker(rank: int, port: int, out: str) -> None:
     import os
 
@@ -184,8 +262,9 @@ def _worker(rank: int, port: int, out: str) -> None:
         x = torch.tensor(2.0 + cp_rank, requires_grad=True)
         s = cpx.sum_over_ranks(x * x, group)
         (3 * s).backward()
-        res["sum"] = [float(s), float(x.grad)]
+        res["sum"] = [float(s.detach()), float(x.grad)]
         res["ring4"] = _ring4(rank)
+        res["model"] = _model_cp2(rank)
         Path(out, f"rank{rank}.json").write_text(json.dumps(res))
     finally:
         destroy()
@@ -206,6 +285,8 @@ def test_ring_attention_equals_full_attention(tmp_path, monkeypatch):
             for what in ("out", "dq", "dk", "dv", "gathered"):
                 assert errs[what] < 1e-5, (rank, name, what, errs)
             assert max(res["ring4"][name].values()) < 1e-5, (rank, name, res["ring4"][name])
+        for rows, errs in res["model"].items():  # a GPTModel at CP=2 against CP=1
+            assert errs["grad_scale"] > 0.1 and errs["logits"] < 1e-5 and errs["grads"] < 1e-4, (rank, rows, errs)
         assert res["totals"] == [4.0, 7.0]
         r = res["cp_rank"]
         assert res["sum"] == [13.0, 3 * 2 * (2.0 + r)]  # 2² + 3²; d(3 s)/dx = 3 · 2x on the own rank

@@ -49,6 +49,12 @@ def split_for_rank(t: Tensor, cp_size: int, cp_rank: int, seq_dim: int = 1) -> T
     return t.index_select(seq_dim, index)
 
 
+def pos_emb_on_this_rank(pos_emb: Tensor, seq_dim: int, cp_group: collectives.ProcessGroup) -> Tensor:
+    """megatron-core's `get_pos_emb_on_this_cp_rank` (rope_utils; RotaryEmbedding.forward calls it at CP>1)
+    without its pinned host index, which a CPU-only torch refuses: cpu_compat puts this one in its place."""
+    return split_for_rank(pos_emb, cp_group.size(), cp_group.rank(), seq_dim)
+
+
 def split_batch(batch: Mapping[str, Optional[Tensor]], cp_size: int, cp_rank: int,
                 seq_dim: int = 1) -> dict[str, Optional[Tensor]]:
     """Every tensor of `batch` ([b, s, ...] per-token: tokens, position ids, labels, loss mask, document ids)
@@ -109,6 +115,7 @@ def sum_over_ranks(t: Tensor, group: Optional[collectives.ProcessGroup]) -> Tens
 
 
 __all__ = [
-    "chunk_positions", "chunk_size", "gather_sequence", "merge_ranks", "split_batch", "split_for_rank",
+    "chunk_positions", "chunk_size", "gather_sequence", "merge_ranks", "pos_emb_on_this_rank", "split_batch",
+    "split_for_rank",
     "sum_over_ranks", "token_totals",
 ]
