@@ -103,7 +103,7 @@ def test_ring_attention_cp2_matches_one_gpu(tmp_path):
         for name, (dtype, _) in CASES.items():
             for what in ("out", "dq", "dk", "dv"):
                 e = res[name][what]
-                assert e["scale"] > 0.05, (name, what, e)
+                assert e["scale"] > 1e-3, (name, what, e)  # gradients that are there to compare
                 if dtype == torch.float32:
                     assert e["ring"] < 1e-4, (rank, name, what, e)
                 else:  # bf16: no further from the fp32 result than the one-GPU bf16 kernel, give or take rounding
