@@ -6,7 +6,7 @@ associated with device type cpu", and a CPU run never shows it. So the helpers h
 wherever it lives, move it to the device the group's backend needs, run the collective and hand the
 result back on the payload's own device, as a new tensor: the caller's tensor is never written.
 
-The in-place helpers (`all_reduce_`, `broadcast_`, `send`, `recv`) serve the hot paths whose tensors
+The in-place helpers (`all_reduce_`, `broadcast_`, `send`, `recv`, `ring_shift`) serve the hot paths whose tensors
 already live on the group's device (decode steps, pipeline hand-overs, CUDA graph captures); they check
 the device instead of moving.
 
@@ -132,6 +132,42 @@ def recv(buf: torch.Tensor, src: int, group: ProcessGroup | None = None) -> torc
     _check_device(buf, group)
     dist.recv(buf, src=src, group=group)
     return buf
+
+
+class RingShift:
+    """The tensors in flight from `ring_shift`: `wait()` returns them as received (the previous rank's)."""
+
+    def __init__(self, works: list, bufs: list[torch.Tensor], sent: list[torch.Tensor]) -> None:
+        self._works, self._bufs, self._sent = works, bufs, sent  # the sent tensors live until the wait
+
+    def wait(self) -> list[torch.Tensor]:
+        for work in self._works:
+            work.wait()
+        self._works, self._sent = [], []
+        return self._bufs
+
+
+def ring_shift(tensors: Sequence[torch.Tensor], group: ProcessGroup, tag: int = 0) -> RingShift:
+    """Send each of `tensors` to the next rank of `group` (group rank + 1, cyclic) and receive the previous
+    rank's into new buffers of the same shapes and dtypes, without waiting: the caller computes while the
+    ring moves (ring attention), then `wait()`s. The tensors must live on the group's device. Two shifts in
+    flight at once take different `tag`s (gloo matches messages by tag; NCCL by order). In a group of one
+    the tensors come back themselves."""
+    n = size(group)
+    if n == 1:
+        return RingShift([], list(tensors), [])
+    me = dist.get_rank(group)
+    nxt, prev = dist.get_global_rank(group, (me + 1) % n), dist.get_global_rank(group, (me - 1) % n)
+    ops, bufs, sent = [], [], []
+    for t in tensors:
+        _check_device(t, group)
+        t = t.contiguous()
+        buf = torch.empty_like(t)
+        bufs.append(buf)
+        sent.append(t)
+        # every op is posted before any is waited on (no send/recv ordering deadlock); NCCL runs the list as one group
+        ops += [dist.P2POp(dist.isend, t, nxt, group, tag), dist.P2POp(dist.irecv, buf, prev, group, tag)]
+    return RingShift(dist.batch_isend_irecv(ops), bufs, sent)
 
 
 T = TypeVar("T")
