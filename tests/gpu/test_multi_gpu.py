@@ -199,7 +199,7 @@ def _tp2_rollout_worker(rank: int, port: int, model_dir: str, out: str) -> None:
     from trinity.models.build import build_model
     from trinity.models.facts import ModelFacts
     from trinity.rollout.continuous import KVBudget, RolloutStats, generate_continuous
-    from trinity.rollout.generate import SamplingParams
+    from trinity.rollout.types import SamplingParams
 
     facts = ModelFacts.from_hf_dir(model_dir)
     try:

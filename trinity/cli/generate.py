@@ -166,7 +166,7 @@ def generate_answers(
     from trinity.models.build import build_model
     from trinity.models.facts import ModelFacts
     from trinity.rollout.continuous import generate_continuous
-    from trinity.rollout.generate import SamplingParams
+    from trinity.rollout.types import SamplingParams
 
     dev = _device(device)
     tokenizer = load_tokenizer(source.hf_dir)

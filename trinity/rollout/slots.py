@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 from trinity.models import lora  # the lean path's linears: base weight + active LoRA adapter
 from trinity.rollout.decode import StageDecoder, block_output, capture_graph
+from trinity.rollout.kernels import DecodeKernels
 
 # the decode-step shapes this process has run once (SlotDecoder._capture warms a shape up only the first time)
 _warmed: set[tuple] = set()
@@ -46,10 +47,12 @@ class SlotDecoder(StageDecoder):
     each (batch bucket, length bucket) is captured once as a CUDA graph and replayed.
 
     state_from: another chunk's decoder of the same rank (VPP) whose slot state (`tok`, `pos`, `done`)
-    this one reads, so that the caller sets them once for all chunks."""
+    this one reads, so that the caller sets them once for all chunks. `kernels`: the fast paths it may take
+    (`trinity.rollout.kernels`; each still only where it runs and passed its first-use check)."""
 
     def __init__(self, gpt: Any, slots: int, cache_len: int, *, cuda_graphs: bool = True,
-                 state_from: "SlotDecoder | None" = None, tail_key: tuple = (), share_prefix: bool = False) -> None:
+                 state_from: "SlotDecoder | None" = None, tail_key: tuple = (), share_prefix: bool = False,
+                 kernels: DecodeKernels = DecodeKernels()) -> None:
         # geometry, the per-layer K/V slot pool, megatron's RoPE table, lean path and CUDA-graph eligibility
         super().__init__(gpt, slots, cache_len, cuda_graphs=cuda_graphs)
         rot = self.cos.shape[-1]
@@ -76,17 +79,19 @@ class SlotDecoder(StageDecoder):
         # the split-KV kernel reads every key up to a row's position and scores them uncapped: sliding-window
         # layers and Gemma's score caps run in the module path's masked attention (`attend`)
         eager = any(w is not None for w in self.windows) or any(c is not None for c in self.softcaps)
-        self.split_kv = not self.mla and not eager and decode_attention.available(
+        self.split_kv = kernels.split_kv and not self.mla and not eager and decode_attention.available(
             self.device, self.head_dim, self.heads // self.groups, self.dtype)
         self.attention = "triton split-KV" if self.split_kv else "sdpa"
         # a prompt's n samples each hold a copy of its keys (prefill copies them to every sample's slot); the
         # split-KV kernel reads one copy for all of them, so that neighbouring programs share it in L2
         self.share_prefix = share_prefix and self.split_kv
+        # the split-KV kernel's split rule (rows x groups from which a row is one program)
+        self.attention_tune = {"full_grid": kernels.full_grid}
         from trinity.rollout import decode_fused
 
         # RoPE + cache store (in the split-KV kernel where it runs) and SwiGLU fused (lean layers; Qwen3's
         # q/k norms keep the torch ops)
-        self.fused = self.lean and not self.config.qk_layernorm and decode_fused.available(
+        self.fused = kernels.fused and self.lean and not self.config.qk_layernorm and decode_fused.available(
             self.device, self.head_dim, self.heads // self.groups, rot, self.dtype)
         if self.fused:
             self.attention += " + fused RoPE/SwiGLU"
@@ -99,7 +104,7 @@ class SlotDecoder(StageDecoder):
                          self.heads, self.groups, self.head_dim, self.first, self.last, self.lean, self.fused,
                          self.split_kv, self.share_prefix, self.tp_group is not None,
                          # the split-KV threshold decides which kernel variant a bucket compiles
-                         decode_attention.full_grid(), *tail_key)
+                         kernels.full_grid, *tail_key)
 
     # ---- layers ------------------------------------------------------------------------------------
     def _rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -142,8 +147,8 @@ class SlotDecoder(StageDecoder):
             from trinity.rollout.decode_attention import decode_attention
 
             table = (self.cos, self.sin, self.pos[:b]) if rope else None
-            return decode_attention(q, self.keys[i], self.values[i], ctx["nkeys"], L, self.scale, rope=table,
-                                    prefix=ctx["prefix"])
+            return decode_attention(q, self.keys[i], self.values[i], ctx["nkeys"], L, self.scale,
+                                    tune=self.attention_tune, rope=table, prefix=ctx["prefix"])
         return F.scaled_dot_product_attention(q, self.keys[i][:b, :, :L], self.values[i][:b, :, :L],
                                               attn_mask=ctx["bias"][self.windows[i]], scale=self.scale)
 
