@@ -198,7 +198,7 @@ def test_grpo_with_lora_builds_no_ref_engine_and_exports_adapters(assets, tmp_pa
                       "megatron": {"param_offload": True}, "lora": LORA},
             "rollout": {"n": 2, "response_length": 6},
         },
-        "reward": {"function": "trinity.rollout.arithmetic_reward:closeness"},
+        "reward": {"function": "trinity.rewards.arithmetic_reward:closeness"},
     }
     proc = trinity_run(cfg, tmp_path / "grpo.yaml", timeout=240, reuse_conversion=True)
     assert proc.returncode == 0, proc.stdout[-3000:]
