@@ -111,7 +111,7 @@ def agree(times: list[float] | None, plain: Buckets) -> Buckets:
 
 def step_gemms(gpts: Sequence[Any], device: torch.device) -> list[tuple[str, torch.Tensor, torch.Tensor | None]] | None:
     """The GEMMs of one decode step of these model chunks, as the lean decode path calls them
-    (`trinity.rollout.slots.SlotDecoder._lean_layer`): per layer QKV (F.linear with its bias), the output
+    (`trinity.rollout.decode.StageDecoder._lean_layer`): per layer QKV (F.linear with its bias), the output
     projection (`addmm_` into the residual), gate/up (F.linear) and down (`addmm_`); the LM head on the last
     stage. None when a layer has no such linears (no tuning) or a weight is not on `device`."""
     out: list[tuple[str, torch.Tensor, torch.Tensor | None]] = []

@@ -13,9 +13,10 @@ go to which slot and when. Here:
   the copy of the slot `lead` names (`share_prefix`; `trinity.rollout.decode_attention`), which on lean
   layers also applies RoPE and stores the step's key and value, with SwiGLU fused too
   (`trinity.rollout.decode_fused`); elsewhere torch's SDPA with an additive mask;
-- layers run as `trinity.rollout.decode.StaticDecoder` runs them (the lean path with dense SwiGLU MLPs
-  and torch RMSNorms, at TP>1 on this rank's shards with an all-reduce after each row-parallel GEMM;
-  megatron's submodules otherwise; `StageDecoder` sets up both);
+- layers run through `trinity.rollout.decode.StageDecoder`'s layer path, as `StaticDecoder`'s do (the
+  lean path with dense SwiGLU MLPs and torch RMSNorms, at TP>1 on this rank's shards with an all-reduce
+  after each row-parallel GEMM; megatron's submodules otherwise); this decoder supplies the attention
+  over its slots (`_lean_attention`, `_module_attend`);
 - on CUDA (dense MLPs, any TP: the all-reduces are captured too) a decode step is one CUDA graph per
   (batch bucket, length bucket), captured
   at first use within a `generate_continuous` call (offload between RL phases moves parameter storages,
@@ -32,8 +33,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from trinity.models import lora  # the lean path's linears: base weight + active LoRA adapter
-from trinity.rollout.decode import StageDecoder, block_output, capture_graph
+from trinity.rollout.decode import StageDecoder, capture_graph
 from trinity.rollout.kernels import DecodeKernels
 
 # the decode-step shapes this process has run once (SlotDecoder._capture warms a shape up only the first time)
@@ -106,10 +106,7 @@ class SlotDecoder(StageDecoder):
                          # the split-KV threshold decides which kernel variant a bucket compiles
                          kernels.full_grid, *tail_key)
 
-    # ---- layers ------------------------------------------------------------------------------------
-    def _rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.cos.index_select(0, positions.reshape(-1)), self.sin.index_select(0, positions.reshape(-1))
-
+    # ---- its attention over the slot pool: each row at its own position ---------------------------
     def _attend_prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, i: int | None = None) -> torch.Tensor:
         """Causal attention of right-padded prompts: q [b, heads, s, d], k/v [b, groups, s, d]; layer i's
         sliding window and score cap (module path)."""
@@ -152,19 +149,15 @@ class SlotDecoder(StageDecoder):
         return F.scaled_dot_product_attention(q, self.keys[i][:b, :, :L], self.values[i][:b, :, :L],
                                               attn_mask=ctx["bias"][self.windows[i]], scale=self.scale)
 
-    def _fused_decode(self, ctx: dict) -> bool:
+    def _rope_in_kernel(self, ctx: dict) -> bool:
         """A decode step of lean layers with the fused kernels (RoPE and the cache store in a kernel)."""
         return ctx["decode"] and self.fused
 
-    def _lean_layer(self, i: int, layer: Any, x: torch.Tensor, s: int, b: int, cos: torch.Tensor | None,
-                    sin: torch.Tensor | None, ctx: dict) -> torch.Tensor:
-        from trinity.rollout.decode import _rms, _rope
-
-        attn = layer.self_attention
-        g, per, d = self.groups, self.heads // self.groups, self.head_dim
-        qkv = lora.linear(_rms(x, layer.input_layernorm), attn.linear_qkv, attn.linear_qkv.bias)
-        qkv = qkv.view(s, b, g, per + 2, d)
-        if self._fused_decode(ctx):
+    def _lean_attention(self, i: int, attn: Any, qkv: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
+                        ctx: dict) -> torch.Tensor:
+        s, b, g, _, d = qkv.shape
+        per = self.heads // g
+        if self._rope_in_kernel(ctx):
             if self.split_kv:  # RoPE, the cache store and the attention in one kernel
                 out = self._attend_decode(i, qkv[0], ctx, rope=True)
             else:
@@ -172,92 +165,30 @@ class SlotDecoder(StageDecoder):
 
                 q = rope_store(qkv[0], self.cos, self.sin, self.pos[:b], self.keys[i], self.values[i])
                 out = self._attend_decode(i, q, ctx)
-            return self._lean_rest(layer, x, out.reshape(b, g * per * d))
-        if self.config.qk_layernorm:
-            q = _rope(_rms(qkv[:, :, :, :per], attn.q_layernorm), cos, sin)
-            k = _rope(_rms(qkv[:, :, :, per:per + 1], attn.k_layernorm), cos, sin)
-        else:
-            qk = _rope(qkv[:, :, :, :per + 1], cos, sin)
-            q, k = qk[:, :, :, :per], qk[:, :, :, per:]
-        v = qkv[:, :, :, per + 1]
+            return out.reshape(b, g * per * d)
+        q, k, v = self._lean_qkv(attn, qkv, cos, sin)
         if ctx["decode"]:
             # s == 1: write this step's key/value at each row's own position, then attend over the first
             # L positions with the group's query heads stacked along the query axis (no repeated K/V)
             self.keys[i][self.rows[:b], :, self.pos[:b]] = k[0, :, :, 0]
             self.values[i][self.rows[:b], :, self.pos[:b]] = v[0]
-            out = self._attend_decode(i, q[0], ctx).reshape(b, g * per * d)  # q [b, g, per, d]
-        else:
-            kk, vv = k.squeeze(3).permute(1, 2, 0, 3), v.permute(1, 2, 0, 3)  # [b, g, s, d]
-            self._store_prefill(i, kk, vv, ctx["src"], ctx["dst"])
-            qq = q.permute(1, 2, 3, 0, 4).reshape(b, g * per, s, d)
-            out = self._attend_prefill(qq, kk, vv, i).permute(2, 0, 1, 3).reshape(s * b, g * per * d)
-        return self._lean_rest(layer, x, out)
+            return self._attend_decode(i, q[0], ctx).reshape(b, g * per * d)  # q [b, g, per, d]
+        kk, vv = k.squeeze(3).permute(1, 2, 0, 3), v.permute(1, 2, 0, 3)  # [b, g, s, d]
+        self._store_prefill(i, kk, vv, ctx["src"], ctx["dst"])
+        qq = q.permute(1, 2, 3, 0, 4).reshape(b, g * per, s, d)
+        return self._attend_prefill(qq, kk, vv, i).permute(2, 0, 1, 3).reshape(s * b, g * per * d)
 
-    def _lean_rest(self, layer: Any, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """A lean layer after its attention: output projection + residual, then the SwiGLU MLP + residual."""
-        from trinity.rollout.decode import _rms
-
-        attn, mlp = layer.self_attention, layer.mlp
-        x = self._row_parallel_add(x, out, attn.linear_proj)
-        if attn.linear_proj.bias is not None:
-            x = x + attn.linear_proj.bias
-        up = lora.linear(_rms(x, layer.pre_mlp_layernorm), mlp.linear_fc1)
-        if self.fused:
-            from trinity.rollout.decode_fused import silu_mul
-
-            act = silu_mul(up)
-        else:
-            gate, value = torch.chunk(up, 2, dim=-1)
-            act = F.silu(gate) * value
-        return self._row_parallel_add(x, act, mlp.linear_fc2)
-
-    def _module_attention(self, i: int, layer: Any, hidden: torch.Tensor, freqs: torch.Tensor, ctx: dict) -> torch.Tensor:
-        attn = layer.self_attention
-        q, k, v = self._module_qkv(attn, hidden, freqs)
-        s, b = hidden.shape[:2]
+    def _module_attend(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: dict) -> torch.Tensor:
+        b = q.shape[1]
         if ctx["decode"]:
             self.keys[i][self.rows[:b], :, self.pos[:b]] = k[0]
             self.values[i][self.rows[:b], :, self.pos[:b]] = v[0]
             per = self.heads // self.groups
             out = self._attend_decode(i, q[0].reshape(b, self.groups, per, self.head_dim), ctx)
-            out = out.reshape(b, self.heads, 1, self.v_dim)
-        else:
-            kk, vv = k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3)
-            self._store_prefill(i, kk, vv, ctx["src"], ctx["dst"])
-            out = self._attend_prefill(q.permute(1, 2, 0, 3), kk, vv, i)
-        out, bias = attn.linear_proj(out.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.v_dim))
-        return block_output(attn, out, bias)
-
-    def _layers(self, x: torch.Tensor, positions: torch.Tensor, ctx: dict) -> torch.Tensor:
-        """x [s, b, h]; positions [s, b] (RoPE)."""
-        s, b, h = x.shape
-        if self.lean:
-            if self._fused_decode(ctx):  # the fused kernels read the table at each row's position
-                cos = sin = None
-            else:
-                cos, sin = self._rope_tables(positions)
-                cos, sin = cos.view(s, b, 1, 1, -1), sin.view(s, b, 1, 1, -1)
-            x = self._residual_stream(x)
-            for i, layer in enumerate(self.layers):
-                x = self._lean_layer(i, layer, x, s, b, cos, sin, ctx)
-            return x.view(s, b, h)
-        tables: dict[int, torch.Tensor] = {}  # a layer's RoPE rows at `positions`, one gather per distinct table
-        for i, layer in enumerate(self.layers):
-            table = self.layer_freqs[i]
-            if id(table) not in tables:
-                tables[id(table)] = table.index_select(0, positions.reshape(-1)).view(s, b, 1, -1)
-            post_attention, post_mlp = self.post_norms[i]
-            x = x + post_attention(self._module_attention(i, layer, layer.input_layernorm(x), tables[id(table)], ctx))
-            out, bias = layer.mlp(layer.pre_mlp_layernorm(x))
-            x = x + post_mlp(out if bias is None else out + bias)
-        return x
-
-    def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        """x [1, b, h] -> logits [b, vocab (gathered over TP, padded)]."""
-        x = self.gpt.decoder.final_layernorm(x)
-        weight = self.gpt.shared_embedding_or_output_weight() if self.gpt.share_embeddings_and_output_weights else None
-        logits, _ = self.gpt.output_layer(x, weight=weight, runtime_gather_output=True)
-        return logits[0]
+            return out.reshape(b, self.heads, 1, self.v_dim)
+        kk, vv = k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3)
+        self._store_prefill(i, kk, vv, ctx["src"], ctx["dst"])
+        return self._attend_prefill(q.permute(1, 2, 0, 3), kk, vv, i)
 
     # ---- prefill -----------------------------------------------------------------------------------
     @torch.no_grad()
@@ -268,11 +199,7 @@ class SlotDecoder(StageDecoder):
         hidden states [s, u, h] to send on."""
         u, s = tokens.shape
         positions = torch.arange(s, device=self.device).view(s, 1).expand(s, u)
-        if self.first:
-            x = self.gpt.embedding(input_ids=tokens, position_ids=positions.t())
-        else:
-            assert hidden is not None, "a non-first pipeline stage needs the previous stage's hidden states"
-            x = hidden
+        x = self._embed(tokens, positions.t(), hidden)
         x = self._layers(x, positions, {"decode": False, "src": src, "dst": dst})
         if not self.last:
             return x
@@ -294,7 +221,7 @@ class SlotDecoder(StageDecoder):
         ctx = {"decode": True, "L": L, "bias": bias, "nkeys": nkeys, "prefix": prefix}
         if any(c is not None for c in self.softcaps):  # capped scores need a boolean mask (windows narrow it)
             ctx["allowed"] = self.kpos[:L].view(1, 1, 1, L) <= pos.view(b, 1, 1, 1)
-        x = self.gpt.embedding(input_ids=self.tok[:b].view(b, 1), position_ids=pos.view(b, 1)) if self.first else self.hidden[:, :b]
+        x = self._embed(self.tok[:b].view(b, 1), pos.view(b, 1), None if self.first else self.hidden[:, :b])
         x = self._layers(x, pos.view(1, b), ctx)
         return self._logits(x) if self.last else x
 
