@@ -9,6 +9,7 @@ its first import; nothing else changes.
 from __future__ import annotations
 
 import importlib.abc
+import importlib.machinery
 import importlib.util
 import os
 import sys
@@ -32,8 +33,8 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path, target=None):
         if name != _TARGET:
             return None
-        sys.meta_path.remove(self)  # once, and not for the lookup below
-        spec = importlib.util.find_spec(name)
+        sys.meta_path.remove(self)  # once
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
         if spec is None or spec.loader is None:
             return spec
         run = spec.loader.exec_module

@@ -1,5 +1,5 @@
 """The continuous-batching rollout engine (CPU, fp32, a real megatron-core GPTModel) against the static
-batch of `trinity.rollout.generate`: same greedy tokens, log-probs within 1e-5, rows ending at different
+batch of `trinity.rollout.reference`: same greedy tokens, log-probs within 1e-5, rows ending at different
 EOS positions, a KV budget that forces several waves, one prefill per prompt for its n samples, TP=2 and
 PP=2 (gloo) against TP=1; the config fields and their refusals."""
 
@@ -168,12 +168,12 @@ def test_sampling_top_k_one_is_greedy_and_samples_differ(model):
     assert hot.logprobs[hot.response_mask.bool()].lt(0).all()
 
 
-def _eos_schedule():
+def _eos_schedule(name: str = "eos_schedule.py"):
     """benchmarks/eos_schedule.py: the benchmarks' EOS schedule (no part of the trinity package)."""
     import importlib.util
 
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "eos_schedule.py"
-    spec = importlib.util.spec_from_file_location("bench_eos_schedule", path)
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / name
+    spec = importlib.util.spec_from_file_location("bench_" + path.stem, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -201,6 +201,29 @@ def test_bench_schedule_reaches_the_rl_engine(model, monkeypatch):
     monkeypatch.setattr(continuous, "generate_continuous", continuous.generate_continuous)  # restored after
     _eos_schedule().patch(continuous, "fixed:3")
     assert engine.generate(PROMPTS, params).response_mask.sum(1).tolist() == [3] * len(PROMPTS)
+
+
+def test_bench_hook_patches_the_engine_module_when_it_is_imported():
+    """benchmarks/eos_hook/sitecustomize.py: the finder a job's processes install finds the engine module
+    once (then leaves sys.meta_path) and patches it after it runs; here on a second copy of the module."""
+    import importlib.util
+    import sys
+
+    import trinity.rollout
+
+    finder = _eos_schedule("eos_hook/sitecustomize.py")._PatchOnImport("fixed:3")
+    sys.meta_path.insert(0, finder)
+    try:
+        assert finder.find_spec("trinity.rollout.slots", trinity.rollout.__path__) is None
+        spec = finder.find_spec("trinity.rollout.continuous", trinity.rollout.__path__)
+        gone = finder not in sys.meta_path
+    finally:
+        if finder in sys.meta_path:
+            sys.meta_path.remove(finder)
+    assert gone
+    copy = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(copy)
+    assert copy.generate_continuous.__name__ == "scheduled" and copy is not sys.modules["trinity.rollout.continuous"]
 
 
 def test_response_lengths_schedule_ends_rows(model):

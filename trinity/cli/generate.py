@@ -1,4 +1,4 @@
-"""`trinity generate`: answers from a model with the rollout engine (`trinity.rollout.generate`), for a
+"""`trinity generate`: answers from a model with the rollout engine (`trinity.rollout.continuous`), for a
 quick look at a model before or after training.
 
 `--model` takes any of:

@@ -1,7 +1,7 @@
 """The continuous-batching rollout engine: a pool of KV-cache slots sized from a memory budget.
 
-Why: the static path (`trinity.rollout.generate.generate`) decodes every row of a rollout as one batch
-until its longest row ends, over a cache of the final length, with no memory bound. Here:
+Why: the static path (`trinity.rollout.reference.reference_generate`) decodes every row of a rollout as
+one batch until its longest row ends, over a cache of the final length, with no memory bound. Here:
 - the KV cache is a pool of `slots` rows of `cache_len` tokens per layer of this pipeline stage, with
   `slots = min(max_num_seqs, budget // bytes per slot, rows)`; the budget is `kv_cache_memory_gib`, else
   `gpu_memory_utilization` x the memory free when the rollout starts (host memory on CPU)
@@ -10,31 +10,31 @@ until its longest row ends, over a cache of the final length, with no memory bou
   (a rollout larger than the pool runs in waves, each row's tokens unchanged);
 - identical prompts (a prompt's n samples) are prefilled ONCE per admission and their keys/values copied
   to each sample's slot; on CUDA a decode step's split-KV kernel reads the prompt's keys from one of
-  those slots for all of its samples (`set_leads`), so that they come from DRAM about once per step
-  instead of n times;
+  those slots for all of its samples (`ContinuousScheduler.set_leads`), so that they come from DRAM
+  about once per step instead of n times;
 - every slot has its own position, so a row's RoPE and causal mask are those of the row alone. A decode
   step runs the slots [0, b) with b the batch bucket above the highest live slot (`trinity.rollout.buckets`:
   powers of two, then multiples of 64, leaving out on CUDA those whose GEMMs are slower than a larger
   one's), attending over the first `L` cache positions, L the longest live context rounded up to
-  `_LEN_BUCKET` (a step reads the live context, not the whole cache). When no rows wait, live slots are
+  `scheduler.LEN_BUCKET` (a step reads the live context, not the whole cache). When no rows wait, live slots are
   compacted to the front so that the tail of a rollout runs small buckets.
 The prefill and decode steps over the pool (per-row RoPE, the attention kernels, one CUDA graph per
 (batch bucket, length bucket) on CUDA) are `trinity.rollout.slots.SlotDecoder`'s.
 
 Sampling (temperature / top-k / top-p), EOS handling, the returned `Rollout` layout and log-probs are
-those of `trinity.rollout.generate` (the same `trinity.rollout.sampler.Sampler`, log p under the
+those of `trinity.rollout.reference` (the same `trinity.rollout.sampler.Sampler`, log p under the
 temperature-1 distribution). With the fused sampler a row's draws are named by (output row, token index)
 and do not depend on its slot or wave. On CUDA (one stage, TP=1, the fused sampler) a decode step's
 sampling and bookkeeping are captured in the step's CUDA graph with its layers: one replay per step
 (at TP>1 the graph holds the layers and their all-reduces, the sampling runs after it).
 Tensor parallelism: TP rank 0's samples are broadcast to its group. Pipeline parallelism: each stage
-keeps its own layers' KV cache, hidden states go stage to stage (`_Pipeline`), the last stage samples
+keeps its own layers' KV cache, hidden states go stage to stage (`trinity.rollout.parallel.Pipeline`), the last stage samples
 and broadcasts the tokens every step; every rank derives "which rows ended" from those tokens with the
 same rule, so all ranks of a model-parallel group make the same scheduling decisions (the slot count
 is the minimum over the group). Virtual pipeline stages (VPP): a rank holds several model chunks, each
 with its own `SlotDecoder` (its layers' KV cache) sharing one slot state (tokens, positions, ended
 flags); every prefill and decode step runs the chunks in order, hidden states going around the ring of
-stages between them (`_Pipeline`). On CUDA "which rows ended" is read one step late (the host does not
+stages between them (`Pipeline`). On CUDA "which rows ended" is read one step late (the host does not
 wait for each step); a row that ended keeps a slot one extra step, computing nothing that is kept.
 
 Here: the entry point (`generate_continuous`: the pool's size, the buckets, the decoders, the sampler)

@@ -1,4 +1,4 @@
-"""Checks of `trinity.rollout.generate` shared by the CPU and GPU tests."""
+"""Checks of the reference generator (`trinity.rollout.reference`) shared by the CPU and GPU tests."""
 
 from __future__ import annotations
 
