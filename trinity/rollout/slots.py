@@ -1,7 +1,7 @@
 """The continuous-batching engine's decoder: prefill and decode steps over a pool of KV-cache slots.
 
 `SlotDecoder` holds one pipeline stage's (one model chunk's) keys and values as `slots` rows of
-`cache_len` positions per layer; `trinity.rollout.continuous.generate_continuous` decides which rows
+`cache_len` positions per layer; `trinity.rollout.scheduler.ContinuousScheduler` decides which rows
 go to which slot and when. Here:
 - every slot has its own position: a row's tokens sit at positions 0.. of its slot (no left padding), so
   RoPE (megatron's table, indexed per row) and the causal mask are those of the row alone;
@@ -66,7 +66,7 @@ class SlotDecoder(StageDecoder):
         self.done = torch.ones(slots, dtype=torch.bool, device=self.device) if state_from is None else state_from.done
         self.rows = torch.arange(slots, device=self.device)
         # with share_prefix: the slot whose copy of the row's prompt keys the row reads, and the prompt's
-        # length (the caller sets both: `generate_continuous` names a slot of the prompt that has not been
+        # length (the caller sets both: the scheduler names a slot of the prompt that has not been
         # retired, whose keys stay intact until then)
         self.lead = self.rows.clone() if state_from is None else state_from.lead
         self.plen = torch.zeros(slots, dtype=torch.long, device=self.device) if state_from is None else state_from.plen
@@ -270,8 +270,8 @@ class SlotDecoder(StageDecoder):
         self.capture_s += time.perf_counter() - start
 
     def close(self) -> None:
-        """Drop the KV cache and the graphs now: `generate_continuous`'s nested functions reference this
-        decoder in a reference cycle, which only the garbage collector would break, late."""
+        """Drop the KV cache and the graphs when the rollout ends, not when the last reference to this
+        decoder (the scheduler's, a caller's) goes."""
         self.keys, self.values = [], []
         self._graphs.clear()
 
