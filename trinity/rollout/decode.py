@@ -223,7 +223,6 @@ class StageDecoder:
         dense = all(not hasattr(layer.mlp, "router") for layer in self.layers)
         self.use_graph = cuda_graphs and self.device.type == "cuda" and dense and not self.mla
         self.first, self.last = gpt.pre_process, gpt.post_process
-        self.fused = False  # SwiGLU (and, in a decode step, RoPE) in Triton kernels: SlotDecoder's choice
 
     def _module_qkv(self, attn: Any, hidden: torch.Tensor, freqs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """q, k, v [s, b, heads|groups, d] of the module path, RoPE applied (MLA: per-head K/V expanded from
@@ -335,14 +334,12 @@ class StageDecoder:
         if attn.linear_proj.bias is not None:
             x = x + attn.linear_proj.bias
         up = lora.linear(_rms(x, layer.pre_mlp_layernorm), mlp.linear_fc1)
-        if self.fused:
-            from trinity.rollout.decode_fused import silu_mul
+        return self._row_parallel_add(x, self._swiglu(up), mlp.linear_fc2)
 
-            act = silu_mul(up)
-        else:
-            gate, value = torch.chunk(up, 2, dim=-1)
-            act = F.silu(gate) * value
-        return self._row_parallel_add(x, act, mlp.linear_fc2)
+    def _swiglu(self, up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * value of up = [gate | value] (SlotDecoder: a fused kernel where it runs)."""
+        gate, value = torch.chunk(up, 2, dim=-1)
+        return F.silu(gate) * value
 
     def _module_attention(self, i: int, layer: Any, hidden: torch.Tensor, freqs: torch.Tensor, ctx: dict) -> torch.Tensor:
         """The module path's attention block of layer i on hidden [s, b, h] (RoPE rows `freqs`)."""

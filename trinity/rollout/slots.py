@@ -178,6 +178,13 @@ class SlotDecoder(StageDecoder):
         qq = q.permute(1, 2, 3, 0, 4).reshape(b, g * per, s, d)
         return self._attend_prefill(qq, kk, vv, i).permute(2, 0, 1, 3).reshape(s * b, g * per * d)
 
+    def _swiglu(self, up: torch.Tensor) -> torch.Tensor:
+        if not self.fused:
+            return super()._swiglu(up)
+        from trinity.rollout.decode_fused import silu_mul
+
+        return silu_mul(up)
+
     def _module_attend(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: dict) -> torch.Tensor:
         b = q.shape[1]
         if ctx["decode"]:
