@@ -172,11 +172,13 @@ def block_output(attn: Any, out: torch.Tensor, bias: torch.Tensor | None) -> tor
 
 
 class StageDecoder:
-    """What every KV-cached decoder of one pipeline stage of a megatron GPTModel sets up the same way
+    """What every KV-cached decoder of one pipeline stage of a megatron GPTModel shares
     (`StaticDecoder` here, `trinity.rollout.slots.SlotDecoder`): this TP rank's attention geometry, a
     [rows, groups, cache_len, head_dim] key and value cache per layer, megatron's RoPE table with its
-    cos/sin, the way through a layer (`lean`) and whether decode steps are captured as CUDA graphs.
-    One place, so that both decoders compute a layer from the same tables and take the same path."""
+    cos/sin, the way through a layer (`lean`), whether decode steps are captured as CUDA graphs, and the
+    layers themselves: the embedding, the lean and module layer loops and the logits head. A decoder
+    supplies only its attention (`_lean_attention`, `_module_attend`: where keys and values go, what a
+    query reads). One place, so that both decoders compute a layer the same way."""
 
     def __init__(self, gpt: Any, rows: int, cache_len: int, *, cuda_graphs: bool) -> None:
         from megatron.core import parallel_state as ps
