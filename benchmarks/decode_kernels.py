@@ -97,7 +97,7 @@ def attention(args, bw: float) -> None:
 def sampler(args, bw: float) -> None:
     from trinity.rollout.sampler import fused_sample
     from trinity.rollout.types import SamplingParams
-    from trinity.rollout.generate import sample
+    from trinity.rollout.sampler import sample
 
     vocab = SHAPES[args.shape]["vocab_size"]
     padded = -(-vocab // 128) * 128
@@ -134,7 +134,8 @@ def sampler(args, bw: float) -> None:
 
 def layers(args, bw: float) -> None:
     from trinity.rollout.decode_attention import decode_attention, num_splits
-    from trinity.rollout.decode_fused import random_rope_table, rope_store
+    from trinity.rollout.decode_fused import rope_store
+    from trinity.rollout.rope_triton import random_rope_table
 
     shape = SHAPES[args.shape]
     groups, heads, n_layers = shape["num_key_value_heads"], shape["num_attention_heads"], shape["num_hidden_layers"]
@@ -201,7 +202,7 @@ def prefix(args, bw: float) -> None:
         ctx = (plen_ + own).clamp(max=cache_len - 1)
         dg = torch.Generator(device=DEVICE).manual_seed(rows)
         qkv = torch.randn(rows, groups, per + 2, d, generator=dg, device=DEVICE).to(torch.bfloat16)
-        from trinity.rollout.decode_fused import random_rope_table
+        from trinity.rollout.rope_triton import random_rope_table
 
         cos, sin = (t.to(DEVICE, torch.bfloat16) for t in random_rope_table(cache_len, d, g))
         lead = (torch.arange(rows) // args.n * args.n).to(DEVICE)

@@ -6,7 +6,7 @@
         --prompt-len 256 --new-tokens 1024 --no-hf      # variable lengths: continuous vs static batch
 
 With `--lengths fixed|uniform|lognormal` each of `--batches` rows gets a response length drawn from
-the distribution (the benchmark-only EOS schedule of `trinity.rollout.bench_lengths`; lognormal: mean 30%
+the distribution (the benchmark-only EOS schedule of benchmarks/eos_schedule.py; lognormal: mean 30%
 of `--new-tokens`) and one whole rollout is timed per engine: the continuous-batching engine
 (`--max-num-seqs` slots, `--kv-gib` budget) and the static batch (decoding to the longest row).
 "Useful tokens/s" counts the drawn lengths only; the floor of the continuous run is, summed over its
@@ -26,7 +26,6 @@ its tokens' rows only (counted whole, the 7B floor would be ~6% too high).
 from __future__ import annotations
 
 import argparse
-import os
 import tempfile
 import time
 
@@ -156,10 +155,10 @@ def main() -> None:
     ap.add_argument("--ladder", default="tuned",
                     help="--lengths: comma list of batch-bucket ladders for the continuous engine: tuned (the "
                          "engine's: buckets slower than a larger one left out, trinity.rollout.buckets), fixed "
-                         "(TRINITY_DECODE_BUCKETS=fixed: every power of two, then every multiple of 64)")
+                         "(DecodeKernels(tuned_buckets=False): every power of two, then every multiple of 64)")
     ap.add_argument("--full-grid", default="",
                     help="--lengths: comma list of split-KV thresholds (rows x groups from which a row is one program; "
-                         "TRINITY_DECODE_FULL_GRID) to time the continuous engine with besides the engine's (128)")
+                         "DecodeKernels.full_grid) to time the continuous engine with besides the engine's (128)")
     ap.add_argument("--buckets", action="store_true",
                     help="--lengths: time every decode step of the continuous engine on the GPU and print, per batch "
                          "bucket, its steps, ms per step and the floor of its reads (RolloutStats.time_buckets)")
@@ -190,7 +189,8 @@ def main() -> None:
     from trinity.distributed.parallel import destroy, init_parallel
     from trinity.models.build import build_model
     from trinity.models.facts import ModelFacts
-    from trinity.rollout.generate import SamplingParams, generate
+    from trinity.rollout.reference import reference_generate
+    from trinity.rollout.types import SamplingParams
 
     device = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
@@ -226,7 +226,7 @@ def main() -> None:
                 def timed(new_tokens: int) -> float:
                     p = SamplingParams(temperature=0.0, max_new_tokens=new_tokens)
                     t0 = time.perf_counter()
-                    generate(gpt, prompts, p, vocab_size=facts.vocab_size, pad_id=0, cuda_graphs=not args.eager, compile=args.compile)
+                    reference_generate(gpt, prompts, p, vocab_size=facts.vocab_size, pad_id=0, cuda_graphs=not args.eager, compile=args.compile)
                     _sync(device)
                     return time.perf_counter() - t0
 
@@ -267,7 +267,7 @@ def main() -> None:
 
                 acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
                 with profile(activities=acts) as prof:
-                    generate(gpt, prompts, params, vocab_size=facts.vocab_size, pad_id=0, cuda_graphs=not args.eager, compile=args.compile)
+                    reference_generate(gpt, prompts, params, vocab_size=facts.vocab_size, pad_id=0, cuda_graphs=not args.eager, compile=args.compile)
                     _sync(device)
                 for key in ("self_cpu_time_total", "self_cuda_time_total" if device.type == "cuda" else None):
                     if key:
@@ -278,8 +278,11 @@ def main() -> None:
 
 def rollout_table(args, gpt, facts, device, weight_bytes: int, kv_per_token: int, bw: float) -> None:
     """Whole rollouts with per-row lengths: continuous-batching engine vs static batch."""
-    from trinity.rollout.continuous import KVBudget, RolloutStats, draw_response_lengths, generate_continuous
-    from trinity.rollout.generate import SamplingParams, generate
+    from eos_schedule import draw_response_lengths
+    from trinity.rollout.continuous import KVBudget, RolloutStats, generate_continuous
+    from trinity.rollout.kernels import DecodeKernels
+    from trinity.rollout.reference import reference_generate
+    from trinity.rollout.types import SamplingParams
 
     rate = matmul_rate(device)
     n_params = sum(p.numel() for p in gpt.parameters())
@@ -306,16 +309,15 @@ def rollout_table(args, gpt, facts, device, weight_bytes: int, kv_per_token: int
                    if e == "continuous" or batch <= args.static_max_batch]
         warmed: set[str] = set()
         for engine, max_num_seqs, attention, smp, lib, ladder, grid in engines:
-            os.environ["TRINITY_DECODE_BUCKETS"] = "fixed" if ladder == "fixed" else ""
-            os.environ["TRINITY_DECODE_FULL_GRID"] = grid
             if device.type == "cuda":
                 torch.backends.cuda.preferred_blas_library(lib)
-            os.environ["TRINITY_FUSED_SAMPLER"] = "1" if smp == "fused" else "0"
             # sdpa: SDPA decode attention; unfused: the split-KV kernel without the fused RoPE/SwiGLU
-            # kernels (trinity.rollout.decode_fused); auto: what the engine picks
-            os.environ["TRINITY_DECODE_ATTENTION"] = "sdpa" if attention == "sdpa" else ""
-            os.environ["TRINITY_DECODE_FUSED"] = "0" if attention in ("sdpa", "unfused") else "1"
-            os.environ["TRINITY_SHARED_PROMPT_KEYS"] = "0" if attention == "unshared" else "1"
+            # kernels (trinity.rollout.decode_fused); unshared: each sample reads its own copy of its
+            # prompt's keys; auto: what the engine picks
+            kernels = DecodeKernels(split_kv=attention != "sdpa", fused=attention not in ("sdpa", "unfused"),
+                                    shared_prompt_keys=attention != "unshared", fused_sampler=smp == "fused",
+                                    tuned_buckets=ladder != "fixed",
+                                    **({"full_grid": int(grid)} if grid else {}))
             # the first call of an attention loads (and for Triton compiles) its kernels: timed apart; each
             # call captures its own graphs
             first = (attention, smp) not in warmed
@@ -328,11 +330,12 @@ def rollout_table(args, gpt, facts, device, weight_bytes: int, kv_per_token: int
                     params = SamplingParams(temperature=args.temperature, max_new_tokens=args.new_tokens)
                     generate_continuous(gpt, prompts, params, vocab_size=facts.vocab_size, pad_id=0,
                                         budget=KVBudget(max_num_seqs, None, args.kv_gib),
-                                        response_lengths=lengths, stats=stats,
+                                        response_lengths=lengths, stats=stats, kernels=kernels,
                                         generator=torch.Generator(device=device).manual_seed(0))
                 else:  # the static batch decodes every row to the longest
                     params = SamplingParams(temperature=args.temperature, max_new_tokens=max(lengths))
-                    generate(gpt, prompts, params, vocab_size=facts.vocab_size, pad_id=0)
+                    reference_generate(gpt, prompts, params, vocab_size=facts.vocab_size, pad_id=0,
+                                       fused_sampler=smp == "fused")
                 _sync(device)
                 dt = time.perf_counter() - t0
             if engine == "continuous":

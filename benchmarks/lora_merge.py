@@ -45,7 +45,7 @@ def _decode_ms(chunks: list, facts, prompts: list, new_tokens: int, device: str)
     """(ms per decode step, the full rollout's seconds) of the continuous engine in the current weights
     state; second of two calls each."""
     from trinity.rollout.continuous import RolloutStats, generate_continuous
-    from trinity.rollout.generate import SamplingParams
+    from trinity.rollout.types import SamplingParams
 
     def run(n: int) -> tuple[float, RolloutStats]:
         stats = RolloutStats()

@@ -11,7 +11,7 @@ on a random-weight Qwen2 of the chosen shape with the tiny local tokenizer (samp
 vocabulary decode to nothing, so responses run to `--response-length`: fixed-length decoding, which is
 what a throughput table wants). Numbers are medians over the steps after the first (which pays
 compilation). `--lengths uniform|lognormal` ends each response after a drawn number of tokens (the
-benchmark-only EOS schedule of `trinity.rollout.bench_lengths`, through TRINITY_BENCH_RESPONSE_LENGTHS;
+benchmark-only EOS schedule of benchmarks/eos_schedule.py, which benchmarks/eos_hook installs in the job's processes;
 lognormal: mean 30% of `--response-length`), so the rollout and the training phases see real length
 variation; `fixed:N` ends every response after N tokens under the same `--response-length` (the same
 token budgets): a fixed-length run with the real tokens of a lognormal one. A comma list runs one case
@@ -67,7 +67,7 @@ def job(model: Path, prompts: Path, out: Path, *, algo: str, gpus: int, layout: 
             "rollout": {"n": args.n, "response_length": args.response_length, "temperature": 1.0,
                         **({"max_num_seqs": args.max_num_seqs} if args.max_num_seqs else {})},
         },
-        "reward": {"function": "trinity.rollout.arithmetic_reward:closeness"},
+        "reward": {"function": "trinity.rewards.arithmetic_reward:closeness"},
     }
     if algo == "ppo":
         cfg["critic"] = {"optim": {"lr": 1e-6, "weight_decay": 0.0}, "megatron": {**par, **flags}}
@@ -92,11 +92,14 @@ def run_case(cfg: dict, path: Path, timeout: int, log_tail: int = 0, lengths: st
     import threading
     import time
 
-    from trinity.rollout.continuous import BENCH_LENGTHS_ENV
+    from eos_schedule import BENCH_LENGTHS_ENV
 
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     code = f"import sys; from trinity.cli.commands import run; sys.exit(run({str(path)!r}, []))"
-    env = {**os.environ, BENCH_LENGTHS_ENV: lengths}
+    # the EOS schedule: every process of the job imports eos_hook's sitecustomize (benchmarks/eos_schedule.py)
+    hook = str(Path(__file__).resolve().parent / "eos_hook")
+    pythonpath = os.pathsep.join(p for p in (hook, os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, BENCH_LENGTHS_ENV: lengths, "PYTHONPATH": pythonpath}
     log = path.with_suffix(".log")
     lines: list[str] = []
     start = time.monotonic()

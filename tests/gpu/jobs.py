@@ -105,7 +105,7 @@ def rl_job(assets: dict[str, Path], algo: str, out: Path, nproc: int, megatron: 
             "ref": {"megatron": dict(layout)},
             "rollout": {"n": 8, "temperature": 1.0, "response_length": 8},
         },
-        "reward": {"function": "trinity.rollout.arithmetic_reward:digit_fraction"},
+        "reward": {"function": "trinity.rewards.arithmetic_reward:digit_fraction"},
     }
     if algo == "gspo":
         cfg["actor_rollout_ref"]["actor"]["policy_loss"] = {"loss_mode": "gspo"}

@@ -124,7 +124,8 @@ def test_decoding_equals_full_forwards(cuda_tp1, tmp_path, family):
     Gemma's window (MLA: per-head K/V from the latent, module path)."""
     from trinity.models.facts import ModelFacts
     from trinity.rollout.continuous import KVBudget, generate_continuous
-    from trinity.rollout.generate import SamplingParams, generate
+    from trinity.rollout.reference import reference_generate
+    from trinity.rollout.types import SamplingParams
     from trinity.testing.tiny_models import make_tiny_hf_model
 
     path = make_tiny_hf_model(family, tmp_path / family, **SHAPES[family])
@@ -133,8 +134,8 @@ def test_decoding_equals_full_forwards(cuda_tp1, tmp_path, family):
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, facts.vocab_size, (n,), generator=g).tolist() for n in (70, 5, 33, 90)]
     params = SamplingParams(temperature=0.0, max_new_tokens=40)
-    full = generate(model, prompts, params, vocab_size=facts.vocab_size, pad_id=0, use_cache=False)
-    static = generate(model, prompts, params, vocab_size=facts.vocab_size, pad_id=0)
+    full = reference_generate(model, prompts, params, vocab_size=facts.vocab_size, pad_id=0, use_cache=False)
+    static = reference_generate(model, prompts, params, vocab_size=facts.vocab_size, pad_id=0)
     cont = generate_continuous(model, prompts, params, vocab_size=facts.vocab_size, pad_id=0,
                                budget=KVBudget(max_num_seqs=3))
     for got in (static, cont):
@@ -192,7 +193,8 @@ def test_windowed_rollout_replays_cuda_graphs_and_equals_eager(cuda_tp1, tmp_pat
     decode steps) gives the tokens of the same steps run eagerly and of the static decoder."""
     from trinity.models.facts import ModelFacts
     from trinity.rollout.continuous import KVBudget, RolloutStats, generate_continuous
-    from trinity.rollout.generate import SamplingParams, generate
+    from trinity.rollout.reference import reference_generate
+    from trinity.rollout.types import SamplingParams
     from trinity.testing.tiny_models import make_tiny_hf_model
 
     path = make_tiny_hf_model("mistral", tmp_path / "mistral", **SHAPES["mistral"])
@@ -206,7 +208,7 @@ def test_windowed_rollout_replays_cuda_graphs_and_equals_eager(cuda_tp1, tmp_pat
     stats = RolloutStats()
     graphs = generate_continuous(gpt, prompts, params, stats=stats, budget=KVBudget(max_num_seqs=4), **kw)
     eager = generate_continuous(gpt, prompts, params, cuda_graphs=False, budget=KVBudget(max_num_seqs=4), **kw)
-    static = generate(gpt, prompts, params, **kw)
+    static = reference_generate(gpt, prompts, params, **kw)
     assert stats.graph_captures > 0
     assert torch.equal(graphs.tokens, eager.tokens)
     assert graphs.responses.tolist() == static.responses.tolist()

@@ -93,7 +93,8 @@ def test_lora_sft_step_trains_only_the_adapters(setup):
 
 
 def test_merged_rollout_restores_the_base_weights_bit_exactly(setup):
-    from trinity.rollout.generate import SamplingParams, generate
+    from trinity.rollout.reference import reference_generate
+    from trinity.rollout.types import SamplingParams
     from trinity.trainer.recipes.lora_ref import rollout_weights
     from trinity.trainer.recipes.rollout_forward import infer_logprobs
 
@@ -106,7 +107,7 @@ def test_merged_rollout_restores_the_base_weights_bit_exactly(setup):
     # the second call replays the captured CUDA graphs; "auto" keeps the originals on this (nearly empty) GPU
     for seed, keep in ((1, "auto"), (2, "auto"), (3, "host")):
         with rollout_weights(engine, keep=keep), torch.no_grad():
-            ro = generate(model, prompts, params, vocab_size=facts.vocab_size, pad_id=0,
+            ro = reference_generate(model, prompts, params, vocab_size=facts.vocab_size, pad_id=0,
                           generator=torch.Generator(device="cuda").manual_seed(seed))
         for n, p in model.named_parameters():
             assert torch.equal(p, before[n]), n
@@ -124,7 +125,8 @@ def test_adapter_path_rollout_decodes_the_adapted_model_in_cuda_graphs(setup, en
     from trinity.models.lora import adapters_disabled
     from trinity.rollout.continuous import RolloutStats, generate_continuous
     from trinity.rollout.decode import StaticDecoder
-    from trinity.rollout.generate import SamplingParams, generate
+    from trinity.rollout.reference import reference_generate
+    from trinity.rollout.types import SamplingParams
     from trinity.trainer.recipes.lora_ref import rollout_weights
     from trinity.trainer.recipes.rollout_forward import infer_logprobs
 
@@ -142,7 +144,7 @@ def test_adapter_path_rollout_decodes_the_adapted_model_in_cuda_graphs(setup, en
         with rollout_weights(engine, keep=keep), torch.no_grad():
             gen = torch.Generator(device="cuda").manual_seed(1)
             if engine_name == "static":
-                ro = generate(model, prompts, params, vocab_size=facts.vocab_size, pad_id=0, generator=gen)
+                ro = reference_generate(model, prompts, params, vocab_size=facts.vocab_size, pad_id=0, generator=gen)
             else:
                 ro = generate_continuous(model, prompts, params, vocab_size=facts.vocab_size, pad_id=0, generator=gen,
                                          stats=stats)

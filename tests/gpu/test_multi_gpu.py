@@ -133,7 +133,7 @@ def test_grpo_tp2_with_offload_runs_every_phase(assets, tmp_path):
             "ref": {"megatron": {"tensor_model_parallel_size": 2, "param_offload": True}},
             "rollout": {"n": 4, "response_length": 16},
         },
-        "reward": {"function": "trinity.rollout.arithmetic_reward:closeness"},
+        "reward": {"function": "trinity.rewards.arithmetic_reward:closeness"},
     }
     rows = run_job(cfg, tmp_path / "grpo.yaml")
     assert [r["step"] for r in rows] == [1, 2, 3]
@@ -199,7 +199,7 @@ def _tp2_rollout_worker(rank: int, port: int, model_dir: str, out: str) -> None:
     from trinity.models.build import build_model
     from trinity.models.facts import ModelFacts
     from trinity.rollout.continuous import KVBudget, RolloutStats, generate_continuous
-    from trinity.rollout.generate import SamplingParams
+    from trinity.rollout.types import SamplingParams
 
     facts = ModelFacts.from_hf_dir(model_dir)
     try:

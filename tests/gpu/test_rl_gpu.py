@@ -46,7 +46,8 @@ def _phase(name: str, log: dict, fn):
 
 def _run(facts, path, offload: bool, steps: int = 2):
     from trinity.config.schema import ActorConfig
-    from trinity.rollout.generate import SamplingParams, generate
+    from trinity.rollout.reference import reference_generate
+    from trinity.rollout.types import SamplingParams
     from trinity.trainer.engine.offload import RoleOffloader
     from trinity.trainer.recipes.rl_update import Experience, actor_update
     from trinity.trainer.recipes.rollout_forward import infer_logprobs
@@ -59,7 +60,7 @@ def _run(facts, path, offload: bool, steps: int = 2):
     for step in range(steps):
         log: dict = {}
         off.need(params=True)
-        ro = _phase("rollout", log, lambda: generate(state.model[0], prompts, SamplingParams(max_new_tokens=NEW_TOKENS),
+        ro = _phase("rollout", log, lambda: reference_generate(state.model[0], prompts, SamplingParams(max_new_tokens=NEW_TOKENS),
                                                       vocab_size=facts.vocab_size, pad_id=0, generator=torch.Generator().manual_seed(step)))
         old = _phase("old_logp", log, lambda: infer_logprobs(state.model, ro, facts.vocab_size, 4))
         adv = torch.linspace(-1, 1, BATCH, device="cuda").unsqueeze(1) * ro.response_mask

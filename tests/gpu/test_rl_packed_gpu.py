@@ -96,7 +96,8 @@ def test_packed_matches_padded_on_cuda(setup, dtype):
 def test_rollout_vs_training_logprob_gap_in_bf16(setup):
     """rollout/logprob_diff_mean|max on a bf16 rollout (KV-cache decoding with CUDA graphs vs one packed
     training forward, same weights): printed, and small on average."""
-    from trinity.rollout.generate import SamplingParams, generate
+    from trinity.rollout.reference import reference_generate
+    from trinity.rollout.types import SamplingParams
     from trinity.trainer.recipes.rl import _logprob_gap
     from trinity.trainer.recipes.rollout_forward import Batching, infer_logprobs
 
@@ -104,7 +105,7 @@ def test_rollout_vs_training_logprob_gap_in_bf16(setup):
     engine = _engine(facts, path, torch.bfloat16)
     g = torch.Generator(device="cuda").manual_seed(0)
     prompts = [list(range(3 + i, 40 + i)) for i in range(32)]
-    ro = generate(engine.modules[0], prompts, SamplingParams(max_new_tokens=128), vocab_size=facts.vocab_size,
+    ro = reference_generate(engine.modules[0], prompts, SamplingParams(max_new_tokens=128), vocab_size=facts.vocab_size,
                   pad_id=0, generator=g)
     for name, bat in (("padded", Batching(MICRO)), ("packed", Batching(MICRO, MICRO * ro.tokens.shape[1]))):
         gap = _logprob_gap(ro.logprobs, infer_logprobs(engine, ro, facts.vocab_size, bat), ro.response_mask)

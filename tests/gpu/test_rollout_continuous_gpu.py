@@ -43,16 +43,17 @@ def _prompts(facts, rows: int):
 
 def test_graphs_match_eager_and_static_fp32(built):
     from trinity.rollout.continuous import KVBudget, RolloutStats, generate_continuous
-    from trinity.rollout.generate import SamplingParams, generate
+    from trinity.rollout.reference import reference_generate
+    from trinity.rollout.types import SamplingParams
 
     models, facts = built
     gpt = models[torch.float32]
     prompts = [p for p in _prompts(facts, 12) for _ in range(2)]
     kw = dict(vocab_size=facts.vocab_size, pad_id=0)
-    free = generate(gpt, prompts, SamplingParams(temperature=0.0, max_new_tokens=40), **kw)
+    free = reference_generate(gpt, prompts, SamplingParams(temperature=0.0, max_new_tokens=40), **kw)
     eos = tuple(sorted({int(free.responses[r, 3 + (r * 7) % 30]) for r in range(0, len(prompts), 2)}))
     params = SamplingParams(temperature=0.0, max_new_tokens=40, eos_token_ids=eos)
-    want = generate(gpt, prompts, params, **kw)
+    want = reference_generate(gpt, prompts, params, **kw)
     graphed_stats, eager_stats = RolloutStats(), RolloutStats()
     # 7 slots: waves, retirements, compaction and several batch buckets
     graphed = generate_continuous(gpt, prompts, params, budget=KVBudget(max_num_seqs=7), stats=graphed_stats, **kw)
@@ -70,14 +71,11 @@ def test_graphs_match_eager_and_static_fp32(built):
     assert graphed_stats.attention.endswith(", shared prompt keys"), graphed_stats.attention
     assert graphed_stats.read_kv_tokens < graphed_stats.live_kv_tokens, graphed_stats
     # the SDPA decode attention (masked reads up to the longest live row) gives the same tokens
-    import os
+    from trinity.rollout.kernels import DecodeKernels
 
-    os.environ["TRINITY_DECODE_ATTENTION"] = "sdpa"
-    try:
-        sdpa_stats = RolloutStats()
-        sdpa = generate_continuous(gpt, prompts, params, budget=KVBudget(max_num_seqs=7), stats=sdpa_stats, **kw)
-    finally:
-        del os.environ["TRINITY_DECODE_ATTENTION"]
+    sdpa_stats = RolloutStats()
+    sdpa = generate_continuous(gpt, prompts, params, budget=KVBudget(max_num_seqs=7), stats=sdpa_stats,
+                               kernels=DecodeKernels(split_kv=False), **kw)
     assert sdpa_stats.attention.startswith("sdpa"), sdpa_stats.attention  # "sdpa + fused RoPE/SwiGLU"
     assert torch.equal(sdpa.tokens, want.tokens) and (sdpa.logprobs - want.logprobs).abs().max().item() <= 1e-4
 
@@ -87,7 +85,7 @@ def test_step_timing_per_bucket_accounts_for_every_step(built):
     no token, and the buckets' steps, rows and KV add up to the call's."""
     from trinity.rollout.buckets import plain_bucket
     from trinity.rollout.continuous import KVBudget, RolloutStats, generate_continuous
-    from trinity.rollout.generate import SamplingParams
+    from trinity.rollout.types import SamplingParams
 
     models, facts = built
     gpt = models[torch.float32]
@@ -110,8 +108,8 @@ def test_step_timing_per_bucket_accounts_for_every_step(built):
 
 def test_decode_buckets_are_timed_once_and_cover_every_row_count(built, monkeypatch):
     """trinity.rollout.buckets on CUDA: the tuned ladder is a subset of the plain one that ends at the slot
-    count, names what it left out, is measured once per process; TRINITY_DECODE_BUCKETS=fixed keeps the
-    plain ladder."""
+    count, names what it left out, is measured once per process; tuned=False (DecodeKernels.tuned_buckets)
+    keeps the plain ladder."""
     from trinity.rollout.buckets import Buckets, decode_buckets, gemm_ms, step_gemms
 
     models, _ = built
@@ -126,8 +124,7 @@ def test_decode_buckets_are_timed_once_and_cover_every_row_count(built, monkeypa
     gemms = step_gemms([models[torch.bfloat16]], cuda)
     assert len(gemms) == 4 * len(models[torch.bfloat16].decoder.layers) + 1
     assert 0 < gemm_ms(gemms, 64) and 0 < gemm_ms(gemms, 512)
-    monkeypatch.setenv("TRINITY_DECODE_BUCKETS", "fixed")
-    assert decode_buckets([models[torch.float32]], 512, cuda) == plain
+    assert decode_buckets([models[torch.float32]], 512, cuda, tuned=False) == plain
 
 
 def test_a_later_rollout_captures_warmed_shapes_without_a_warm_up(built, monkeypatch):
@@ -136,7 +133,7 @@ def test_a_later_rollout_captures_warmed_shapes_without_a_warm_up(built, monkeyp
     rollout decoded: sampled tokens and log-probs bit for bit (fp32, same seed)."""
     from trinity.rollout import slots
     from trinity.rollout.continuous import KVBudget, RolloutStats, generate_continuous
-    from trinity.rollout.generate import SamplingParams
+    from trinity.rollout.types import SamplingParams
 
     models, facts = built
     gpt = models[torch.float32]
@@ -162,14 +159,15 @@ def test_a_later_rollout_captures_warmed_shapes_without_a_warm_up(built, monkeyp
 
 def test_bf16_prefix_matches_static(built):
     from trinity.rollout.continuous import KVBudget, generate_continuous
-    from trinity.rollout.generate import SamplingParams, generate
+    from trinity.rollout.reference import reference_generate
+    from trinity.rollout.types import SamplingParams
 
     models, facts = built
     gpt = models[torch.bfloat16]
     prompts = _prompts(facts, 16)
     params = SamplingParams(temperature=0.0, max_new_tokens=32)
     kw = dict(vocab_size=facts.vocab_size, pad_id=0)
-    want = generate(gpt, prompts, params, **kw)
+    want = reference_generate(gpt, prompts, params, **kw)
     got = generate_continuous(gpt, prompts, params, budget=KVBudget(max_num_seqs=5), **kw)
     # bf16 rounds differently in a batch of other rows and positions: greedy paths may part after a
     # near-tie; up to there tokens and log-probs agree
@@ -207,7 +205,7 @@ def test_split_kv_kernel_modes_match_sdpa(dtype):
 def test_fused_kernels_equal_the_torch_ops(dtype, per):
     """RoPE + cache store bit-identical to the eager ops (each product and sum rounded as they round),
     SwiGLU within rounding; and the engine uses them on CUDA."""
-    from trinity.rollout import decode_fused
+    from trinity.rollout import decode_fused, rope_triton
 
     decode_fused._CHECKED.clear()
     assert decode_fused.available(torch.device("cuda"), 128, per, 128, dtype)
@@ -215,11 +213,11 @@ def test_fused_kernels_equal_the_torch_ops(dtype, per):
     # on an H100 in fp32 and bf16
     g = torch.Generator().manual_seed(1)
     qkv = torch.randn(9, 4, per + 2, 128, generator=g).to("cuda", dtype)
-    cos, sin = (t.to("cuda", dtype) for t in decode_fused.random_rope_table(64, 128, g))
+    cos, sin = (t.to("cuda", dtype) for t in rope_triton.random_rope_table(64, 128, g))
     pos = torch.randint(0, 64, (9,), generator=g).cuda()
     caches = [torch.zeros(9, 4, 64, 128, dtype=dtype, device="cuda") for _ in range(4)]
     a = decode_fused.rope_store(qkv, cos, sin, pos, caches[0], caches[1])
-    b = decode_fused.reference_rope_store(qkv, cos, sin, pos, caches[2], caches[3])
+    b = rope_triton.reference_rope_store(qkv, cos, sin, pos, caches[2], caches[3])
     assert torch.equal(a, b) and torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3]), (
         f"rope_store {dtype} per={per}: q max |diff| {(a.float() - b.float()).abs().max().item():.3e}, "
         f"k cache max |diff| {(caches[0].float() - caches[2].float()).abs().max().item():.3e}")
@@ -227,7 +225,7 @@ def test_fused_kernels_equal_the_torch_ops(dtype, per):
 
 def test_engine_uses_fused_kernels(built):
     from trinity.rollout.continuous import RolloutStats, generate_continuous
-    from trinity.rollout.generate import SamplingParams
+    from trinity.rollout.types import SamplingParams
 
     models, facts = built
     stats = RolloutStats()
@@ -247,7 +245,7 @@ def test_shared_prompt_keys_read_one_copy(dtype):
     over caches where every sample holds the prompt's keys, with RoPE and the cache store in the kernel,
     for one split per row, several, and the engine's choice; without prefix= the garbage shows."""
     from trinity.rollout.decode_attention import decode_attention
-    from trinity.rollout.decode_fused import random_rope_table
+    from trinity.rollout.rope_triton import random_rope_table
 
     g = torch.Generator().manual_seed(2)
     b, groups, per, d, cache, plen_ = 40, 2, 7, 128, 1280, 300
@@ -282,7 +280,8 @@ def test_rope_in_the_attention_kernel_equals_the_separate_kernels(dtype, per):
     the same output up to the attention's fused multiply-adds (on in the separate kernel only), with one
     split per row, several, and the engine's choice, rows at every position of a split."""
     from trinity.rollout.decode_attention import decode_attention
-    from trinity.rollout.decode_fused import random_rope_table, rope_store
+    from trinity.rollout.decode_fused import rope_store
+    from trinity.rollout.rope_triton import random_rope_table
 
     g = torch.Generator().manual_seed(per)
     b, groups, d, cache = 40, 2, 128, 1280
@@ -339,7 +338,8 @@ def test_sampling_same_draws_in_any_slot_wave_or_engine(built):
     CUDA graph (with the sampling and bookkeeping in it) or eager steps, 24 slots or 5 (waves), and the
     static batch give the same tokens from the same generator seed (fp32)."""
     from trinity.rollout.continuous import KVBudget, RolloutStats, generate_continuous
-    from trinity.rollout.generate import SamplingParams, generate
+    from trinity.rollout.reference import reference_generate
+    from trinity.rollout.types import SamplingParams
 
     models, facts = built
     gpt = models[torch.float32]
@@ -352,7 +352,7 @@ def test_sampling_same_draws_in_any_slot_wave_or_engine(built):
         stats[name] = RolloutStats()
         runs[name] = generate_continuous(gpt, prompts, params, budget=KVBudget(max_num_seqs=slots), cuda_graphs=graphs,
                                          generator=gen(), stats=stats[name], **kw)
-    runs["static"] = generate(gpt, prompts, params, generator=gen(), **kw)
+    runs["static"] = reference_generate(gpt, prompts, params, generator=gen(), **kw)
     assert stats["graph24"].sampler == "fused" and stats["graph24"].graph_tail and not stats["eager5"].graph_tail
     assert stats["graph5"].waves > 1
     for name, ro in runs.items():

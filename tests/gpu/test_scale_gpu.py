@@ -226,7 +226,7 @@ def test_four_gpu_example_config_runs_as_written(assets, tmp_path, name):
     if rl:
         cfg["data"].update(max_prompt_length=64)
         cfg["actor_rollout_ref"]["rollout"]["response_length"] = 8
-        cfg["reward"] = {"function": "trinity.rollout.arithmetic_reward:digit_fraction"}
+        cfg["reward"] = {"function": "trinity.rewards.arithmetic_reward:digit_fraction"}
     else:
         cfg["data"]["seq_length"] = 256
     cfg["trainer"].update(output_dir=str(tmp_path / "run"), total_steps=3, save_interval=3, log_interval=1,

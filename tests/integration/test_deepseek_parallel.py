@@ -54,11 +54,12 @@ def _logits(model_dir: Path, block, rollout: bool, export: bool) -> tuple[torch.
     responses = None
     if rollout:  # MLA's decode path at TP=2 (the latents' gathers) and PP=2
         from trinity.rollout.continuous import KVBudget, generate_continuous
-        from trinity.rollout.generate import SamplingParams, generate
+        from trinity.rollout.reference import reference_generate
+        from trinity.rollout.types import SamplingParams
 
         params = SamplingParams(temperature=0.0, max_new_tokens=NEW)
         kw = dict(vocab_size=facts.vocab_size, pad_id=0)
-        runs = (generate(chunks[0], PROMPTS, params, **kw),
+        runs = (reference_generate(chunks[0], PROMPTS, params, **kw),
                 generate_continuous(chunks[0], PROMPTS, params, budget=KVBudget(max_num_seqs=2), **kw))
         responses = [[r.responses[i][r.response_mask[i].bool()].tolist() for i in range(len(PROMPTS))] for r in runs]
     return (out[0][..., : facts.vocab_size] if out else None), responses

@@ -87,7 +87,7 @@ def test_grpo_val_reward_samples_and_trackers(tiny, tmp_path, monkeypatch):
             "actor": {"ppo_mini_batch_size": 4, "optim": {"lr": 1e-3, "weight_decay": 0.0}},
             "rollout": {"n": 2, "response_length": 6},
         },
-        "reward": {"function": "trinity.rollout.arithmetic_reward:closeness"},
+        "reward": {"function": "trinity.rewards.arithmetic_reward:closeness"},
     }
     proc = trinity_run(cfg, tmp_path / "job.yaml", timeout=240, reuse_conversion=True, env={"WANDB_MODE": "offline", "WANDB_SILENT": "true"})
     assert proc.returncode == 0, proc.stdout[-3000:]

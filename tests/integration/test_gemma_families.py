@@ -15,7 +15,8 @@ import torch
 
 from trinity.errors import UserError
 from trinity.models.facts import ModelFacts
-from trinity.rollout.generate import SamplingParams, generate
+from trinity.rollout.reference import reference_generate
+from trinity.rollout.types import SamplingParams
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -37,8 +38,8 @@ def test_greedy_static_and_continuous_equal_hf_generate(family, tmp_path):
 
     with _tiny_gpt(family, tmp_path) as (gpt, facts):
         params = SamplingParams(temperature=0.0, max_new_tokens=NEW)
-        static = generate(gpt, PROMPTS, params, vocab_size=facts.vocab_size, pad_id=0)
-        full = generate(gpt, PROMPTS, params, vocab_size=facts.vocab_size, pad_id=0, use_cache=False)
+        static = reference_generate(gpt, PROMPTS, params, vocab_size=facts.vocab_size, pad_id=0)
+        full = reference_generate(gpt, PROMPTS, params, vocab_size=facts.vocab_size, pad_id=0, use_cache=False)
         cont = generate_continuous(gpt, PROMPTS, params, vocab_size=facts.vocab_size, pad_id=0,
                                    budget=KVBudget(max_num_seqs=2))
     hf = AutoModelForCausalLM.from_pretrained(str(tmp_path)).eval()

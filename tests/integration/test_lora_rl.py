@@ -80,10 +80,11 @@ def engines(tiny_qwen2_tp1):
 
 
 def _rollout(model, facts, seed: int = 0):
-    from trinity.rollout.generate import SamplingParams, generate
+    from trinity.rollout.reference import reference_generate
+    from trinity.rollout.types import SamplingParams
 
     params = SamplingParams(temperature=1.0, max_new_tokens=6)
-    return generate(model, PROMPTS, params, vocab_size=facts.vocab_size, pad_id=0,
+    return reference_generate(model, PROMPTS, params, vocab_size=facts.vocab_size, pad_id=0,
                     generator=torch.Generator().manual_seed(seed))
 
 
@@ -126,13 +127,14 @@ def test_adapter_path_rollout_equals_the_merged_rollout(engines, engine):
     GEMM (trinity.models.lora.linear / addmm); it decodes what the merged weights decode."""
     from trinity.rollout.continuous import generate_continuous
     from trinity.rollout.decode import StaticDecoder
-    from trinity.rollout.generate import SamplingParams, generate
+    from trinity.rollout.reference import reference_generate
+    from trinity.rollout.types import SamplingParams
     from trinity.trainer.recipes.lora_ref import rollout_weights
 
     model = engines.actor.modules[0]
     assert StaticDecoder(model, 1, 8).lean  # the path that reads the weights directly, not the hooks
     params = SamplingParams(temperature=0.0, max_new_tokens=6)
-    run = generate if engine == "static" else generate_continuous
+    run = reference_generate if engine == "static" else generate_continuous
 
     def rollout(m):
         return run(m, PROMPTS, params, vocab_size=engines.facts.vocab_size, pad_id=0)
@@ -196,7 +198,7 @@ def test_grpo_with_lora_builds_no_ref_engine_and_exports_adapters(assets, tmp_pa
                       "megatron": {"param_offload": True}, "lora": LORA},
             "rollout": {"n": 2, "response_length": 6},
         },
-        "reward": {"function": "trinity.rollout.arithmetic_reward:closeness"},
+        "reward": {"function": "trinity.rewards.arithmetic_reward:closeness"},
     }
     proc = trinity_run(cfg, tmp_path / "grpo.yaml", timeout=240, reuse_conversion=True)
     assert proc.returncode == 0, proc.stdout[-3000:]

@@ -65,7 +65,8 @@ def test_rollout_decoders_equal_hf_generate(tp1, tiny, family, overrides):
     from transformers import AutoModelForCausalLM
 
     from trinity.rollout.continuous import KVBudget, generate_continuous
-    from trinity.rollout.generate import SamplingParams, generate
+    from trinity.rollout.reference import reference_generate
+    from trinity.rollout.types import SamplingParams
 
     path = tiny(family, **overrides)
     (gpt,), facts = _loaded(path)
@@ -74,7 +75,7 @@ def test_rollout_decoders_equal_hf_generate(tp1, tiny, family, overrides):
     want = [hf.generate(torch.tensor([p]), max_new_tokens=NEW, do_sample=False, eos_token_id=None,
                         pad_token_id=0)[0, len(p):].tolist() for p in PROMPTS]
     params = SamplingParams(temperature=0.0, max_new_tokens=NEW)
-    static = generate(gpt, PROMPTS, params, vocab_size=facts.vocab_size, pad_id=0)
+    static = reference_generate(gpt, PROMPTS, params, vocab_size=facts.vocab_size, pad_id=0)
     assert static.responses.tolist() == want
     cont = generate_continuous(gpt, PROMPTS, params, vocab_size=facts.vocab_size, pad_id=0,
                                budget=KVBudget(max_num_seqs=2))
@@ -85,7 +86,7 @@ def test_rollout_decoders_equal_hf_generate(tp1, tiny, family, overrides):
     lean = decode._lean_supported
     try:
         decode._lean_supported = lambda gpt: False  # megatron's submodules (MoE, TE layers) take the window too
-        module = generate(gpt, PROMPTS, params, vocab_size=facts.vocab_size, pad_id=0)
+        module = reference_generate(gpt, PROMPTS, params, vocab_size=facts.vocab_size, pad_id=0)
     finally:
         decode._lean_supported = lean
     assert module.responses.tolist() == want

@@ -203,7 +203,7 @@ def test_packed_attention_gives_our_spec_boundaries_and_transformer_engine_the_d
 def test_rl_forward_over_left_padded_rows_equals_the_rollout_mask(tp1, tiny_dir):
     """The RL roles' forward (prompt padding and the sequence as two packed documents) gives the real
     tokens the logits of the rollout's own padding mask."""
-    from trinity.rollout.generate import attention_mask
+    from trinity.rollout.reference import attention_mask
     from trinity.trainer.recipes.rollout_forward import forward_output
 
     (model,) = _build(ModelFacts.from_hf_dir(tiny_dir("qwen2")))

@@ -46,7 +46,7 @@ def job(assets: dict[str, Path], out: Path, algo: str, steps: int, **extra) -> d
             "ref": {"megatron": {"param_offload": True}},
             "rollout": {"n": 2, "response_length": 6},
         },
-        "reward": {"function": "trinity.rollout.arithmetic_reward:closeness"},
+        "reward": {"function": "trinity.rewards.arithmetic_reward:closeness"},
     }
     if algo == "ppo":
         cfg["critic"] = {"warmup_steps": 1, "optim": {"lr": 1e-3, "weight_decay": 0.0}, "megatron": dict(offload)}

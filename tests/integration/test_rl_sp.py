@@ -50,7 +50,7 @@ def ppo_job(assets: dict[str, Path], out: Path, *, tp: int, sp: bool) -> dict:
             "rollout": {"n": 2, "response_length": 7},
         },
         "critic": {"optim": {"lr": 1e-3, "weight_decay": 0.0}, "megatron": dict(block)},
-        "reward": {"function": "trinity.rollout.arithmetic_reward:closeness"},
+        "reward": {"function": "trinity.rewards.arithmetic_reward:closeness"},
     }
 
 

@@ -31,7 +31,8 @@ def _worker(rank: int, port: int, model_dir: str, out: str) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     from trinity.distributed.parallel import destroy
     from trinity.models.facts import ModelFacts
-    from trinity.rollout.generate import SamplingParams, generate
+    from trinity.rollout.reference import reference_generate
+    from trinity.rollout.types import SamplingParams
     from trinity.trainer.recipes.rollout_forward import infer_logprobs
 
     facts = ModelFacts.from_hf_dir(model_dir)
@@ -39,14 +40,14 @@ def _worker(rank: int, port: int, model_dir: str, out: str) -> None:
         tp2 = _build(facts, model_dir, 2)
         # different seeds per rank: the TP broadcast must still make both ranks agree
         g = torch.Generator().manual_seed(rank)
-        ro = generate(tp2, PROMPTS, SamplingParams(max_new_tokens=8), vocab_size=facts.vocab_size, pad_id=0, generator=g)
-        greedy2 = generate(tp2, PROMPTS, SamplingParams(temperature=0, max_new_tokens=8), vocab_size=facts.vocab_size, pad_id=0)
+        ro = reference_generate(tp2, PROMPTS, SamplingParams(max_new_tokens=8), vocab_size=facts.vocab_size, pad_id=0, generator=g)
+        greedy2 = reference_generate(tp2, PROMPTS, SamplingParams(temperature=0, max_new_tokens=8), vocab_size=facts.vocab_size, pad_id=0)
         lp2 = infer_logprobs([tp2], ro, facts.vocab_size, 2)
         tokens = [None, None]
         torch.distributed.all_gather_object(tokens, ro.tokens.tolist())
         tp1 = _build(facts, model_dir, 1)
         lp1 = infer_logprobs([tp1], ro, facts.vocab_size, 2)
-        greedy1 = generate(tp1, PROMPTS, SamplingParams(temperature=0, max_new_tokens=8), vocab_size=facts.vocab_size, pad_id=0)
+        greedy1 = reference_generate(tp1, PROMPTS, SamplingParams(temperature=0, max_new_tokens=8), vocab_size=facts.vocab_size, pad_id=0)
         if rank == 0:
             Path(out).write_text(json.dumps({
                 "ranks_agree": tokens[0] == tokens[1],

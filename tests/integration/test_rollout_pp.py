@@ -30,19 +30,20 @@ def _build(facts, path, pp: int, device: str):
 
 
 def _rollouts(model, facts, pp: int) -> dict:
-    from trinity.rollout.generate import SamplingParams, generate
+    from trinity.rollout.reference import reference_generate
+    from trinity.rollout.types import SamplingParams
 
     greedy = SamplingParams(temperature=0, max_new_tokens=8)
     hot = SamplingParams(temperature=1.0, top_k=50, max_new_tokens=10, eos_token_ids=tuple(range(1, 40)))
     kw = dict(vocab_size=facts.vocab_size, pad_id=0)
-    out = {"greedy": generate(model, PROMPTS, greedy, **kw)}
+    out = {"greedy": reference_generate(model, PROMPTS, greedy, **kw)}
     if pp == 1:  # the reference sample: seed 1
-        out["sampled"] = generate(model, PROMPTS * 2, hot, generator=torch.Generator().manual_seed(1), **kw)
+        out["sampled"] = reference_generate(model, PROMPTS * 2, hot, generator=torch.Generator().manual_seed(1), **kw)
     else:  # each rank passes its own seed: only the last stage (rank 1) samples, so seed 1 must win
         seed = torch.distributed.get_rank()
-        out["sampled"] = generate(model, PROMPTS * 2, hot, generator=torch.Generator().manual_seed(seed), **kw)
-        out["greedy_nocache"] = generate(model, PROMPTS, greedy, use_cache=False, **kw)
-        out["greedy_eager"] = generate(model, PROMPTS, greedy, cuda_graphs=False, **kw)  # CUDA graphs off (GPU)
+        out["sampled"] = reference_generate(model, PROMPTS * 2, hot, generator=torch.Generator().manual_seed(seed), **kw)
+        out["greedy_nocache"] = reference_generate(model, PROMPTS, greedy, use_cache=False, **kw)
+        out["greedy_eager"] = reference_generate(model, PROMPTS, greedy, cuda_graphs=False, **kw)  # CUDA graphs off (GPU)
     return out
 
 

@@ -27,7 +27,8 @@ def test_greedy_chat_answers_equal_hf_generate(real_model):
     from trinity.distributed.parallel import destroy, init_parallel
     from trinity.models.build import build_model
     from trinity.models.facts import ModelFacts
-    from trinity.rollout.generate import SamplingParams, generate
+    from trinity.rollout.reference import reference_generate
+    from trinity.rollout.types import SamplingParams
 
     tok = load_tokenizer(real_model)
     ids = tokenize_texts(tok, [render_prompt(tok, p) for p in PROMPTS])
@@ -42,7 +43,7 @@ def test_greedy_chat_answers_equal_hf_generate(real_model):
         load_hf_weights(chunks, real_model, facts)
         params = SamplingParams(temperature=0.0, max_new_tokens=NEW, eos_token_ids=eos)
         with torch.no_grad():
-            ro = generate(chunks[0], ids, params, vocab_size=facts.vocab_size, pad_id=pad_token_id(tok))
+            ro = reference_generate(chunks[0], ids, params, vocab_size=facts.vocab_size, pad_id=pad_token_id(tok))
     finally:
         destroy()
     del chunks

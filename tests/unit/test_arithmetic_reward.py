@@ -1,10 +1,10 @@
-"""The bundled arithmetic rewards (trinity/rollout/arithmetic_reward.py) used by the tiny RL configs."""
+"""The bundled arithmetic rewards (trinity/rewards/arithmetic_reward.py) used by the tiny RL configs."""
 
 from __future__ import annotations
 
 import pytest
 
-from trinity.rollout.arithmetic_reward import closeness, within_ten
+from trinity.rewards.arithmetic_reward import closeness, within_ten
 
 
 def test_within_ten_grades_by_distance_and_gives_nothing_far_off():
@@ -18,7 +18,7 @@ def test_closeness_is_the_gentle_slope():
 
 
 def test_digit_fraction_counts_ascii_digits_per_character():
-    from trinity.rollout.arithmetic_reward import digit_fraction
+    from trinity.rewards.arithmetic_reward import digit_fraction
 
     # Fullwidth and other non-ASCII digits do not count; an empty response earns 0.
     assert digit_fraction([""] * 5, ["12ab", "", "\uff11\uff12", "-25", "0000"], [None] * 5) == pytest.approx(

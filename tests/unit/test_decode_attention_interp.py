@@ -25,7 +25,8 @@ CHILD = textwrap.dedent("""
     import torch
     import torch.nn.functional as F
     from trinity.rollout.decode_attention import decode_attention
-    from trinity.rollout.decode_fused import random_rope_table, reference_rope_store, rope_store
+    from trinity.rollout.decode_fused import rope_store
+    from trinity.rollout.rope_triton import random_rope_table, reference_rope_store
 
     torch.manual_seed(0)
     cases = []
@@ -98,7 +99,8 @@ CHILD = textwrap.dedent("""
     from trinity.models.build import build_model
     from trinity.models.facts import ModelFacts
     from trinity.rollout.continuous import RolloutStats, generate_continuous
-    from trinity.rollout.generate import SamplingParams, generate
+    from trinity.rollout.reference import reference_generate
+    from trinity.rollout.types import SamplingParams
     from trinity.testing.tiny_models import make_tiny_hf_model
 
     path = make_tiny_hf_model("qwen2", Path(sys.argv[1]))
@@ -108,7 +110,7 @@ CHILD = textwrap.dedent("""
     load_hf_weights(chunks, path, facts)
     prompts = [p for p in ([5, 9, 17, 3, 44, 2, 8, 11], [7, 1], [100, 12, 8, 60]) for _ in range(2)]
     params = SamplingParams(temperature=0.0, max_new_tokens=10)
-    want = generate(chunks[0], prompts, params, vocab_size=facts.vocab_size, pad_id=0)  # torch ops
+    want = reference_generate(chunks[0], prompts, params, vocab_size=facts.vocab_size, pad_id=0)  # torch ops
     stats = RolloutStats()
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
@@ -123,16 +125,16 @@ CHILD = textwrap.dedent("""
     # prompt's first slot ends after one token while its other samples decode on, and its slot goes to the
     # prompt's 4th sample, then to another prompt: rows still reading through that slot would read that
     # prompt's keys (the leads must move when a slot retires). Then compaction.
-    import os
     from trinity.rollout.continuous import KVBudget
+    from trinity.rollout.kernels import DecodeKernels
     prompts = [[5, 9, 17, 3, 44, 2, 8, 11, 23, 4]] * 4 + [[7, 1, 6], [100, 12, 8, 60, 3], [2, 90, 31, 77]]
     lengths = [1, 6, 6, 2, 3, 2, 3]
     runs = {}
-    for name, env in (("shared", ""), ("sdpa", "sdpa")):
-        os.environ["TRINITY_DECODE_ATTENTION"] = env
+    for name, kernels in (("shared", DecodeKernels()), ("sdpa", DecodeKernels(split_kv=False))):
         runs[name] = (RolloutStats(),)
         runs[name] += (generate_continuous(chunks[0], prompts, params, vocab_size=facts.vocab_size, pad_id=0,
-                                           budget=KVBudget(max_num_seqs=3), response_lengths=lengths, stats=runs[name][0]),)
+                                           budget=KVBudget(max_num_seqs=3), response_lengths=lengths, stats=runs[name][0],
+                                           kernels=kernels),)
     (s_stats, s_out), (d_stats, d_out) = runs["shared"], runs["sdpa"]
     out["waves"] = {
         "attention": s_stats.attention, "sdpa_attention": d_stats.attention, "waves": s_stats.waves,
@@ -180,16 +182,16 @@ def test_fused_rope_equals_the_separate_kernels_and_the_engine_the_static_batch(
     assert w["read_kv"] < w["live_kv"] and w["sdpa_read_kv"] == w["sdpa_live_kv"] == w["live_kv"], w
 
 
-def test_split_threshold_and_its_diagnostic_override(monkeypatch):
+def test_split_threshold_and_its_override():
     """num_splits: one program per row from 128 rows x groups (the engine's rule), else the cache length
-    over 256-key splits; TRINITY_DECODE_FULL_GRID moves the threshold (for whole-rollout comparisons), and
-    a benchmark's `tune` still wins."""
+    over 256-key splits; `tune`'s full_grid moves the threshold (the engine passes
+    DecodeKernels.full_grid, for whole-rollout comparisons; benchmarks their own)."""
     from trinity.rollout.decode_attention import full_grid, num_splits
+    from trinity.rollout.kernels import DecodeKernels
 
-    monkeypatch.delenv("TRINITY_DECODE_FULL_GRID", raising=False)
-    assert full_grid() == 128 and full_grid({"full_grid": 256}) == 256
+    assert full_grid() == 128 == DecodeKernels().full_grid and full_grid({"full_grid": 256}) == 256
     assert num_splits(128, 1280) == 1 and num_splits(384, 1088) == 1 and num_splits(64, 1088) == 5
-    monkeypatch.setenv("TRINITY_DECODE_FULL_GRID", "512")
-    assert full_grid() == 512
-    assert num_splits(512, 1088) == 1 and num_splits(384, 1088) == 5 and num_splits(128, 1280) == 5
+    wide = {"full_grid": 512}
+    assert full_grid(wide) == 512
+    assert num_splits(512, 1088, wide) == 1 and num_splits(384, 1088, wide) == 5 and num_splits(128, 1280, wide) == 5
     assert num_splits(384, 1088, {"full_grid": 128}) == 1 and num_splits(64, 1088, {"split": 512}) == 3

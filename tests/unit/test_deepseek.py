@@ -90,7 +90,8 @@ def test_logits_round_trip_and_rollout_equal_hf(family, rope, over, tmp_path):
     from trinity.distributed.parallel import destroy, init_parallel
     from trinity.models.build import build_model
     from trinity.rollout.continuous import KVBudget, generate_continuous
-    from trinity.rollout.generate import SamplingParams, generate
+    from trinity.rollout.reference import reference_generate
+    from trinity.rollout.types import SamplingParams
 
     src = make_tiny_hf_model(family, tmp_path / "hf", **({"rope_parameters": rope} if rope else {}), **over)
     facts = ModelFacts.from_hf_dir(src)
@@ -119,7 +120,7 @@ def test_logits_round_trip_and_rollout_equal_hf(family, rope, over, tmp_path):
         assert set(exported) == set(original)
         assert all(torch.equal(exported[n], t) for n, t in original.items())
         params = SamplingParams(temperature=0.0, max_new_tokens=new)
-        static = generate(gpt, PROMPTS, params, vocab_size=facts.vocab_size, pad_id=0)
+        static = reference_generate(gpt, PROMPTS, params, vocab_size=facts.vocab_size, pad_id=0)
         cont = generate_continuous(gpt, PROMPTS, params, vocab_size=facts.vocab_size, pad_id=0,
                                    budget=KVBudget(max_num_seqs=2))
     finally:

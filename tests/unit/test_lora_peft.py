@@ -197,7 +197,7 @@ def _tp2_worker(rank: int, port: int, hf_dir: str, folder: str, out: str) -> Non
     # the rollout at TP=2 (module path: the adapters' hooks with their TP collectives) with the adapters
     # unmerged (actor.lora.rollout_weights `adapters`) and merged
     from trinity.rollout.continuous import generate_continuous
-    from trinity.rollout.generate import SamplingParams
+    from trinity.rollout.types import SamplingParams
     from trinity.trainer.recipes.lora_ref import rollout_weights
 
     rollouts = {}

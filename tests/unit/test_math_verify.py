@@ -9,8 +9,8 @@ import pytest
 pytest.importorskip("math_verify")
 
 from trinity.errors import UserError  # noqa: E402
-from trinity.rollout.math_verify_reward import MathVerifyReward, extract_answer  # noqa: E402
-from trinity.rollout.rewards import load_reward_fn, reward_problems  # noqa: E402
+from trinity.rewards.math_verify_reward import MathVerifyReward, extract_answer  # noqa: E402
+from trinity.rewards.loader import load_reward_fn, reward_problems  # noqa: E402
 
 
 def _score(responses: list[str], answers: list[str | None], **kw: str) -> list[float]:

@@ -7,7 +7,8 @@ import torch
 
 from trinity.config.megatron import MegatronConfig
 from trinity.config.schema import ActorConfig, OptimConfig
-from trinity.rollout.generate import SamplingParams, generate
+from trinity.rollout.reference import reference_generate
+from trinity.rollout.types import SamplingParams
 from trinity.trainer.engine.offload import RoleOffloader, optimizer_tensors
 
 PROMPTS = [[5, 6, 7, 8], [9, 10], [11, 12, 13], [14]]
@@ -41,7 +42,7 @@ def _steps(facts, path, offload: bool, distributed: bool = True, n: int = 3) -> 
     losses = []
     for step in range(n):
         off.need(params=True)
-        ro = generate(state.model[0], PROMPTS, SamplingParams(max_new_tokens=5), vocab_size=facts.vocab_size, pad_id=0,
+        ro = reference_generate(state.model[0], PROMPTS, SamplingParams(max_new_tokens=5), vocab_size=facts.vocab_size, pad_id=0,
                       generator=torch.Generator().manual_seed(step))
         off.need(params=False)  # e.g. the ref's phase
         off.need(params=True)

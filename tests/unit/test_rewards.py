@@ -10,16 +10,9 @@ import pytest
 
 from trinity.config.schema import RewardConfig
 from trinity.errors import UserError
-from trinity.rollout.rewards import (
-    BUILTIN_REWARDS,
-    extract_after_marker,
-    extract_boxed,
-    extract_last_number,
-    load_reward_fn,
-    normalize_answer,
-    reward_fn_from_config,
-)
-from trinity.rollout.reward_process import RewardResult
+from trinity.rewards.extract import extract_after_marker, extract_boxed, extract_last_number, normalize_answer
+from trinity.rewards.loader import BUILTIN_REWARDS, load_reward_fn, reward_fn_from_config
+from trinity.rewards.process import RewardResult
 
 
 def test_extractors():
@@ -115,7 +108,7 @@ def test_user_function_loads_and_scores(user_module):
     assert by_path(["p"], ["ab"], [None]) == [0.2]
 
 
-# --- the job's rewards: a worker process with a deadline (trinity.rollout.reward_process) ---
+# --- the job's rewards: a worker process with a deadline (trinity.rewards.process) ---
 
 MIXED = """
 import math, time
@@ -134,7 +127,7 @@ def mixed(prompts, responses, answers):
 
 
 def _guard(user_module, on_error: str):
-    from trinity.rollout.reward_process import GuardedReward
+    from trinity.rewards.process import GuardedReward
 
     (user_module / "mixed_rewards.py").write_text(MIXED)
     return GuardedReward(RewardConfig(function="mixed_rewards:mixed", timeout_s=0.5, on_error=on_error))
@@ -190,7 +183,7 @@ def test_failing_samples_score_zero_with_their_lines(user_module):
 
 def test_guarded_scores_are_the_functions_own(user_module):
     """The normal path: the same scores as the function called in this process, also for a built-in."""
-    from trinity.rollout.reward_process import GuardedReward
+    from trinity.rewards.process import GuardedReward
 
     responses, answers = [r"\boxed{19.0}", "18", "so 19", "19 then 20"], ["19"] * 4
     spec = RewardConfig(function="math_exact_match", extractor="boxed")
@@ -209,7 +202,7 @@ def test_guarded_scores_are_the_functions_own(user_module):
 
 
 def test_user_function_bad_outputs(user_module):
-    from trinity.rollout.reward_process import GuardedReward
+    from trinity.rewards.process import GuardedReward
 
     guard = GuardedReward(RewardConfig(function="my_rewards:wrong_count"))
     try:
@@ -242,3 +235,23 @@ def test_timeout_must_be_positive_and_finite(value):
 def test_user_function_load_errors(user_module, spec, message):
     with pytest.raises(UserError, match=message.replace("(", r"\(")):
         load_reward_fn(spec)
+
+
+def test_former_module_paths_of_the_shipped_rewards_still_load():
+    """Configs written before the rewards had their own package name `trinity.rollout.<module>:function`:
+    the loader, the validation and the plan read them as the module's name now."""
+    import importlib
+    import importlib.util
+    from pathlib import Path
+
+    from trinity.rewards import arithmetic_reward
+    from trinity.rewards.loader import MOVED_MODULES, reward_code_file, reward_problems
+
+    old = "trinity.rollout.arithmetic_reward:digit_fraction"
+    assert load_reward_fn(old) is arithmetic_reward.digit_fraction
+    assert reward_problems(old) == []
+    assert Path(reward_code_file(old)).resolve() == Path(arithmetic_reward.__file__).resolve()
+    (problem,) = reward_problems("trinity.rollout.arithmetic_reward:nope")
+    assert problem.startswith("reward.function: ") and "does not define 'nope' at top level" in problem
+    for former, now in MOVED_MODULES.items():
+        assert importlib.util.find_spec(former) is None and importlib.import_module(now).__name__ == now

@@ -49,10 +49,11 @@ def test_first_fit_decreasing_examples():
 
 def _rollout(model, facts, seed: int = 1):
     """Sampled responses of varied lengths (many EOS ids), prompts of varied lengths."""
-    from trinity.rollout.generate import SamplingParams, generate
+    from trinity.rollout.reference import reference_generate
+    from trinity.rollout.types import SamplingParams
 
     hot = SamplingParams(temperature=1.0, max_new_tokens=9, eos_token_ids=tuple(range(1, 60)))
-    return generate(model, PROMPTS * 2, hot, vocab_size=facts.vocab_size, pad_id=0,
+    return reference_generate(model, PROMPTS * 2, hot, vocab_size=facts.vocab_size, pad_id=0,
                     generator=torch.Generator().manual_seed(seed))
 
 
@@ -172,7 +173,7 @@ def test_packed_matches_padded(facts_path, mode):
 def test_pack_rollout_layout(facts_path):
     """Each row holds real tokens only (prompt without padding, response up to EOS), every sequence once,
     within the budget; rows are rounded up to `multiple`; results come back in the rollout's order."""
-    from trinity.rollout.generate import generate  # noqa: F401 (the model's rollout)
+    from trinity.rollout.reference import reference_generate  # noqa: F401 (the model's rollout)
     from trinity.trainer.recipes.rollout_forward import pack_rollout, sequence_lengths
 
     facts, path = facts_path

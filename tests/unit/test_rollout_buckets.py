@@ -59,7 +59,7 @@ def test_the_engine_runs_the_buckets_it_is_given(tiny_qwen2_cpu, monkeypatch):
     """A ladder without bucket 2 (as the timing would leave it out): no step runs at 2 rows, and the
     output is the plain ladder's."""
     import trinity.rollout.continuous as engine
-    from trinity.rollout.generate import SamplingParams
+    from trinity.rollout.types import SamplingParams
 
     gpt, facts, _ = tiny_qwen2_cpu
     prompts = [[5, 9, 17, 3], [7, 1], [100, 12, 8, 60], [33, 34]]
@@ -69,7 +69,7 @@ def test_the_engine_runs_the_buckets_it_is_given(tiny_qwen2_cpu, monkeypatch):
     plain = engine.RolloutStats(time_buckets=True)
     want = engine.generate_continuous(gpt, prompts, params, stats=plain, **kw)
     assert 2 in plain.buckets  # the plain ladder does run a 2-row bucket here
-    monkeypatch.setattr(engine, "decode_buckets", lambda gpts, cap, device: Buckets((1, 4), ((2, 4, 0.5),)))
+    monkeypatch.setattr(engine, "decode_buckets", lambda gpts, cap, device, tuned=True: Buckets((1, 4), ((2, 4, 0.5),)))
     tuned = engine.RolloutStats(time_buckets=True)
     got = engine.generate_continuous(gpt, prompts, params, stats=tuned, **kw)
     assert set(tuned.buckets) == {1, 4} and tuned.bucket_note == "2 rows run as 4 (0.50x the GEMM time)"

@@ -1,5 +1,5 @@
 """The continuous-batching rollout engine (CPU, fp32, a real megatron-core GPTModel) against the static
-batch of `trinity.rollout.generate`: same greedy tokens, log-probs within 1e-5, rows ending at different
+batch of `trinity.rollout.reference`: same greedy tokens, log-probs within 1e-5, rows ending at different
 EOS positions, a KV budget that forces several waves, one prefill per prompt for its n samples, TP=2 and
 PP=2 (gloo) against TP=1; the config fields and their refusals."""
 
@@ -15,10 +15,10 @@ import torch
 from tests.conftest import run_two_ranks
 from trinity.config.megatron import MegatronConfig
 from trinity.models.facts import ModelFacts
-from trinity.rollout.continuous import (KVBudget, RolloutStats, bench_response_lengths, generate_continuous,
-                                        kv_bytes_per_token)
+from trinity.rollout.continuous import KVBudget, RolloutStats, generate_continuous, kv_bytes_per_token
 from trinity.rollout.decode import StaticDecoder
-from trinity.rollout.generate import SamplingParams, generate
+from trinity.rollout.reference import reference_generate
+from trinity.rollout.types import SamplingParams
 from trinity.rollout.slots import SlotDecoder
 
 # varying prompt lengths; each prompt 3 times (a group of n = 3 samples)
@@ -35,7 +35,7 @@ def model(tiny_qwen2_cpu):
 def _eos_params(gpt, facts, prompts) -> tuple[SamplingParams, torch.Tensor]:
     """Greedy params whose EOS ids are tokens the model emits at different steps per row (from a run
     without EOS), and the free run's responses."""
-    free = generate(gpt, prompts, SamplingParams(temperature=0.0, max_new_tokens=NEW), vocab_size=facts.vocab_size, pad_id=0)
+    free = reference_generate(gpt, prompts, SamplingParams(temperature=0.0, max_new_tokens=NEW), vocab_size=facts.vocab_size, pad_id=0)
     # the k-th distinct prompt's row ends near step 2 + 3k (greedy: its n copies are identical)
     firsts = sorted({tuple(p): i for i, p in reversed(list(enumerate(prompts)))}.values())
     eos = {int(free.responses[r, 2 + 3 * k]) for k, r in enumerate(firsts)}
@@ -55,7 +55,7 @@ def test_greedy_equals_static_batch(model, max_num_seqs):
     gpt, facts = model
     prompts = [p for p in PROMPTS for _ in range(3)]
     params, _ = _eos_params(gpt, facts, prompts)
-    want = generate(gpt, prompts, params, vocab_size=facts.vocab_size, pad_id=0)
+    want = reference_generate(gpt, prompts, params, vocab_size=facts.vocab_size, pad_id=0)
     lengths = want.response_mask.sum(1)
     assert 1 < lengths.min() < lengths.max() <= NEW  # rows really end at different steps
     stats = RolloutStats()
@@ -71,7 +71,7 @@ def test_rollout_over_kv_budget_runs_in_waves(model):
     gpt, facts = model
     prompts = [p for p in PROMPTS for _ in range(3)]
     params, _ = _eos_params(gpt, facts, prompts)
-    want = generate(gpt, prompts, params, vocab_size=facts.vocab_size, pad_id=0)
+    want = reference_generate(gpt, prompts, params, vocab_size=facts.vocab_size, pad_id=0)
     cache_len = 64  # longest prompt + NEW rounded up to 64
     per_slot = kv_bytes_per_token(gpt) * cache_len
     stats = RolloutStats()
@@ -168,18 +168,62 @@ def test_sampling_top_k_one_is_greedy_and_samples_differ(model):
     assert hot.logprobs[hot.response_mask.bool()].lt(0).all()
 
 
-def test_bench_response_lengths(monkeypatch):
-    from trinity.rollout.continuous import BENCH_LENGTHS_ENV
+def _eos_schedule(name: str = "eos_schedule.py"):
+    """benchmarks/eos_schedule.py: the benchmarks' EOS schedule (no part of the trinity package)."""
+    import importlib.util
 
-    monkeypatch.delenv(BENCH_LENGTHS_ENV, raising=False)
-    assert bench_response_lengths(8, 100) is None
-    monkeypatch.setenv(BENCH_LENGTHS_ENV, "lognormal")
-    x = torch.tensor(bench_response_lengths(20000, 1000), dtype=torch.float32)
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / name
+    spec = importlib.util.spec_from_file_location("bench_" + path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bench_response_lengths():
+    schedule = _eos_schedule().schedule
+    assert schedule(None) is None and schedule("fixed") is None
+    x = torch.tensor(schedule("lognormal")(20000, 1000), dtype=torch.float32)
     assert 1 <= x.min() and x.max() <= 1000
     assert 250 < x.mean() < 310  # mean 30% of the maximum, a little less after clipping at it
-    monkeypatch.setenv(BENCH_LENGTHS_ENV, "uniform")
-    u = torch.tensor(bench_response_lengths(20000, 100), dtype=torch.float32)
+    u = torch.tensor(schedule("uniform")(20000, 100), dtype=torch.float32)
     assert 48 < u.mean() < 53
+
+
+def test_bench_schedule_reaches_the_rl_engine(model, monkeypatch):
+    """The benchmarks' hook (benchmarks/eos_hook, in a `trinity run` of benchmarks/rl_step.py) patches the
+    engine module: `ActorRollout` rows then end at the drawn lengths; unpatched, at max_new_tokens."""
+    from trinity.rollout import continuous
+
+    gpt, facts = model
+    params = SamplingParams(temperature=0.0, max_new_tokens=NEW)
+    engine = continuous.ActorRollout(gpt, facts.vocab_size, 0)
+    assert engine.generate(PROMPTS, params).response_mask.sum(1).tolist() == [NEW] * len(PROMPTS)
+    monkeypatch.setattr(continuous, "generate_continuous", continuous.generate_continuous)  # restored after
+    _eos_schedule().patch(continuous, "fixed:3")
+    assert engine.generate(PROMPTS, params).response_mask.sum(1).tolist() == [3] * len(PROMPTS)
+
+
+def test_bench_hook_patches_the_engine_module_when_it_is_imported():
+    """benchmarks/eos_hook/sitecustomize.py: the finder a job's processes install finds the engine module
+    once (then leaves sys.meta_path) and patches it after it runs; here on a second copy of the module."""
+    import importlib.util
+    import sys
+
+    import trinity.rollout
+
+    finder = _eos_schedule("eos_hook/sitecustomize.py")._PatchOnImport("fixed:3")
+    sys.meta_path.insert(0, finder)
+    try:
+        assert finder.find_spec("trinity.rollout.slots", trinity.rollout.__path__) is None
+        spec = finder.find_spec("trinity.rollout.continuous", trinity.rollout.__path__)
+        gone = finder not in sys.meta_path
+    finally:
+        if finder in sys.meta_path:
+            sys.meta_path.remove(finder)
+    assert gone
+    copy = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(copy)
+    assert copy.generate_continuous.__name__ == "scheduled" and copy is not sys.modules["trinity.rollout.continuous"]
 
 
 def test_response_lengths_schedule_ends_rows(model):
@@ -248,10 +292,10 @@ def _parallel_worker(rank: int, port: int, model_dir: str, out: str, tp: int, pp
         torch.distributed.all_gather_object(gathered, (got.tokens.tolist(), hot.tokens.tolist(), hot.logprobs.tolist()))
         # the static engine at this layout too; both decoders take the lean path (at TP=2: this rank's
         # shards, an all-reduce after each row-parallel GEMM), not megatron's modules
-        static = generate(gpt, prompts, params, **kw)
+        static = reference_generate(gpt, prompts, params, **kw)
         lean = SlotDecoder(gpt, 2, 64).lean and StaticDecoder(gpt, 2, 64).lean
         ref = _build(facts, model_dir, 1, 1)
-        want = generate(ref, prompts, params, **kw)
+        want = reference_generate(ref, prompts, params, **kw)
         res = {"ranks_agree": gathered[0] == gathered[1], "tokens_equal": torch.equal(got.tokens, want.tokens),
                "mask_equal": torch.equal(got.response_mask, want.response_mask),
                "logp_diff": (got.logprobs - want.logprobs).abs().max().item(),
@@ -301,12 +345,12 @@ def _vpp_worker(rank: int, port: int, model_dir: str, out: str) -> None:
         # 4 slots for 12 rows: the rows run in waves, each refilling every chunk's KV cache
         stats = RolloutStats()
         got = generate_continuous(chunks, prompts, params, budget=KVBudget(max_num_seqs=4), stats=stats, **kw)
-        static = generate(chunks, prompts, params, **kw)
-        nocache = generate(chunks, prompts, params, use_cache=False, **kw)  # megatron's own forward per chunk
+        static = reference_generate(chunks, prompts, params, **kw)
+        nocache = reference_generate(chunks, prompts, params, use_cache=False, **kw)  # megatron's own forward per chunk
         gathered = [None, None]
         torch.distributed.all_gather_object(gathered, got.tokens.tolist())
         ref = _build(facts, model_dir, 1, 1)
-        want = generate(ref, prompts, params, **kw)
+        want = reference_generate(ref, prompts, params, **kw)
         res = {"ranks_agree": gathered[0] == gathered[1], "tokens_equal": torch.equal(got.tokens, want.tokens),
                "mask_equal": torch.equal(got.response_mask, want.response_mask),
                "logp_diff": (got.logprobs - want.logprobs).abs().max().item(),

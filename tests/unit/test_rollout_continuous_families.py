@@ -8,7 +8,7 @@ import pytest
 
 from tests.unit.test_rollout_continuous import PROMPTS, _eos_params, _same
 from trinity.rollout.continuous import KVBudget, generate_continuous
-from trinity.rollout.generate import generate
+from trinity.rollout.reference import reference_generate
 
 
 @pytest.mark.parametrize("family,force_module", [("qwen3", False), ("llama", True), ("qwen3_moe", False)])
@@ -23,7 +23,7 @@ def test_families_and_module_path_equal_static(family, force_module, tmp_path, m
     with _tiny_gpt(family, tmp_path) as (gpt, facts):
         prompts = [p for p in PROMPTS for _ in range(2)]
         params, _ = _eos_params(gpt, facts, prompts)
-        want = generate(gpt, prompts, params, vocab_size=facts.vocab_size, pad_id=0)
+        want = reference_generate(gpt, prompts, params, vocab_size=facts.vocab_size, pad_id=0)
         dec = continuous.SlotDecoder(gpt, 2, 64)
         assert dec.lean == (family != "qwen3_moe" and not force_module)
         got = generate_continuous(gpt, prompts, params, vocab_size=facts.vocab_size, pad_id=0,

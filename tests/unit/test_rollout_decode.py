@@ -11,7 +11,8 @@ import torch
 from trinity.config.megatron import MegatronConfig
 from trinity.distributed.layout import ParallelLayout
 from trinity.models.facts import ModelFacts
-from trinity.rollout.generate import SamplingParams, generate
+from trinity.rollout.reference import reference_generate
+from trinity.rollout.types import SamplingParams
 
 PROMPTS = [[5, 9, 17, 3, 44, 2], [7, 1], [100, 12, 8, 60]]
 
@@ -42,8 +43,8 @@ def test_static_cache_decoding_equals_full_forward_per_family(family, tmp_path):
     (llama), MoE layers (qwen3_moe, mixtral) must give the tokens and log-probs of full forwards."""
     with _tiny_gpt(family, tmp_path) as (gpt, facts):
         params = SamplingParams(temperature=0.0, max_new_tokens=6)
-        a = generate(gpt, PROMPTS, params, vocab_size=facts.vocab_size, pad_id=0)
-        b = generate(gpt, PROMPTS, params, vocab_size=facts.vocab_size, pad_id=0, use_cache=False)
+        a = reference_generate(gpt, PROMPTS, params, vocab_size=facts.vocab_size, pad_id=0)
+        b = reference_generate(gpt, PROMPTS, params, vocab_size=facts.vocab_size, pad_id=0, use_cache=False)
         assert torch.equal(a.tokens, b.tokens)
         assert torch.allclose(a.logprobs, b.logprobs, atol=1e-5)
 
@@ -54,7 +55,7 @@ def test_lean_layer_path_equals_megatron_module_path(family, tmp_path):
     query axis, RoPE on q and k together, residuals in addmm) gives the logits of the path that calls
     megatron's submodules, at prefill and at every decode step; MoE layers keep the module path."""
     from trinity.rollout.decode import StaticDecoder
-    from trinity.rollout.generate import left_pad
+    from trinity.rollout.layout import left_pad
 
     with _tiny_gpt(family, tmp_path) as (gpt, _):
         gpt.eval()

@@ -5,7 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trinity.rollout.generate import SamplingParams, attention_mask, generate, left_pad, sample
+from trinity.rollout.reference import attention_mask, reference_generate
+from trinity.rollout.layout import left_pad
+from trinity.rollout.sampler import sample
+from trinity.rollout.types import SamplingParams
 
 PROMPTS = [[5, 9, 17, 3, 44, 2], [7, 1], [100, 12, 8, 60]]
 
@@ -26,8 +29,8 @@ def test_attention_mask_left_padding():
 def test_greedy_with_kv_cache_equals_without(model):
     gpt, facts, _ = model
     params = SamplingParams(temperature=0.0, max_new_tokens=8)
-    a = generate(gpt, PROMPTS, params, vocab_size=facts.vocab_size, pad_id=0)
-    b = generate(gpt, PROMPTS, params, vocab_size=facts.vocab_size, pad_id=0, use_cache=False)
+    a = reference_generate(gpt, PROMPTS, params, vocab_size=facts.vocab_size, pad_id=0)
+    b = reference_generate(gpt, PROMPTS, params, vocab_size=facts.vocab_size, pad_id=0, use_cache=False)
     assert torch.equal(a.tokens, b.tokens)
     assert torch.allclose(a.logprobs, b.logprobs, atol=1e-5)
     assert a.response_mask.sum().item() == 3 * 8
@@ -39,10 +42,10 @@ def test_greedy_matches_hf_and_unpadded(model):
 
     gpt, facts, path = model
     params = SamplingParams(temperature=0.0, max_new_tokens=6)
-    batched = generate(gpt, PROMPTS, params, vocab_size=facts.vocab_size, pad_id=0)
+    batched = reference_generate(gpt, PROMPTS, params, vocab_size=facts.vocab_size, pad_id=0)
     hf = AutoModelForCausalLM.from_pretrained(str(path)).eval()
     for i, p in enumerate(PROMPTS):
-        alone = generate(gpt, [p], params, vocab_size=facts.vocab_size, pad_id=0)
+        alone = reference_generate(gpt, [p], params, vocab_size=facts.vocab_size, pad_id=0)
         assert torch.equal(alone.responses[0], batched.responses[i])
         ids = torch.tensor([p])
         want = hf.generate(ids, max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(p):]
@@ -55,7 +58,7 @@ def test_rollout_logprobs_equal_training_forward(model):
     gpt, facts, _ = model
     g = torch.Generator().manual_seed(0)
     params = SamplingParams(temperature=1.0, max_new_tokens=10, eos_token_ids=(1, 2, 3))
-    ro = generate(gpt, PROMPTS * 2, params, vocab_size=facts.vocab_size, pad_id=0, generator=g)
+    ro = reference_generate(gpt, PROMPTS * 2, params, vocab_size=facts.vocab_size, pad_id=0, generator=g)
     trained = infer_logprobs([gpt], ro, facts.vocab_size, micro_batch=4)
     assert ro.response_mask.sum() > 0
     assert (trained - ro.logprobs).abs().max().item() <= 1e-5

@@ -94,7 +94,7 @@ def test_first_use_verdict_warns_with_the_reason():
     names why (docs/troubleshooting.md lists these warnings)."""
     import warnings
 
-    from trinity.rollout.decode_attention import verdict
+    from trinity.rollout.first_use import verdict
 
     msg = "fused sampler disabled ({reason}); the rollout samples with the torch ops"
     with warnings.catch_warnings(record=True) as seen:

@@ -302,7 +302,7 @@ def test_reward_module_found_on_the_path_without_import(write_job, rl_job, tmp_p
         "run trinity from its folder, or write 'path/to/file.py:function'"
     )
     # The shipped example and the built-ins validate; a built-in's own settings are checked too.
-    load_config(_rl_with_reward(write_job, rl_job, "trinity.rollout.arithmetic_reward:closeness"))
+    load_config(_rl_with_reward(write_job, rl_job, "trinity.rewards.arithmetic_reward:closeness"))
     assert _starting(problems_of(_rl_with_reward(write_job, rl_job, "format")), "reward.") == (
         "reward.format_pattern: must be set when reward.function is 'format'"
     )
@@ -328,8 +328,8 @@ def test_plan_names_the_reward_code(write_job, rl_job, tmp_path, monkeypatch):
         "read it before running a config you did not write"
     ]
     assert plan_lines("math_exact_match") == ["reward: built-in math_exact_match, extractor last_number"]
-    assert plan_lines("trinity.rollout.arithmetic_reward:closeness") == [
-        "reward: trinity.rollout.arithmetic_reward:closeness (shipped with trinity: trinity/rollout/arithmetic_reward.py)"
+    assert plan_lines("trinity.rewards.arithmetic_reward:closeness") == [
+        "reward: trinity.rewards.arithmetic_reward:closeness (shipped with trinity: trinity/rewards/arithmetic_reward.py)"
     ]
 
 

@@ -1,4 +1,4 @@
-"""`trinity generate`: answers from a model with the rollout engine (`trinity.rollout.generate`), for a
+"""`trinity generate`: answers from a model with the rollout engine (`trinity.rollout.continuous`), for a
 quick look at a model before or after training.
 
 `--model` takes any of:
@@ -168,7 +168,7 @@ def generate_answers(
     from trinity.models.build import build_model
     from trinity.models.facts import ModelFacts
     from trinity.rollout.continuous import generate_continuous
-    from trinity.rollout.generate import SamplingParams
+    from trinity.rollout.types import SamplingParams
 
     dev = _device(device)
     tokenizer = load_tokenizer(source.hf_dir)

@@ -259,7 +259,7 @@ def describe_reward(cfg: JobConfig) -> str:
     """One line on the reward: a built-in, or the file of user code that every rank runs with the job's
     rights (it can read, write and send whatever the job's user can), so that a config from someone
     else is read before it runs."""
-    from trinity.rollout.rewards import reward_code_file
+    from trinity.rewards.loader import reward_code_file
 
     r = cfg.reward
     code = reward_code_file(r.function)

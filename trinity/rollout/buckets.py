@@ -12,14 +12,13 @@ in that larger bucket, whose padding rows cost less than the slow kernel. The ma
 (a few percent) from changing the ladder from one run to the next (the engine's timing put the 512-row
 GEMMs at 0.64x of the 448-row ones). The ranks of a model-parallel group add up their times, so that all of them pick the same
 ladder (their steps exchange hidden states and all-reduce at the same shapes). Measured once per process
-and slot count (an RL job's later rollouts reuse it). TRINITY_DECODE_BUCKETS=fixed keeps the plain
-ladder (a diagnostic).
+and slot count (an RL job's later rollouts reuse it). `DecodeKernels(tuned_buckets=False)` keeps the
+plain ladder (a comparison).
 """
 
 from __future__ import annotations
 
 import bisect
-import os
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -31,7 +30,6 @@ from trinity.rollout.kv_budget import model_parallel_all_reduce
 SMALL = 64  # below this, powers of two; the buckets tuned start here
 MARGIN = 0.15  # a bucket is left out when a larger one takes less than (1 - MARGIN) of its time
 REPS = 3  # timed replays per bucket (the fastest counts)
-ENV = "TRINITY_DECODE_BUCKETS"
 
 
 def plain_bucket(n: int, cap: int) -> int:
@@ -83,13 +81,12 @@ def choose(candidates: Sequence[int], times: Sequence[float], margin: float = MA
 _TUNED: dict[tuple, Buckets] = {}
 
 
-def decode_buckets(gpts: Sequence[Any], cap: int, device: torch.device) -> Buckets:
-    """The buckets for `cap` slots (module doc): the plain ladder on CPU, with TRINITY_DECODE_BUCKETS=fixed,
-    below 2 buckets of 64+ rows, or where a rank of the model-parallel group has layers that are not a dense
+def decode_buckets(gpts: Sequence[Any], cap: int, device: torch.device, *, tuned: bool = True) -> Buckets:
+    """The buckets for `cap` slots (module doc): the plain ladder with tuned=False, on CPU, below 2 buckets of 64+ rows, or where a rank of the model-parallel group has layers that are not a dense
     GPT's; else tuned by timing. Every rank of the group calls it with the same `cap` (as `plan_slots`)."""
     plain = Buckets.plain(cap)
     candidates = [b for b in plain.sizes if b >= SMALL]
-    if device.type != "cuda" or os.environ.get(ENV, "") == "fixed" or len(candidates) < 2:
+    if not tuned or device.type != "cuda" or len(candidates) < 2:
         return plain
     gemms = step_gemms(gpts, device)
     key = (str(device), cap, None if gemms is None else
@@ -114,7 +111,7 @@ def agree(times: list[float] | None, plain: Buckets) -> Buckets:
 
 def step_gemms(gpts: Sequence[Any], device: torch.device) -> list[tuple[str, torch.Tensor, torch.Tensor | None]] | None:
     """The GEMMs of one decode step of these model chunks, as the lean decode path calls them
-    (`trinity.rollout.slots.SlotDecoder._lean_layer`): per layer QKV (F.linear with its bias), the output
+    (`trinity.rollout.decode.StageDecoder._lean_layer`): per layer QKV (F.linear with its bias), the output
     projection (`addmm_` into the residual), gate/up (F.linear) and down (`addmm_`); the LM head on the last
     stage. None when a layer has no such linears (no tuning) or a weight is not on `device`."""
     out: list[tuple[str, torch.Tensor, torch.Tensor | None]] = []

@@ -172,11 +172,13 @@ def block_output(attn: Any, out: torch.Tensor, bias: torch.Tensor | None) -> tor
 
 
 class StageDecoder:
-    """What every KV-cached decoder of one pipeline stage of a megatron GPTModel sets up the same way
+    """What every KV-cached decoder of one pipeline stage of a megatron GPTModel shares
     (`StaticDecoder` here, `trinity.rollout.slots.SlotDecoder`): this TP rank's attention geometry, a
     [rows, groups, cache_len, head_dim] key and value cache per layer, megatron's RoPE table with its
-    cos/sin, the way through a layer (`lean`) and whether decode steps are captured as CUDA graphs.
-    One place, so that both decoders compute a layer from the same tables and take the same path."""
+    cos/sin, the way through a layer (`lean`), whether decode steps are captured as CUDA graphs, and the
+    layers themselves: the embedding, the lean and module layer loops and the logits head. A decoder
+    supplies only its attention (`_lean_attention`, `_module_attend`: where keys and values go, what a
+    query reads). One place, so that both decoders compute a layer the same way."""
 
     def __init__(self, gpt: Any, rows: int, cache_len: int, *, cuda_graphs: bool) -> None:
         from megatron.core import parallel_state as ps
@@ -254,6 +256,108 @@ class StageDecoder:
         return residual + y
 
 
+    # ---- the layer path both decoders run -----------------------------------------------------------
+    # A decoder supplies its attention (where it stores keys and values, what it attends over): the lean
+    # path's `_lean_attention` and the module path's `_module_attend`, both reading `ctx`, the decoder's
+    # own description of the forward (its cache positions, masks).
+    def _embed(self, tokens: torch.Tensor, position_ids: torch.Tensor, hidden: torch.Tensor | None) -> torch.Tensor:
+        """The stage's input [s, b, h]: the embedded tokens [b, s] on the first stage, else `hidden`."""
+        if self.first:
+            return self.gpt.embedding(input_ids=tokens, position_ids=position_ids)
+        assert hidden is not None, "a non-first pipeline stage needs the previous stage's hidden states"
+        return hidden
+
+    def _layers(self, x: torch.Tensor, positions: torch.Tensor, ctx: dict) -> torch.Tensor:
+        """x [s, b, h] through this stage's layers; positions [s, b] (per row) or [s, 1] (every row at the
+        same positions): where RoPE rotates each query and key."""
+        s, b, h = x.shape
+        if self.lean:
+            cos = sin = None  # the fused kernels read the table at each row's position
+            if not self._rope_in_kernel(ctx):
+                idx, shape = positions.reshape(-1), (*positions.shape, 1, 1, -1)
+                cos, sin = self.cos.index_select(0, idx).view(shape), self.sin.index_select(0, idx).view(shape)
+            x = self._residual_stream(x)
+            for i, layer in enumerate(self.layers):
+                x = self._lean_layer(i, layer, x, s, b, cos, sin, ctx)
+            return x.view(s, b, h)
+        tables: dict[int, torch.Tensor] = {}  # a layer's RoPE rows at `positions`, one gather per distinct table
+        for i, layer in enumerate(self.layers):
+            table = self.layer_freqs[i]
+            if id(table) not in tables:
+                tables[id(table)] = table.index_select(0, positions.reshape(-1)).view(*positions.shape, 1, -1)
+            post_attention, post_mlp = self.post_norms[i]
+            x = x + post_attention(self._module_attention(i, layer, layer.input_layernorm(x), tables[id(table)], ctx))
+            out, bias = layer.mlp(layer.pre_mlp_layernorm(x))
+            x = x + post_mlp(out if bias is None else out + bias)
+        return x
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        """x [1, b, h] -> logits [b, vocab (gathered over TP, padded)]."""
+        x = self.gpt.decoder.final_layernorm(x)
+        weight = self.gpt.shared_embedding_or_output_weight() if self.gpt.share_embeddings_and_output_weights else None
+        logits, _ = self.gpt.output_layer(x, weight=weight, runtime_gather_output=True)
+        return logits[0]
+
+    def _rope_in_kernel(self, ctx: dict) -> bool:
+        """Whether this forward's lean attention applies RoPE itself (a fused decode kernel)."""
+        return False
+
+    def _lean_layer(self, i: int, layer: Any, x: torch.Tensor, s: int, b: int, cos: torch.Tensor | None,
+                    sin: torch.Tensor | None, ctx: dict) -> torch.Tensor:
+        """One layer on the residual stream x [s*b, h] (row = position-major, as megatron's [s, b, h])."""
+        attn = layer.self_attention
+        qkv = lora.linear(_rms(x, layer.input_layernorm), attn.linear_qkv, attn.linear_qkv.bias)
+        # megatron's layout: per group, its query heads, key, value
+        qkv = qkv.view(s, b, self.groups, self.heads // self.groups + 2, self.head_dim)
+        return self._lean_rest(layer, x, self._lean_attention(i, attn, qkv, cos, sin, ctx))
+
+    def _lean_qkv(self, attn: Any, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """q [s, b, g, per, d], k [s, b, g, 1, d], v [s, b, g, d] of the QKV projection [s, b, g, per + 2, d]:
+        QK-norms, then RoPE."""
+        per = self.heads // self.groups
+        if self.config.qk_layernorm:
+            q = _rope(_rms(qkv[:, :, :, :per], attn.q_layernorm), cos, sin)
+            k = _rope(_rms(qkv[:, :, :, per:per + 1], attn.k_layernorm), cos, sin)
+        else:  # a group's query heads and its key head are adjacent: rotate them together
+            qk = _rope(qkv[:, :, :, :per + 1], cos, sin)
+            q, k = qk[:, :, :, :per], qk[:, :, :, per:]
+        return q, k, qkv[:, :, :, per + 1]
+
+    def _lean_attention(self, i: int, attn: Any, qkv: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
+                        ctx: dict) -> torch.Tensor:
+        """Layer i's attention output [s*b, heads*d] from its QKV projection [s, b, g, per + 2, d] (the
+        decoder's: its cache, its masks)."""
+        raise NotImplementedError
+
+    def _lean_rest(self, layer: Any, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """A lean layer after its attention: output projection + residual, then the SwiGLU MLP + residual."""
+        attn, mlp = layer.self_attention, layer.mlp
+        x = self._row_parallel_add(x, out, attn.linear_proj)
+        if attn.linear_proj.bias is not None:
+            x = x + attn.linear_proj.bias
+        up = lora.linear(_rms(x, layer.pre_mlp_layernorm), mlp.linear_fc1)
+        return self._row_parallel_add(x, self._swiglu(up), mlp.linear_fc2)
+
+    def _swiglu(self, up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * value of up = [gate | value] (SlotDecoder: a fused kernel where it runs)."""
+        gate, value = torch.chunk(up, 2, dim=-1)
+        return F.silu(gate) * value
+
+    def _module_attention(self, i: int, layer: Any, hidden: torch.Tensor, freqs: torch.Tensor, ctx: dict) -> torch.Tensor:
+        """The module path's attention block of layer i on hidden [s, b, h] (RoPE rows `freqs`)."""
+        attn = layer.self_attention
+        q, k, v = self._module_qkv(attn, hidden, freqs)
+        out = self._module_attend(i, q, k, v, ctx)  # [b, heads, s, v_dim]
+        s, b = hidden.shape[:2]
+        out, bias = attn.linear_proj(out.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.v_dim))
+        return block_output(attn, out, bias)
+
+    def _module_attend(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: dict) -> torch.Tensor:
+        """Layer i's keys and values k/v [s, b, groups, d] into the cache, and the attention of q [s, b,
+        heads, d] over the cache: [b, heads, s, v_dim] (the decoder's)."""
+        raise NotImplementedError
+
+
 class StaticDecoder(StageDecoder):
     """Prefill and single-token steps of one pipeline stage of a megatron GPTModel (the whole model at
     PP=1) over a [batch, max_len] KV cache of its own layers."""
@@ -268,77 +372,29 @@ class StaticDecoder(StageDecoder):
         self._slot = torch.zeros(1, dtype=torch.long, device=self.device)
         # the previous stage's hidden state of the decode step (non-first pipeline stages)
         self._hidden = None if self.first else torch.zeros(1, batch, self.config.hidden_size, dtype=self.dtype, device=self.device)
-        self._logits: torch.Tensor | None = None
+        self._graph_out: torch.Tensor | None = None  # the captured step's output buffer
         # torch.compile fuses the pointwise work between the GEMMs (norms, RoPE, cache writes, SwiGLU);
         # shapes only change with (batch, max_len), so a process compiles once or twice.
         self._run_step = torch.compile(self._step) if compile else self._step
 
-    # ---- the lean path -------------------------------------------------------------------------
-    def _lean_layer(self, i: int, layer: Any, x: torch.Tensor, s: int, slots: torch.Tensor,
-                    cos: torch.Tensor, sin: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-        """One layer on the residual stream x [s*b, h] (row = position-major, as megatron's [s, b, h])."""
-        attn, mlp = layer.self_attention, layer.mlp
-        b, g, per, d = x.shape[0] // s, self.groups, self.heads // self.groups, self.head_dim
-        qkv = lora.linear(_rms(x, layer.input_layernorm), attn.linear_qkv, attn.linear_qkv.bias)
-        qkv = qkv.view(s, b, g, per + 2, d)  # megatron's layout: per group, its query heads, key, value
-        if self.config.qk_layernorm:
-            q = _rope(_rms(qkv[:, :, :, :per], attn.q_layernorm), cos, sin)
-            k = _rope(_rms(qkv[:, :, :, per:per + 1], attn.k_layernorm), cos, sin)
-        else:  # a group's query heads and its key head are adjacent: rotate them together
-            qk = _rope(qkv[:, :, :, :per + 1], cos, sin)
-            q, k = qk[:, :, :, :per], qk[:, :, :, per:]
-        self.keys[i].index_copy_(2, slots, k.squeeze(3).permute(1, 2, 0, 3))
-        self.values[i].index_copy_(2, slots, qkv[:, :, :, per + 1].permute(1, 2, 0, 3))
+    # ---- its attention over the [batch, cache_len] cache: every row's new keys at the same slots -------
+    def _lean_attention(self, i: int, attn: Any, qkv: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
+                        ctx: dict) -> torch.Tensor:
+        s, b, g, _, d = qkv.shape
+        per = self.heads // g
+        q, k, v = self._lean_qkv(attn, qkv, cos, sin)
+        self.keys[i].index_copy_(2, ctx["slots"], k.squeeze(3).permute(1, 2, 0, 3))
+        self.values[i].index_copy_(2, ctx["slots"], v.permute(1, 2, 0, 3))
         # the group's query heads along the query axis: [b, g, per*s, d] against its own keys
         q = q.permute(1, 2, 3, 0, 4).reshape(b, g, per * s, d)
-        out = F.scaled_dot_product_attention(q, self.keys[i], self.values[i], attn_mask=bias, scale=self.scale)
-        out = out.view(b, g, per, s, d).permute(3, 0, 1, 2, 4).reshape(s * b, g * per * d)
-        x = self._row_parallel_add(x, out, attn.linear_proj)
-        if attn.linear_proj.bias is not None:
-            x = x + attn.linear_proj.bias
-        up = lora.linear(_rms(x, layer.pre_mlp_layernorm), mlp.linear_fc1)
-        gate, value = torch.chunk(up, 2, dim=-1)
-        return self._row_parallel_add(x, F.silu(gate) * value, mlp.linear_fc2)
+        out = F.scaled_dot_product_attention(q, self.keys[i], self.values[i], attn_mask=ctx["biases"][i], scale=self.scale)
+        return out.view(b, g, per, s, d).permute(3, 0, 1, 2, 4).reshape(s * b, g * per * d)
 
-    def _lean_forward(self, x: torch.Tensor, slots: torch.Tensor, masks: list[torch.Tensor]) -> torch.Tensor:
-        s, b, h = x.shape
-        per = self.heads // self.groups
-        cos = self.cos.index_select(0, slots).view(s, 1, 1, 1, -1)
-        sin = self.sin.index_select(0, slots).view(s, 1, 1, 1, -1)
-        # additive mask once per call for every layer with that mask: [b, 1, per*s, keys], rows in
-        # (head, query) order
-        biases: dict[int, torch.Tensor] = {}
-        for mask in masks:
-            if id(mask) not in biases:
-                bias = torch.zeros(mask.shape, dtype=self.dtype, device=self.device).masked_fill_(~mask, float("-inf"))
-                biases[id(mask)] = bias.unsqueeze(2).expand(b, 1, per, s, mask.shape[-1]).reshape(
-                    b, 1, per * s, mask.shape[-1])
-        x = self._residual_stream(x)
-        for i, layer in enumerate(self.layers):
-            x = self._lean_layer(i, layer, x, s, slots, cos, sin, biases[id(masks[i])])
-        return x.view(s, b, h)
+    def _module_attend(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: dict) -> torch.Tensor:
+        self.keys[i].index_copy_(2, ctx["slots"], k.permute(1, 2, 0, 3))
+        self.values[i].index_copy_(2, ctx["slots"], v.permute(1, 2, 0, 3))
+        return attend(q.permute(1, 2, 0, 3), self.keys[i], self.values[i], ctx["masks"][i], self.scale, self.softcaps[i])
 
-    # ---- the module path -----------------------------------------------------------------------
-    def _attention(self, i: int, layer: Any, hidden: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        attn = layer.self_attention
-        q, k, v = self._module_qkv(attn, hidden, self.layer_freqs[i].index_select(0, slots))
-        self.keys[i].index_copy_(2, slots, k.permute(1, 2, 0, 3))
-        self.values[i].index_copy_(2, slots, v.permute(1, 2, 0, 3))
-        out = attend(q.permute(1, 2, 0, 3), self.keys[i], self.values[i], mask, self.scale,
-                     self.softcaps[i])  # [b, heads, s, d]
-        s, b = hidden.shape[:2]
-        out, bias = attn.linear_proj(out.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.v_dim))
-        return block_output(attn, out, bias)
-
-    def _module_forward(self, x: torch.Tensor, slots: torch.Tensor, masks: list[torch.Tensor]) -> torch.Tensor:
-        for i, layer in enumerate(self.layers):
-            post_attention, post_mlp = self.post_norms[i]
-            x = x + post_attention(self._attention(i, layer, layer.input_layernorm(x), slots, masks[i]))
-            out, bias = layer.mlp(layer.pre_mlp_layernorm(x))
-            x = x + post_mlp(out if bias is None else out + bias)
-        return x
-
-    # ---- shared ------------------------------------------------------------------------------------
     def _forward(self, tokens: torch.Tensor, slots: torch.Tensor, hidden: torch.Tensor | None) -> torch.Tensor:
         """Logits [b, vocab (gathered over TP, padded)] of the last position on the last pipeline stage,
         hidden states [s, b, h] elsewhere; tokens [b, s] sit at `slots` [s]; `hidden` is the previous
@@ -351,18 +407,21 @@ class StaticDecoder(StageDecoder):
         # precedes a row's tokens, so slot distance is token distance)
         windowed = {w: mask & (k_pos >= q_pos - w) for w in set(self.windows) if w is not None}
         masks = [mask if w is None else windowed[w] for w in self.windows]
-        if self.first:
-            x = self.gpt.embedding(input_ids=tokens, position_ids=slots.unsqueeze(0).expand_as(tokens))
-        else:
-            assert hidden is not None, "a non-first pipeline stage needs the previous stage's hidden states"
-            x = hidden
-        x = self._lean_forward(x, slots, masks) if self.lean else self._module_forward(x, slots, masks)
-        if not self.last:
-            return x
-        x = self.gpt.decoder.final_layernorm(x[-1:])
-        weight = self.gpt.shared_embedding_or_output_weight() if self.gpt.share_embeddings_and_output_weights else None
-        logits, _ = self.gpt.output_layer(x, weight=weight, runtime_gather_output=True)
-        return logits[0]
+        ctx: dict = {"slots": slots, "masks": masks}
+        if self.lean:
+            # the lean path's additive masks, once per call for every layer with that mask: [b, 1, per*s,
+            # keys], rows in (head, query) order
+            b, s = tokens.shape
+            per = self.heads // self.groups
+            biases: dict[int, torch.Tensor] = {}
+            for m in masks:
+                if id(m) not in biases:
+                    bias = torch.zeros(m.shape, dtype=self.dtype, device=self.device).masked_fill_(~m, float("-inf"))
+                    biases[id(m)] = bias.unsqueeze(2).expand(b, 1, per, s, m.shape[-1]).reshape(b, 1, per * s, m.shape[-1])
+            ctx["biases"] = [biases[id(m)] for m in masks]
+        x = self._embed(tokens, slots.unsqueeze(0).expand_as(tokens), hidden)
+        x = self._layers(x, slots.view(-1, 1), ctx)
+        return self._logits(x[-1:]) if self.last else x
 
     @torch.no_grad()
     def prefill(self, tokens: torch.Tensor, key_mask: torch.Tensor, hidden: torch.Tensor | None = None) -> torch.Tensor:
@@ -386,7 +445,7 @@ class StaticDecoder(StageDecoder):
         if self._graph is None:
             self._capture()
         self._graph.replay()
-        return self._logits
+        return self._graph_out
 
     def _step(self) -> torch.Tensor:
         self.valid.index_fill_(1, self._slot, True)
@@ -399,4 +458,4 @@ class StaticDecoder(StageDecoder):
             for _ in range(2):
                 self._run_step()
 
-        self._graph, self._logits = capture_graph(self._run_step, warm=warm)
+        self._graph, self._graph_out = capture_graph(self._run_step, warm=warm)

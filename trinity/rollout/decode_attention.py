@@ -19,6 +19,9 @@ import os
 
 import torch
 
+from trinity.rollout.first_use import checked_once, triton_runs, verdict
+from trinity.rollout.kernels import FULL_GRID
+
 try:  # triton ships with CUDA builds of torch; CPU runs use SDPA and never import the kernel
     import triton
     import triton.language as tl
@@ -32,9 +35,9 @@ BLOCK_N = 64  # keys per inner iteration
 def available(device: torch.device, head_dim: int, per: int, dtype: torch.dtype) -> bool:
     """Whether the kernel runs here: Triton on CUDA, a head size of 16..256 in powers of two, at most 16
     query heads per group (the padded query tile), and its first run (once per process and shape)
-    agreed with SDPA; otherwise the engine uses SDPA and a warning says why.
-    TRINITY_DECODE_ATTENTION=sdpa turns it off (a diagnostic: compare the two paths)."""
-    if os.environ.get("TRINITY_DECODE_ATTENTION", "") == "sdpa" or not triton_runs(device):
+    agreed with SDPA; otherwise the engine uses SDPA and a warning says why (`DecodeKernels.split_kv`
+    turns it off for a comparison)."""
+    if not triton_runs(device):
         return False
     if head_dim not in (16, 32, 64, 128, 256) or per > 16:
         return False
@@ -42,36 +45,6 @@ def available(device: torch.device, head_dim: int, per: int, dtype: torch.dtype)
 
 
 _CHECKED: dict[tuple, bool] = {}
-
-
-def triton_runs(device: torch.device) -> bool:
-    """Triton is installed and runs on `device`: CUDA, or anywhere under its interpreter (TRITON_INTERPRET=1,
-    the CPU tests)."""
-    return triton is not None and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")
-
-
-def checked_once(cache: dict, key: tuple, check) -> bool:
-    """`check()`'s verdict for `key`, computed at the first call of a process (a kernel's first-use check)."""
-    if key not in cache:
-        cache[key] = check()
-    return cache[key]
-
-
-def verdict(check, disabled: str) -> bool:
-    """Run a kernel's first-use check: `check()` returns None when the kernel agrees with the torch ops,
-    else the reason it does not; an exception (a Triton build or launch problem on this machine) is a
-    reason too. False comes with the warning `disabled` (a format string of `reason`): the torch ops
-    still work, the rollout is slower."""
-    import warnings
-
-    try:
-        reason = check()
-    except Exception as exc:
-        reason = f"{type(exc).__name__}: {exc}"
-    if reason is None:
-        return True
-    warnings.warn(disabled.format(reason=reason), stacklevel=3)
-    return False
 
 
 def _self_check(device: torch.device, head_dim: int, per: int, dtype: torch.dtype) -> bool:
@@ -108,7 +81,7 @@ def _self_check(device: torch.device, head_dim: int, per: int, dtype: torch.dtyp
                               for i, m in enumerate(lengths.tolist())])
             err = max(err, ((out - want).norm() / want.norm()).item())
         # with RoPE and the cache store in the kernel, against the torch ops, then SDPA
-        from trinity.rollout.decode_fused import random_rope_table, reference_rope_store
+        from trinity.rollout.rope_triton import random_rope_table, reference_rope_store
 
         qkv = torch.randn(b, groups, per + 2, head_dim, generator=g).to(device, dtype)
         cos, sin = (t.to(device, dtype) for t in random_rope_table(cache, head_dim, g))
@@ -126,14 +99,12 @@ def _self_check(device: torch.device, head_dim: int, per: int, dtype: torch.dtyp
     return verdict(check, "split-KV decode attention disabled ({reason}); the rollout uses SDPA")
 
 
-# rows x groups from which each (row, group) is one program, no splits and no merge kernel: ~one program per
-# SM of an H100 (132). Per layer that was 5-25% faster than splitting from 128 programs up; the rollouts
-# of 0.5B and 1.5B RL steps took 4.5-5% less than with 512 (docs/performance.md, "Decode kernels")
-_FULL_GRID = 128
-FULL_GRID_ENV = "TRINITY_DECODE_FULL_GRID"
 
 
 if triton is not None:
+
+    # the RoPE arithmetic and the rounding helper, shared with trinity.rollout.decode_fused's kernel
+    from trinity.rollout.rope_triton import _rope_at, _rope_row
 
     @triton.jit
     def _block(q, K, V, b, src, plen, g, sk_b, sk_g, sk_n, sv_b, sv_g, sv_n, cols, end, dims, m_i, l_i, acc, scale,
@@ -153,33 +124,6 @@ if triton is not None:
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION).to(tl.float32)
         return m_new, l_i, acc
-
-    @triton.jit
-    def _round(x, DT: tl.constexpr):
-        """x rounded to the tensors' dtype (as an eager op's result is), kept in fp32 for what follows."""
-        return x.to(DT).to(tl.float32)
-
-    @triton.jit
-    def _rope_row(COS, SIN, POS, b, s_c, dims, D: tl.constexpr):
-        """Row b's position p and what RoPE needs there, per head element d: its partner in
-        rotate_half(x) = [-x2 | x1] (d + D/2 mod D), that partner's sign, and cos/sin of the table's row p."""
-        p = tl.load(POS + b)
-        partner = (dims + D // 2) % D
-        sign = tl.where(dims < D // 2, -1.0, 1.0)
-        c = tl.load(COS + p * s_c + dims).to(tl.float32)
-        sn = tl.load(SIN + p * s_c + dims).to(tl.float32)
-        return p, partner, sign, c, sn
-
-    @triton.jit
-    def _rope_at(ptr, offs, partner, sign, c, s, mask, DT: tl.constexpr):
-        """RoPE of the head elements at ptr + offs (`partner` offsets and `sign` from `_rope_row`):
-        x * cos + rotate_half(x) * sin, each product and the sum rounded to the dtype as megatron's eager
-        ops round them. The one definition of the decode kernels' RoPE (this kernel and
-        trinity.rollout.decode_fused's); their callers compile without fused multiply-adds, which would
-        skip a rounding."""
-        x = tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        xr = tl.load(ptr + partner, mask=mask, other=0.0).to(tl.float32) * sign
-        return _round(_round(x * c, DT) + _round(xr * s, DT), DT).to(DT)
 
     @triton.jit
     def _split_kernel(Q, K, V, Lens, Src, Plen, Acc, Mx, Den, COS, SIN, POS, scale,
@@ -271,10 +215,9 @@ if triton is not None:
 
 
 def full_grid(tune: dict | None = None) -> int:
-    """Rows x groups from which each (row, group) is one program: a benchmark's `tune`, else
-    TRINITY_DECODE_FULL_GRID (a diagnostic for whole-rollout comparisons), else _FULL_GRID. The one place
-    that decides it: `num_splits` and the decode steps' warm-up key (`trinity.rollout.slots`) read it."""
-    return (tune or {}).get("full_grid") or int(os.environ.get(FULL_GRID_ENV, "") or _FULL_GRID)
+    """Rows x groups from which each (row, group) is one program: `tune`'s (a benchmark's, or the engine's
+    `DecodeKernels.full_grid`), else FULL_GRID."""
+    return (tune or {}).get("full_grid") or FULL_GRID
 
 
 def num_splits(programs: int, L: int, tune: dict | None = None) -> int:
@@ -290,7 +233,7 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     """q [b, groups, per, d]; keys/values [slots >= b, groups, cache_len, d]; lengths [b] (keys per
     row, >= 1); L >= max(lengths). Returns [b, groups, per, d] in q's dtype.
 
-    With b x groups >= _FULL_GRID programs (or splits=1) each program takes a whole row and writes the
+    With b x groups >= `full_grid(tune)` programs (or splits=1) each program takes a whole row and writes the
     normalised output; fewer rows (a rollout's tail) split each row into L / SPLIT parts that `_combine_kernel`
     merges, so that the GPU still has enough programs. `tune` (benchmarks/decode_kernels.py) overrides
     block_n, split, full_grid, num_warps and num_stages.

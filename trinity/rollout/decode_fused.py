@@ -18,15 +18,17 @@ few microseconds even inside a CUDA graph, and the tail of a rollout runs ~1000 
   the dtype before the product as `F.silu(gate) * value` rounds it.
 
 Both are checked against the torch ops at their first use in a process (`available`); the decoder uses
-the torch ops where they are not available (CPU, no Triton, a failed check, or
-TRINITY_DECODE_FUSED=0).
+the torch ops where they are not available (CPU, no Triton, a failed check) or not wanted
+(`DecodeKernels.fused`).
 """
 
 from __future__ import annotations
 
-import os
 
 import torch
+
+from trinity.rollout.first_use import checked_once, triton_runs, verdict
+from trinity.rollout.rope_triton import random_rope_table, reference_rope_store
 
 try:  # triton ships with CUDA builds of torch; CPU runs use the torch ops
     import triton
@@ -38,9 +40,7 @@ except ImportError:  # pragma: no cover - CPU-only installs
 def available(device: torch.device, head_dim: int, per: int, rot: int, dtype: torch.dtype) -> bool:
     """Whether the fused kernels run here: Triton on CUDA (or Triton's interpreter), RoPE over the whole
     head (rot == head_dim, a power of two of 16..256), and a first run that equals the torch ops."""
-    from trinity.rollout.decode_attention import checked_once, triton_runs
-
-    if os.environ.get("TRINITY_DECODE_FUSED", "1") == "0" or not triton_runs(device):
+    if not triton_runs(device):
         return False
     if rot != head_dim or head_dim not in (16, 32, 64, 128, 256):
         return False
@@ -50,33 +50,7 @@ def available(device: torch.device, head_dim: int, per: int, rot: int, dtype: to
 _CHECKED: dict[tuple, bool] = {}
 
 
-def reference_rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor,
-                         keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """The torch ops `rope_store` replaces (what the lean decode layer computes without it)."""
-    from trinity.rollout.decode import _rope
-
-    b, g, heads, d = qkv.shape
-    per = heads - 2
-    c, s = cos.index_select(0, pos).view(b, 1, 1, d), sin.index_select(0, pos).view(b, 1, 1, d)
-    qk = _rope(qkv[:, :, : per + 1], c, s)
-    rows = torch.arange(b, device=qkv.device)
-    keys[rows, :, pos] = qk[:, :, per]
-    values[rows, :, pos] = qkv[:, :, per + 1]
-    return qk[:, :, :per].contiguous()
-
-
-def random_rope_table(cache_len: int, head_dim: int, generator: torch.Generator | None = None,
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [cache_len, head_dim] (fp32, CPU) of random frequencies, in the layout of megatron's RoPE
-    table (both halves of a row the same angles): the input of the kernels' checks, tests and benchmarks."""
-    angles = torch.rand(cache_len, head_dim // 2, generator=generator) * torch.arange(cache_len).view(cache_len, 1)
-    angles = torch.cat([angles, angles], dim=-1)
-    return torch.cos(angles), torch.sin(angles)
-
-
 def _self_check(device: torch.device, head_dim: int, per: int, dtype: torch.dtype) -> bool:
-    from trinity.rollout.decode_attention import verdict
-
     import torch.nn.functional as F
 
     def check() -> str | None:
@@ -105,7 +79,7 @@ def _self_check(device: torch.device, head_dim: int, per: int, dtype: torch.dtyp
 if triton is not None:
 
     # the RoPE arithmetic and the rounding helper of the split-KV kernel (one definition)
-    from trinity.rollout.decode_attention import _round, _rope_at, _rope_row
+    from trinity.rollout.rope_triton import _round, _rope_at, _rope_row
 
     @triton.jit
     def _rope_store_kernel(QKV, COS, SIN, POS, KC, VC, QO,

@@ -22,16 +22,17 @@ Rows are split over `splits` programs (a rollout's tail has few rows; one progra
 most of the GPU idle); a second kernel merges the splits. Both launches have fixed shapes for a given
 (rows, splits), so the continuous engine captures them in its decode step's CUDA graph.
 
-Top-k / top-p need a sort or a selection: `Sampler` uses the torch ops (`trinity.rollout.generate.sample`)
-for them, as it does where Triton does not run (CPU), after a failed first-use check, or with
-TRINITY_FUSED_SAMPLER=0.
+Top-k / top-p need a sort or a selection: `Sampler` uses the torch ops (`sample`)
+for them, as it does where Triton does not run (CPU), after a failed first-use check, or where the
+caller asks for them (`Sampler(fused=False)`).
 """
 
 from __future__ import annotations
 
-import os
 import torch
 
+from trinity.rollout.first_use import checked_once, triton_runs, verdict
+from trinity.rollout.parallel import tp_broadcast
 from trinity.rollout.types import SamplingParams
 
 try:  # triton ships with CUDA builds of torch; CPU runs use the torch ops
@@ -52,10 +53,8 @@ def splits_for(rows: int, vocab: int, programs: int = _TARGET_PROGRAMS, block: i
 
 def available(device: torch.device, params: SamplingParams) -> bool:
     """Whether `Sampler` takes the kernel: Triton runs on `device` (CUDA, or its interpreter), no top-k /
-    top-p truncation, TRINITY_FUSED_SAMPLER is not 0, and the first-use check on this device passed."""
-    from trinity.rollout.decode_attention import checked_once, triton_runs
-
-    if os.environ.get("TRINITY_FUSED_SAMPLER", "1") == "0" or not triton_runs(device):
+    top-p truncation, and the first-use check on this device passed."""
+    if not triton_runs(device):
         return False
     if params.temperature > 0 and ((0 < params.top_k) or params.top_p < 1.0):
         return False
@@ -69,8 +68,6 @@ def _self_check(device: torch.device) -> bool:
     """The kernel against the torch ops on random logits: greedy tokens equal, log-probs of greedy and
     sampled tokens equal to log_softmax's, sampled tokens in the vocabulary; False (and a warning) on any
     error or difference."""
-    from trinity.rollout.decode_attention import verdict
-
     def check() -> str | None:
         g = torch.Generator(device="cpu").manual_seed(0)
         # a few rows split over several programs (greedy and sampled), and enough rows for one program each
@@ -187,6 +184,32 @@ def fused_sample(logits: torch.Tensor, vocab_size: int, temperature: float, seed
     return tokens, logp
 
 
+def _filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    if top_k > 0 and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        # drop a token when the mass before it already reaches top_p (the first token always stays)
+        drop_sorted = (cum - sorted_logits.softmax(-1)) >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
+    """Next token ids [B] from fp32 logits [B, V]."""
+    if params.temperature == 0:
+        return logits.argmax(-1)
+    filtered = _filter_logits(logits / params.temperature, params.top_k, params.top_p)
+    probs = filtered.softmax(-1)
+    # multinomial draws on the generator's device (a CPU generator gives the same draws on any device)
+    where = generator.device if generator is not None else probs.device
+    picked = torch.multinomial(probs.to(where), 1, generator=generator).squeeze(-1)
+    return picked.to(logits.device)
+
+
 def draw_seed(generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
     """One seed [1] int64 on `device` from `generator` (torch's default one if None), drawn on the
     generator's device: a CUDA generator draws without a host sync."""
@@ -195,7 +218,7 @@ def draw_seed(generator: torch.Generator | None, device: torch.device) -> torch.
 
 
 class Sampler:
-    """How one `generate` call picks tokens: the kernel (`fused`) where `available`, else the torch ops
+    """How one generation call picks tokens: the kernel (`fused`) where `available` and wanted, else the torch ops
     with the caller's generator. `keys` name each row's draw (module doc); the torch ops ignore them.
 
     Tensor parallelism: every TP rank holds the same gathered logits; TP rank 0's tokens are broadcast to
@@ -203,24 +226,20 @@ class Sampler:
     log-probs (the kernel's seed is TP rank 0's too)."""
 
     def __init__(self, params: SamplingParams, generator: torch.Generator | None, device: torch.device,
-                 vocab_size: int) -> None:
-        from trinity.rollout.generate import _tp_broadcast
-
+                 vocab_size: int, *, fused: bool = True) -> None:
         self.params, self.generator, self.vocab_size = params, generator, vocab_size
-        self.fused = available(device, params)
+        self.fused = fused and available(device, params)
         greedy = params.temperature <= 0
         seed = draw_seed(generator, device) if self.fused and not greedy else torch.zeros(1, dtype=torch.long, device=device)
-        self.seed = _tp_broadcast(seed)
+        self.seed = tp_broadcast(seed)
 
     def __call__(self, logits: torch.Tensor, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(tokens [b], log p [b] fp32) from logits [b, >= vocab] (vocabulary padding ignored)."""
-        from trinity.rollout.generate import _tp_broadcast, sample
-
         if self.fused:
             nxt, logp = fused_sample(logits, self.vocab_size, self.params.temperature, self.seed, keys)
-            return _tp_broadcast(nxt), logp
+            return tp_broadcast(nxt), logp
         last = logits[:, : self.vocab_size].float()
-        nxt = _tp_broadcast(sample(last, self.params, self.generator).contiguous())
+        nxt = tp_broadcast(sample(last, self.params, self.generator).contiguous())
         return nxt, torch.log_softmax(last, -1).gather(-1, nxt.unsqueeze(-1)).squeeze(-1)
 
     @property

@@ -1,7 +1,7 @@
 """The continuous-batching engine's decoder: prefill and decode steps over a pool of KV-cache slots.
 
 `SlotDecoder` holds one pipeline stage's (one model chunk's) keys and values as `slots` rows of
-`cache_len` positions per layer; `trinity.rollout.continuous.generate_continuous` decides which rows
+`cache_len` positions per layer; `trinity.rollout.scheduler.ContinuousScheduler` decides which rows
 go to which slot and when. Here:
 - every slot has its own position: a row's tokens sit at positions 0.. of its slot (no left padding), so
   RoPE (megatron's table, indexed per row) and the causal mask are those of the row alone;
@@ -13,9 +13,10 @@ go to which slot and when. Here:
   the copy of the slot `lead` names (`share_prefix`; `trinity.rollout.decode_attention`), which on lean
   layers also applies RoPE and stores the step's key and value, with SwiGLU fused too
   (`trinity.rollout.decode_fused`); elsewhere torch's SDPA with an additive mask;
-- layers run as `trinity.rollout.decode.StaticDecoder` runs them (the lean path with dense SwiGLU MLPs
-  and torch RMSNorms, at TP>1 on this rank's shards with an all-reduce after each row-parallel GEMM;
-  megatron's submodules otherwise; `StageDecoder` sets up both);
+- layers run through `trinity.rollout.decode.StageDecoder`'s layer path, as `StaticDecoder`'s do (the
+  lean path with dense SwiGLU MLPs and torch RMSNorms, at TP>1 on this rank's shards with an all-reduce
+  after each row-parallel GEMM; megatron's submodules otherwise); this decoder supplies the attention
+  over its slots (`_lean_attention`, `_module_attend`);
 - on CUDA (dense MLPs, any TP: the all-reduces are captured too) a decode step is one CUDA graph per
   (batch bucket, length bucket), captured
   at first use within a `generate_continuous` call (offload between RL phases moves parameter storages,
@@ -32,8 +33,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from trinity.models import lora  # the lean path's linears: base weight + active LoRA adapter
-from trinity.rollout.decode import StageDecoder, block_output, capture_graph
+from trinity.rollout.decode import StageDecoder, capture_graph
+from trinity.rollout.kernels import DecodeKernels
 
 # the decode-step shapes this process has run once (SlotDecoder._capture warms a shape up only the first time)
 _warmed: set[tuple] = set()
@@ -46,10 +47,12 @@ class SlotDecoder(StageDecoder):
     each (batch bucket, length bucket) is captured once as a CUDA graph and replayed.
 
     state_from: another chunk's decoder of the same rank (VPP) whose slot state (`tok`, `pos`, `done`)
-    this one reads, so that the caller sets them once for all chunks."""
+    this one reads, so that the caller sets them once for all chunks. `kernels`: the fast paths it may take
+    (`trinity.rollout.kernels`; each still only where it runs and passed its first-use check)."""
 
     def __init__(self, gpt: Any, slots: int, cache_len: int, *, cuda_graphs: bool = True,
-                 state_from: "SlotDecoder | None" = None, tail_key: tuple = (), share_prefix: bool = False) -> None:
+                 state_from: "SlotDecoder | None" = None, tail_key: tuple = (), share_prefix: bool = False,
+                 kernels: DecodeKernels = DecodeKernels()) -> None:
         # geometry, the per-layer K/V slot pool, megatron's RoPE table, lean path and CUDA-graph eligibility
         super().__init__(gpt, slots, cache_len, cuda_graphs=cuda_graphs)
         rot = self.cos.shape[-1]
@@ -63,7 +66,7 @@ class SlotDecoder(StageDecoder):
         self.done = torch.ones(slots, dtype=torch.bool, device=self.device) if state_from is None else state_from.done
         self.rows = torch.arange(slots, device=self.device)
         # with share_prefix: the slot whose copy of the row's prompt keys the row reads, and the prompt's
-        # length (the caller sets both: `generate_continuous` names a slot of the prompt that has not been
+        # length (the caller sets both: the scheduler names a slot of the prompt that has not been
         # retired, whose keys stay intact until then)
         self.lead = self.rows.clone() if state_from is None else state_from.lead
         self.plen = torch.zeros(slots, dtype=torch.long, device=self.device) if state_from is None else state_from.plen
@@ -76,17 +79,19 @@ class SlotDecoder(StageDecoder):
         # the split-KV kernel reads every key up to a row's position and scores them uncapped: sliding-window
         # layers and Gemma's score caps run in the module path's masked attention (`attend`)
         eager = any(w is not None for w in self.windows) or any(c is not None for c in self.softcaps)
-        self.split_kv = not self.mla and not eager and decode_attention.available(
+        self.split_kv = kernels.split_kv and not self.mla and not eager and decode_attention.available(
             self.device, self.head_dim, self.heads // self.groups, self.dtype)
         self.attention = "triton split-KV" if self.split_kv else "sdpa"
         # a prompt's n samples each hold a copy of its keys (prefill copies them to every sample's slot); the
         # split-KV kernel reads one copy for all of them, so that neighbouring programs share it in L2
         self.share_prefix = share_prefix and self.split_kv
+        # the split-KV kernel's split rule (rows x groups from which a row is one program)
+        self.attention_tune = {"full_grid": kernels.full_grid}
         from trinity.rollout import decode_fused
 
         # RoPE + cache store (in the split-KV kernel where it runs) and SwiGLU fused (lean layers; Qwen3's
         # q/k norms keep the torch ops)
-        self.fused = self.lean and not self.config.qk_layernorm and decode_fused.available(
+        self.fused = kernels.fused and self.lean and not self.config.qk_layernorm and decode_fused.available(
             self.device, self.head_dim, self.heads // self.groups, rot, self.dtype)
         if self.fused:
             self.attention += " + fused RoPE/SwiGLU"
@@ -99,12 +104,9 @@ class SlotDecoder(StageDecoder):
                          self.heads, self.groups, self.head_dim, self.first, self.last, self.lean, self.fused,
                          self.split_kv, self.share_prefix, self.tp_group is not None,
                          # the split-KV threshold decides which kernel variant a bucket compiles
-                         decode_attention.full_grid(), *tail_key)
+                         kernels.full_grid, *tail_key)
 
-    # ---- layers ------------------------------------------------------------------------------------
-    def _rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.cos.index_select(0, positions.reshape(-1)), self.sin.index_select(0, positions.reshape(-1))
-
+    # ---- its attention over the slot pool: each row at its own position ---------------------------
     def _attend_prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, i: int | None = None) -> torch.Tensor:
         """Causal attention of right-padded prompts: q [b, heads, s, d], k/v [b, groups, s, d]; layer i's
         sliding window and score cap (module path)."""
@@ -142,24 +144,20 @@ class SlotDecoder(StageDecoder):
             from trinity.rollout.decode_attention import decode_attention
 
             table = (self.cos, self.sin, self.pos[:b]) if rope else None
-            return decode_attention(q, self.keys[i], self.values[i], ctx["nkeys"], L, self.scale, rope=table,
-                                    prefix=ctx["prefix"])
+            return decode_attention(q, self.keys[i], self.values[i], ctx["nkeys"], L, self.scale,
+                                    tune=self.attention_tune, rope=table, prefix=ctx["prefix"])
         return F.scaled_dot_product_attention(q, self.keys[i][:b, :, :L], self.values[i][:b, :, :L],
                                               attn_mask=ctx["bias"][self.windows[i]], scale=self.scale)
 
-    def _fused_decode(self, ctx: dict) -> bool:
+    def _rope_in_kernel(self, ctx: dict) -> bool:
         """A decode step of lean layers with the fused kernels (RoPE and the cache store in a kernel)."""
         return ctx["decode"] and self.fused
 
-    def _lean_layer(self, i: int, layer: Any, x: torch.Tensor, s: int, b: int, cos: torch.Tensor | None,
-                    sin: torch.Tensor | None, ctx: dict) -> torch.Tensor:
-        from trinity.rollout.decode import _rms, _rope
-
-        attn = layer.self_attention
-        g, per, d = self.groups, self.heads // self.groups, self.head_dim
-        qkv = lora.linear(_rms(x, layer.input_layernorm), attn.linear_qkv, attn.linear_qkv.bias)
-        qkv = qkv.view(s, b, g, per + 2, d)
-        if self._fused_decode(ctx):
+    def _lean_attention(self, i: int, attn: Any, qkv: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
+                        ctx: dict) -> torch.Tensor:
+        s, b, g, _, d = qkv.shape
+        per = self.heads // g
+        if self._rope_in_kernel(ctx):
             if self.split_kv:  # RoPE, the cache store and the attention in one kernel
                 out = self._attend_decode(i, qkv[0], ctx, rope=True)
             else:
@@ -167,92 +165,37 @@ class SlotDecoder(StageDecoder):
 
                 q = rope_store(qkv[0], self.cos, self.sin, self.pos[:b], self.keys[i], self.values[i])
                 out = self._attend_decode(i, q, ctx)
-            return self._lean_rest(layer, x, out.reshape(b, g * per * d))
-        if self.config.qk_layernorm:
-            q = _rope(_rms(qkv[:, :, :, :per], attn.q_layernorm), cos, sin)
-            k = _rope(_rms(qkv[:, :, :, per:per + 1], attn.k_layernorm), cos, sin)
-        else:
-            qk = _rope(qkv[:, :, :, :per + 1], cos, sin)
-            q, k = qk[:, :, :, :per], qk[:, :, :, per:]
-        v = qkv[:, :, :, per + 1]
+            return out.reshape(b, g * per * d)
+        q, k, v = self._lean_qkv(attn, qkv, cos, sin)
         if ctx["decode"]:
             # s == 1: write this step's key/value at each row's own position, then attend over the first
             # L positions with the group's query heads stacked along the query axis (no repeated K/V)
             self.keys[i][self.rows[:b], :, self.pos[:b]] = k[0, :, :, 0]
             self.values[i][self.rows[:b], :, self.pos[:b]] = v[0]
-            out = self._attend_decode(i, q[0], ctx).reshape(b, g * per * d)  # q [b, g, per, d]
-        else:
-            kk, vv = k.squeeze(3).permute(1, 2, 0, 3), v.permute(1, 2, 0, 3)  # [b, g, s, d]
-            self._store_prefill(i, kk, vv, ctx["src"], ctx["dst"])
-            qq = q.permute(1, 2, 3, 0, 4).reshape(b, g * per, s, d)
-            out = self._attend_prefill(qq, kk, vv, i).permute(2, 0, 1, 3).reshape(s * b, g * per * d)
-        return self._lean_rest(layer, x, out)
+            return self._attend_decode(i, q[0], ctx).reshape(b, g * per * d)  # q [b, g, per, d]
+        kk, vv = k.squeeze(3).permute(1, 2, 0, 3), v.permute(1, 2, 0, 3)  # [b, g, s, d]
+        self._store_prefill(i, kk, vv, ctx["src"], ctx["dst"])
+        qq = q.permute(1, 2, 3, 0, 4).reshape(b, g * per, s, d)
+        return self._attend_prefill(qq, kk, vv, i).permute(2, 0, 1, 3).reshape(s * b, g * per * d)
 
-    def _lean_rest(self, layer: Any, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """A lean layer after its attention: output projection + residual, then the SwiGLU MLP + residual."""
-        from trinity.rollout.decode import _rms
+    def _swiglu(self, up: torch.Tensor) -> torch.Tensor:
+        if not self.fused:
+            return super()._swiglu(up)
+        from trinity.rollout.decode_fused import silu_mul
 
-        attn, mlp = layer.self_attention, layer.mlp
-        x = self._row_parallel_add(x, out, attn.linear_proj)
-        if attn.linear_proj.bias is not None:
-            x = x + attn.linear_proj.bias
-        up = lora.linear(_rms(x, layer.pre_mlp_layernorm), mlp.linear_fc1)
-        if self.fused:
-            from trinity.rollout.decode_fused import silu_mul
+        return silu_mul(up)
 
-            act = silu_mul(up)
-        else:
-            gate, value = torch.chunk(up, 2, dim=-1)
-            act = F.silu(gate) * value
-        return self._row_parallel_add(x, act, mlp.linear_fc2)
-
-    def _module_attention(self, i: int, layer: Any, hidden: torch.Tensor, freqs: torch.Tensor, ctx: dict) -> torch.Tensor:
-        attn = layer.self_attention
-        q, k, v = self._module_qkv(attn, hidden, freqs)
-        s, b = hidden.shape[:2]
+    def _module_attend(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: dict) -> torch.Tensor:
+        b = q.shape[1]
         if ctx["decode"]:
             self.keys[i][self.rows[:b], :, self.pos[:b]] = k[0]
             self.values[i][self.rows[:b], :, self.pos[:b]] = v[0]
             per = self.heads // self.groups
             out = self._attend_decode(i, q[0].reshape(b, self.groups, per, self.head_dim), ctx)
-            out = out.reshape(b, self.heads, 1, self.v_dim)
-        else:
-            kk, vv = k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3)
-            self._store_prefill(i, kk, vv, ctx["src"], ctx["dst"])
-            out = self._attend_prefill(q.permute(1, 2, 0, 3), kk, vv, i)
-        out, bias = attn.linear_proj(out.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.v_dim))
-        return block_output(attn, out, bias)
-
-    def _layers(self, x: torch.Tensor, positions: torch.Tensor, ctx: dict) -> torch.Tensor:
-        """x [s, b, h]; positions [s, b] (RoPE)."""
-        s, b, h = x.shape
-        if self.lean:
-            if self._fused_decode(ctx):  # the fused kernels read the table at each row's position
-                cos = sin = None
-            else:
-                cos, sin = self._rope_tables(positions)
-                cos, sin = cos.view(s, b, 1, 1, -1), sin.view(s, b, 1, 1, -1)
-            x = self._residual_stream(x)
-            for i, layer in enumerate(self.layers):
-                x = self._lean_layer(i, layer, x, s, b, cos, sin, ctx)
-            return x.view(s, b, h)
-        tables: dict[int, torch.Tensor] = {}  # a layer's RoPE rows at `positions`, one gather per distinct table
-        for i, layer in enumerate(self.layers):
-            table = self.layer_freqs[i]
-            if id(table) not in tables:
-                tables[id(table)] = table.index_select(0, positions.reshape(-1)).view(s, b, 1, -1)
-            post_attention, post_mlp = self.post_norms[i]
-            x = x + post_attention(self._module_attention(i, layer, layer.input_layernorm(x), tables[id(table)], ctx))
-            out, bias = layer.mlp(layer.pre_mlp_layernorm(x))
-            x = x + post_mlp(out if bias is None else out + bias)
-        return x
-
-    def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        """x [1, b, h] -> logits [b, vocab (gathered over TP, padded)]."""
-        x = self.gpt.decoder.final_layernorm(x)
-        weight = self.gpt.shared_embedding_or_output_weight() if self.gpt.share_embeddings_and_output_weights else None
-        logits, _ = self.gpt.output_layer(x, weight=weight, runtime_gather_output=True)
-        return logits[0]
+            return out.reshape(b, self.heads, 1, self.v_dim)
+        kk, vv = k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3)
+        self._store_prefill(i, kk, vv, ctx["src"], ctx["dst"])
+        return self._attend_prefill(q.permute(1, 2, 0, 3), kk, vv, i)
 
     # ---- prefill -----------------------------------------------------------------------------------
     @torch.no_grad()
@@ -263,11 +206,7 @@ class SlotDecoder(StageDecoder):
         hidden states [s, u, h] to send on."""
         u, s = tokens.shape
         positions = torch.arange(s, device=self.device).view(s, 1).expand(s, u)
-        if self.first:
-            x = self.gpt.embedding(input_ids=tokens, position_ids=positions.t())
-        else:
-            assert hidden is not None, "a non-first pipeline stage needs the previous stage's hidden states"
-            x = hidden
+        x = self._embed(tokens, positions.t(), hidden)
         x = self._layers(x, positions, {"decode": False, "src": src, "dst": dst})
         if not self.last:
             return x
@@ -289,7 +228,7 @@ class SlotDecoder(StageDecoder):
         ctx = {"decode": True, "L": L, "bias": bias, "nkeys": nkeys, "prefix": prefix}
         if any(c is not None for c in self.softcaps):  # capped scores need a boolean mask (windows narrow it)
             ctx["allowed"] = self.kpos[:L].view(1, 1, 1, L) <= pos.view(b, 1, 1, 1)
-        x = self.gpt.embedding(input_ids=self.tok[:b].view(b, 1), position_ids=pos.view(b, 1)) if self.first else self.hidden[:, :b]
+        x = self._embed(self.tok[:b].view(b, 1), pos.view(b, 1), None if self.first else self.hidden[:, :b])
         x = self._layers(x, pos.view(1, b), ctx)
         return self._logits(x) if self.last else x
 
@@ -338,8 +277,8 @@ class SlotDecoder(StageDecoder):
         self.capture_s += time.perf_counter() - start
 
     def close(self) -> None:
-        """Drop the KV cache and the graphs now: `generate_continuous`'s nested functions reference this
-        decoder in a reference cycle, which only the garbage collector would break, late."""
+        """Drop the KV cache and the graphs when the rollout ends, not when the last reference to this
+        decoder (the scheduler's, a caller's) goes."""
         self.keys, self.values = [], []
         self._graphs.clear()
 

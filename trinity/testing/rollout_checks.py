@@ -1,4 +1,4 @@
-"""Checks of `trinity.rollout.generate` shared by the CPU and GPU tests."""
+"""Checks of the reference generator (`trinity.rollout.reference`) shared by the CPU and GPU tests."""
 
 from __future__ import annotations
 
@@ -6,17 +6,18 @@ from typing import Any, Sequence
 
 import torch
 
-from trinity.rollout.generate import SamplingParams, generate
+from trinity.rollout.reference import reference_generate
+from trinity.rollout.types import SamplingParams
 
 
 def check_stops_at_eos(gpt: Any, prompts: Sequence[Sequence[int]], vocab_size: int, **kwargs: Any) -> int:
     """Greedy rows with EOS ids taken from a run without EOS: every row must end at its first EOS,
     the response width must be the longest row (on CUDA the stop is read one step late, and that
     step must not show), and the kept tokens must be the run's prefix. Returns the width."""
-    free = generate(gpt, prompts, SamplingParams(temperature=0.0, max_new_tokens=8), vocab_size=vocab_size, pad_id=0, **kwargs)
+    free = reference_generate(gpt, prompts, SamplingParams(temperature=0.0, max_new_tokens=8), vocab_size=vocab_size, pad_id=0, **kwargs)
     responses = free.responses
     eos = {int(responses[row, 1 + row % 2]) for row in range(responses.shape[0])}  # each row stops by step 2
-    stopped = generate(gpt, prompts, SamplingParams(temperature=0.0, max_new_tokens=8, eos_token_ids=tuple(eos)),
+    stopped = reference_generate(gpt, prompts, SamplingParams(temperature=0.0, max_new_tokens=8, eos_token_ids=tuple(eos)),
                        vocab_size=vocab_size, pad_id=0, **kwargs)
     is_eos = torch.isin(responses, torch.tensor(sorted(eos), device=responses.device))
     lengths = is_eos.long().argmax(dim=1) + 1  # first EOS, inclusive

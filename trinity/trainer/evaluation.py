@@ -141,7 +141,7 @@ class Evaluator:
                         for p, t, r in zip(part, texts, s)]
         self.samples = samples
         if errors:
-            from trinity.rollout.reward_process import errors_warning
+            from trinity.rewards.process import errors_warning
 
             print(errors_warning(self.cfg.reward.function, errors, len(scores), "in validation"),
                   file=sys.stderr, flush=True)

@@ -199,7 +199,7 @@ def check_lora_ref(cfg: JobConfig, problems: list[str]) -> None:
 
 
 def check_reward(cfg: JobConfig, problems: list[str], check_paths: bool) -> None:
-    from trinity.rollout.rewards import BUILTIN_REWARDS, reward_problems
+    from trinity.rewards.loader import BUILTIN_REWARDS, reward_problems
 
     r = cfg.reward
     if not check_paths and r.function not in BUILTIN_REWARDS:

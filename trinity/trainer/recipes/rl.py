@@ -139,7 +139,7 @@ class RLRecipe(Recipe):
     def build_data(self) -> Any:
         from trinity.data.loader import load_tokenizer, pad_token_id
         from trinity.data.prompts import build_prompt_data
-        from trinity.rollout.reward_process import GuardedReward
+        from trinity.rewards.process import GuardedReward
 
         cfg = self.cfg
         self.reward_fn = GuardedReward(cfg.reward)
@@ -373,7 +373,7 @@ class RLRecipe(Recipe):
     def reward_error_metrics(self) -> dict[str, float]:
         """`reward/errors`: the step's samples (all DP ranks) whose reward failed and scored 0
         (`reward.on_error: zero`), with one warning of this rank's first; nothing while none failed."""
-        from trinity.rollout.reward_process import errors_warning
+        from trinity.rewards.process import errors_warning
 
         if self.cfg.reward.on_error != "zero":
             return {}

@@ -9,12 +9,12 @@ Built-ins (`BUILTIN_REWARDS`):
                     after_marker (what follows the last marker, GSM8K's "####").
   math_verify       1.0 when the extracted answer is mathematically equivalent to the reference
                     ("\\frac{1}{2}" == "0.5", "(x+1)^2" == "x^2+2x+1"), on the math-verify package:
-                    trinity.rollout.math_verify_reward.
+                    trinity.rewards.math_verify_reward.
   format            1.0 when the whole response matches `format_pattern` (re.fullmatch, DOTALL).
 User functions are found by `trinity validate` without running them (`reward_problems` parses the
 file for the function) and imported when the job starts (`load_reward_fn`), so a typo fails before any
 GPU work; `module.path` may also be a `path/to/file.py`. They run with the job's rights (docs/rl.md).
-A job runs its reward in a process of its own with a time limit (trinity.rollout.reward_process); a
+A job runs its reward in a process of its own with a time limit (trinity.rewards.process); a
 failure (an exception, a call past `reward.timeout_s`, a value that is no finite number) is one line
 naming the function, the sample's index and the start of its prompt and response (`sample_problem`).
 """
@@ -29,76 +29,16 @@ import re
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from fractions import Fraction
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from trinity.errors import UserError
+from trinity.rewards.extract import EXTRACTORS, extract_after_marker, normalize_answer
 
 if TYPE_CHECKING:
     from trinity.config.schema import RewardConfig
 
 RewardFn = Callable[[list[str], list[str], list["str | None"]], list[float]]
-
-_NUMBER = re.compile(r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:/\d+)?|[-+]?\.\d+")
-_BOXED = "\\boxed{"
-
-
-def extract_last_number(text: str, marker: str = "####") -> str | None:
-    found = _NUMBER.findall(text)
-    return found[-1] if found else None
-
-
-def extract_boxed(text: str, marker: str = "####") -> str | None:
-    """Content of the last \\boxed{...}, with balanced inner braces; None if absent or unclosed."""
-    start = text.rfind(_BOXED)
-    if start < 0:
-        return None
-    depth, pos = 1, start + len(_BOXED)
-    for i in range(pos, len(text)):
-        if text[i] == "{":
-            depth += 1
-        elif text[i] == "}":
-            depth -= 1
-            if depth == 0:
-                return text[pos:i]
-    return None
-
-
-def extract_after_marker(text: str, marker: str = "####") -> str | None:
-    """First non-empty line after the last `marker`."""
-    idx = text.rfind(marker)
-    if idx < 0:
-        return None
-    for line in text[idx + len(marker) :].splitlines():
-        if line.strip():
-            return line.strip()
-    return None
-
-
-EXTRACTORS: dict[str, Callable[[str, str], str | None]] = {
-    "last_number": extract_last_number,
-    "boxed": extract_boxed,
-    "after_marker": extract_after_marker,
-}
-
-
-def normalize_answer(text: str) -> str:
-    """Canonical form for comparison: numbers as reduced fractions ("19.0" -> "19", "1.5" -> "3/2"),
-    anything else with whitespace collapsed. Currency, thousands commas, a trailing period and
-    surrounding `$...$` are dropped."""
-    s = " ".join(text.split()).strip()
-    s = s.strip("$").strip()
-    s = s.rstrip(".").strip()
-    candidate = s.replace(",", "").replace(" ", "")
-    if candidate.startswith("\\$"):
-        candidate = candidate[2:]
-    try:
-        value = Fraction(candidate)
-    except (ValueError, ZeroDivisionError):
-        return s
-    return str(value)
-
 
 @dataclass(frozen=True)
 class MathExactMatch:
@@ -148,9 +88,8 @@ def _build_format(extractor: str, marker: str, format_pattern: str | None) -> Re
 
 
 def _build_math_verify(extractor: str, marker: str, format_pattern: str | None) -> RewardFn:
-    # Imported here: math_verify_reward imports this module's extractors, and math-verify (sympy) is
-    # only loaded by jobs that use it.
-    from trinity.rollout.math_verify_reward import build
+    # Imported here: math-verify (sympy) is only loaded by jobs that use it.
+    from trinity.rewards.math_verify_reward import build
 
     return build(extractor, marker, format_pattern)
 
@@ -213,6 +152,21 @@ def _short_repr(value: object, n: int = 40) -> str:
     return text if len(text) <= n else text[:n] + "..."
 
 
+# the shipped reward modules that moved from trinity.rollout to trinity.rewards: configs name them as
+# `trinity.rollout.<module>:function`, which still loads (`current_spec`)
+MOVED_MODULES = {
+    "trinity.rollout.arithmetic_reward": "trinity.rewards.arithmetic_reward",
+    "trinity.rollout.math_verify_reward": "trinity.rewards.math_verify_reward",
+    "trinity.rollout.rewards": "trinity.rewards.loader",
+}
+
+
+def current_spec(spec: str) -> str:
+    """`spec` (`module.path:function`) with a moved shipped module's former name replaced by its name now."""
+    module_name, sep, fn_name = spec.rpartition(":")
+    return f"{MOVED_MODULES[module_name]}:{fn_name}" if sep and module_name in MOVED_MODULES else spec
+
+
 def _import_module(spec: str, module_name: str) -> object:
     if module_name.endswith(".py"):
         path = Path(module_name)
@@ -235,6 +189,7 @@ def load_reward_fn(
     """A built-in reward by name, or a user function `module.path:function` (or `file.py:function`)."""
     if spec in BUILTIN_REWARDS:
         return BUILTIN_REWARDS[spec](extractor, marker, format_pattern)
+    spec = current_spec(spec)
     module_name, sep, fn_name = spec.rpartition(":")
     if not sep or not module_name or not fn_name:
         raise UserError(
@@ -331,6 +286,7 @@ def reward_problems(
         except UserError as exc:
             problems.append(str(exc))
         return problems
+    spec = current_spec(spec)
     module_name, sep, fn_name = spec.rpartition(":")
     if not sep or not module_name or not fn_name:
         problems.append(
@@ -382,7 +338,7 @@ def reward_code_file(spec: str, cwd: str | Path | None = None) -> str | None:
     when its file cannot be found."""
     if spec in BUILTIN_REWARDS:
         return None
-    module_name, _, _ = spec.rpartition(":")
+    module_name, _, _ = current_spec(spec).rpartition(":")
     if module_name.endswith(".py"):
         return module_name
     base = Path(cwd) if cwd is not None else Path.cwd()
@@ -392,7 +348,7 @@ def reward_code_file(spec: str, cwd: str | Path | None = None) -> str | None:
 
 def reward_fn_from_config(reward: RewardConfig) -> RewardFn:
     """The reward function of the job's `reward:` section, in this process (no time limit: the job's
-    rewards run through `trinity.rollout.reward_process.GuardedReward`)."""
+    rewards run through `trinity.rewards.process.GuardedReward`)."""
     return load_reward_fn(
         reward.function, extractor=reward.extractor, marker=reward.marker, format_pattern=reward.format_pattern
     )

@@ -16,14 +16,14 @@ is the quickstart's GRPO demo instead: a task a random model learns in a few doz
 run shows GRPO learning, not arithmetic.
 
 They are also the examples of a user reward function:
-`reward.function: trinity.rollout.arithmetic_reward:closeness`.
+`reward.function: trinity.rewards.arithmetic_reward:closeness`.
 """
 
 from __future__ import annotations
 
 from fractions import Fraction
 
-from trinity.rollout.rewards import extract_last_number, normalize_answer
+from trinity.rewards.extract import extract_last_number, normalize_answer
 
 SCALE = 100.0  # distance at which closeness's partial credit reaches 0
 NEAR_SCALE = 10.0  # the same for within_ten

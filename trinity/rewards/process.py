@@ -2,14 +2,14 @@
 
 A Python function that never returns cannot be stopped inside the process that called it (a thread
 cannot be killed, SIGALRM only reaches the main thread and C code ignores it until it returns), so each
-rank keeps one worker process (`python -m trinity.rollout.reward_process`) that imports the function once
+rank keeps one worker process (`python -m trinity.rewards.process`) that imports the function once
 and scores a whole batch per call: the common path costs one pipe round trip per step. A call that runs
 past its deadline (`reward.timeout_s` per sample) gets the worker killed; the next call starts a new one.
 
 When a batch call fails (an exception, the deadline, a value that is no list of n) the samples are scored
 one at a time to find the failing ones; a value that is no finite number is the failure of its own sample.
 `reward.on_error` decides: `fail` raises a UserError with the one line of the first failing sample
-(trinity.rollout.rewards.sample_problem), `zero` scores those samples 0 and returns their lines.
+(trinity.rewards.loader.sample_problem), `zero` scores those samples 0 and returns their lines.
 A UserError of a built-in reward (a sample without a reference answer) is a data problem, not the
 function's: it always stops the job.
 """
@@ -121,7 +121,7 @@ class GuardedReward:
     def _decide(self, prompts: list[str], responses: list[str], scores: list[float | None],
                 problems: dict[int, tuple[str, str]]) -> RewardResult:
         """Scores with the failing samples at 0 (`zero`), or the first failing sample's line raised (`fail`)."""
-        from trinity.rollout.rewards import sample_problem
+        from trinity.rewards.loader import sample_problem
 
         lines = [sample_problem(self.spec, i, prompts[i], responses[i], *problems[i]) for i in sorted(problems)]
         if lines and self.on_error == "fail":
@@ -168,7 +168,7 @@ class _Worker:
         from_child_r, from_child_w = os.pipe()
         try:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "trinity.rollout.reward_process", str(to_child_r), str(from_child_w), str(os.getpid())],
+                [sys.executable, "-m", "trinity.rewards.process", str(to_child_r), str(from_child_w), str(os.getpid())],
                 pass_fds=(to_child_r, from_child_w), stdin=subprocess.DEVNULL)
         finally:
             os.close(to_child_r)
@@ -206,7 +206,7 @@ def _kill(proc: subprocess.Popen, send: Connection, recv: Connection) -> None:
 
 def _serve(recv: Connection, send: Connection) -> None:
     """Load the function named by the first message, then answer each batch until the pipe closes."""
-    from trinity.rollout.rewards import check_scores, load_reward_fn
+    from trinity.rewards.loader import check_scores, load_reward_fn
 
     load = recv.recv()
     sys.path[:] = load["sys_path"]  # what the rank can import, its tests' additions included

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from trinity.errors import UserError
-from trinity.rollout.rewards import EXTRACTORS, extract_after_marker, extract_boxed, extract_last_number
+from trinity.rewards.extract import EXTRACTORS, extract_after_marker, extract_boxed, extract_last_number
 
 TIMEOUT_S = 5
 
@@ -82,5 +82,5 @@ class MathVerifyReward:
 
 
 def build(extractor: str, marker: str, format_pattern: str | None) -> MathVerifyReward:
-    """The `math_verify` entry of trinity.rollout.rewards.BUILTIN_REWARDS."""
+    """The `math_verify` entry of trinity.rewards.loader.BUILTIN_REWARDS."""
     return MathVerifyReward(extractor, marker)
