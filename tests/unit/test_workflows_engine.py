@@ -72,7 +72,7 @@ def _teacher_forced(model, seq: TrainingSequence, vocab_size: int) -> torch.Tens
         return token_logprobs(model, hidden, ids[:, 1:], vocab_size=vocab_size)[0]
 
 
-@pytest.mark.parametrize("engine", ["continuous", "static"])
+@pytest.mark.parametrize("engine", ["continuous", "reference"])
 def test_multi_turn_logprobs_equal_a_teacher_forced_forward(tiny, engine):
     model, tokenizer = tiny
     episodes = run_workflow(_three_turns, [{}, {}], _backend(model, tokenizer, engine), tokenizer,

@@ -103,7 +103,7 @@ def layout_problems(
     facts: the model (a trinity.models.facts.ModelFacts) when known; world_size: when the job's size is
     known; sequence_parallel: the role's flag when it has one. The built-in rollout adds no rule: it
     serves sequence parallel (switched off while decoding, trinity.distributed.sequence_parallel) and
-    virtual pipeline stages (every chunk in ring order, trinity.rollout.generate._Pipeline)."""
+    virtual pipeline stages (every chunk in ring order, trinity.rollout.parallel.Pipeline)."""
     n = name
     out: list[tuple[str, str]] = []
     for attr in ("tp", "pp", "ep"):

@@ -1,7 +1,7 @@
 """Chat backends: the actor's own megatron-core model through today's rollout engines, and a scripted one.
 
-`RolloutBackend` calls `trinity.rollout.continuous.generate_continuous` (or the static-batch
-`trinity.rollout.generate.generate`) once per distinct sampling setting of a wave: those take one
+`RolloutBackend` calls `trinity.rollout.continuous.generate_continuous` (or the reference generator the
+tests compare engines with, `trinity.rollout.reference.reference_generate`) once per distinct sampling setting of a wave: those take one
 `SamplingParams` per call. `ScriptedBackend` answers from a list of texts (a fixed policy: tests of the
 conversation bookkeeping that need exact assistant text a random model never writes, e.g. a Qwen3 <think>
 block).
@@ -37,7 +37,7 @@ class RolloutBackend:
     model: torch.nn.Module | list[torch.nn.Module]  # a GPTModel (or DDP wrapper), or the rank's VPP chunks
     vocab_size: int  # the tokenizer's: padded vocabulary columns are never sampled
     pad_id: int
-    engine: Literal["continuous", "static"] = "continuous"
+    engine: Literal["continuous", "reference"] = "continuous"
     budget: KVBudget = field(default_factory=KVBudget)
     generator: torch.Generator | None = None
     calls: int = 0  # engine calls made
@@ -47,7 +47,7 @@ class RolloutBackend:
 
     def generate(self, requests: Sequence[TokenRequest]) -> list[TokenResult]:
         from trinity.rollout.continuous import generate_continuous
-        from trinity.rollout.generate import generate
+        from trinity.rollout.reference import reference_generate
 
         device = next(self._chunks()[0].parameters()).device
         if device.type == "cuda":  # the engine runs in the batcher's worker thread, whose device is cuda:0
@@ -62,8 +62,8 @@ class RolloutBackend:
                 rollout = generate_continuous(self.model, prompts, params, vocab_size=self.vocab_size,
                                               pad_id=self.pad_id, budget=self.budget, generator=self.generator)
             else:
-                rollout = generate(self.model, prompts, params, vocab_size=self.vocab_size, pad_id=self.pad_id,
-                                   generator=self.generator)
+                rollout = reference_generate(self.model, prompts, params, vocab_size=self.vocab_size,
+                                             pad_id=self.pad_id, generator=self.generator)
             self.calls += 1
             for i, result in zip(rows, _results(rollout, params.eos_token_ids)):
                 results[i] = result

@@ -23,7 +23,7 @@ from trinity.trainer.recipes.rl import RLRecipe, _dp_info
 
 def concat_rollouts(parts: list[Rollout], pad_id: int) -> Rollout:
     """One rollout of the rows of `parts`: prompts left-padded and responses right-padded to the widest
-    (padding shifts a row's positions only, which rotary attention does not see; see rollout.generate)."""
+    (padding shifts a row's positions only, which rotary attention does not see; see trinity.rollout.layout)."""
     import torch.nn.functional as F
 
     if len(parts) == 1:

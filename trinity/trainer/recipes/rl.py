@@ -6,7 +6,7 @@ estimator and the policy loss. PPO (`ppo.py`) adds the critic, DAPO (`dapo.py`) 
 Data parallelism: each DP rank generates `rollout.n` responses for its own prompts, so a GRPO group never
 spans ranks and group statistics are local; PPO whitens advantages over the whole batch of the DP group
 (one all-reduce of sum, sum of squares and count), so they do not depend on the DP size. TP ranks of
-one DP replica see the same prompts and sample the same tokens (trinity.rollout.generate).
+one DP replica see the same prompts and sample the same tokens (trinity.rollout.parallel).
 
 Micro batches: by default each phase packs the sequences' real tokens into rows of a token budget
 (`actor.use_dynamic_bsz` / `ppo_max_token_len_per_gpu`, `ref.log_prob_*`, `critic.*`: verl's names;

@@ -32,7 +32,7 @@ def forward_output(model: Any, tokens: torch.Tensor, key_mask: torch.Tensor) -> 
 
     A row is its prompt's left padding (key_mask 0) then one sequence: attention runs as for packed rows
     with those two documents (flash varlen on CUDA with our spec instead of a [B, 1, S, S] mask in every
-    layer); real tokens see exactly what `trinity.rollout.generate.attention_mask(key_mask)` lets
+    layer); real tokens see exactly what `trinity.rollout.reference.attention_mask(key_mask)` lets
     them see."""
     from trinity.distributed.sequence_parallel import pad_to_multiple, sp_multiple
     from trinity.models.build import packed_attention, unwrap
