@@ -11,6 +11,9 @@ import json
 from pathlib import Path
 from typing import Any
 
+# One scored response: prompt, response, reward, answer, source (and the step, written with it).
+Sample = dict[str, str | float | int | None]
+
 
 def _gather(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Every DP rank's samples, in DP rank order (a collective: every rank calls it)."""
