@@ -90,7 +90,7 @@ class Recipe:
         raise NotImplementedError
 
     def setup(self) -> None:
-        """Anything built after the engines (phases, samplers...)."""
+        """What is built after the engines (phases, samplers...)."""
 
     def profiling(self, on: bool) -> None:
         """Called before each step: whether the loop's profiler profiles it (a recipe may then measure more)."""
