@@ -215,8 +215,15 @@ def test_stop_resume_and_kill_during_save(assets, baseline, tmp_path):
         deadline = time.time() + 150
         while True:
             assert time.time() < deadline and proc.poll() is None, "the save of step 9 never reached its marker"
-            workers = [p for p in psutil.Process(proc.pid).children(recursive=True) if _runs_worker(p.cmdline())]
-            if workers and all(w.status() == psutil.STATUS_STOPPED for w in workers):
+            workers, stopped = [], []
+            for p in psutil.Process(proc.pid).children(recursive=True):
+                try:  # a short-lived child may end (or be a zombie) between the listing and the look
+                    if _runs_worker(p.cmdline()):
+                        workers.append(p)
+                        stopped.append(p.status() == psutil.STATUS_STOPPED)
+                except psutil.Error:
+                    continue
+            if workers and all(stopped):
                 break
             time.sleep(0.2)
         assert len(workers) == 1 and (tmp_ckpt / "rng" / "rank_0.pt").is_file()

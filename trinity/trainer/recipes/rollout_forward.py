@@ -302,10 +302,12 @@ M = TypeVar("M", bound=MicroBatch)
 
 class Inference(Protocol):
     """What runs forward-only passes over micro batches: a `RoleEngine`, or the LoRA actor with its
-    adapters off (`lora_ref.AdaptersOff`)."""
+    adapters off (`lora_ref.AdaptersOff`); `need` makes its parameters resident for them (offload)."""
 
     def infer_batch(self, micro_batches: Sequence[M], reduce_fn: Callable[[torch.Tensor, M], torch.Tensor],
                     result_shape: tuple[int, ...]) -> torch.Tensor: ...
+
+    def need(self, *, params: bool, grads: bool = False, optim: bool = False) -> None: ...
 
 
 # What the forward-only phases run: an engine, or bare model chunks (this rank's, in VPP order).
