@@ -59,12 +59,13 @@ def _engine(facts, path):
                       total_steps=10, lora=LoraConfig(rank=8, alpha=16.0, target_modules=["all-linear"]))
 
 
-def _batches(vocab: int) -> list[dict]:
+def _batches(vocab: int) -> list:
+    from trinity.trainer.recipes.sft import TokenRows
+
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(1, vocab, (2, 256), generator=g)
-    return [{"tokens": tokens, "position_ids": torch.arange(256).expand(2, -1),
-             "doc_ids": torch.zeros(2, 256, dtype=torch.long), "labels": tokens.roll(-1, 1),
-             "loss_mask": torch.ones(2, 256)}]
+    return [TokenRows(tokens, torch.arange(256).expand(2, -1), torch.zeros(2, 256, dtype=torch.long),
+                      tokens.roll(-1, 1), torch.ones(2, 256), torch.device("cuda"))]
 
 
 def test_lora_sft_step_trains_only_the_adapters(setup):

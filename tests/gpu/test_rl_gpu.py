@@ -67,7 +67,7 @@ def _run(facts, path, offload: bool, steps: int = 2):
         off.need(params=True, grads=True, optim=True)
         state.scheduler.step(1)
         m = _phase("update", log, lambda: actor_update(state, Experience(ro, old, adv, adv), ActorConfig(ppo_mini_batch_size=BATCH),
-                                                        facts.vocab_size, seqs_per_update=BATCH, micro=4))
+                                                        facts.vocab_size, seqs_per_update=BATCH, micro=4).metrics)
         losses.append(m["actor/pg_loss"])
         before = torch.cuda.memory_allocated()
         off.need(params=False)

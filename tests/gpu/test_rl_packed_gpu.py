@@ -80,7 +80,7 @@ def test_packed_matches_padded_on_cuda(setup, dtype):
         logp[name], t_inf = _timed(lambda: infer_logprobs(engines[name], ro, facts.vocab_size, bat.reset()))
         real, computed = bat.counts()
         m, t_upd = _timed(lambda: actor_update(engines[name], Experience(ro, logp[name], adv, adv), cfg, facts.vocab_size,
-                                               seqs_per_update=BATCH, micro=bat.reset()))
+                                               seqs_per_update=BATCH, micro=bat.reset()).metrics)
         losses[name] = m["actor/pg_loss"]
         print(f"\n{name} {dtype}: infer {t_inf * 1e3:.1f} ms ({real / t_inf:,.0f} real tok/s), update "
               f"{t_upd * 1e3:.1f} ms, padding {1 - real / computed:.1%}")

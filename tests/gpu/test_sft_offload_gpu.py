@@ -20,14 +20,15 @@ def setup(qwen2_small_cuda):
     return qwen2_small_cuda
 
 
-def _batches(step: int, vocab: int) -> list[dict]:
+def _batches(step: int, vocab: int) -> list:
+    from trinity.trainer.recipes.sft import TokenRows
+
     g = torch.Generator().manual_seed(step)
     out = []
     for _ in range(2):
         tokens = torch.randint(1, vocab, (2, 512), generator=g)
-        out.append({"tokens": tokens, "position_ids": torch.arange(512).expand(2, -1),
-                    "doc_ids": torch.zeros(2, 512, dtype=torch.long), "labels": tokens.roll(-1, 1),
-                    "loss_mask": torch.ones(2, 512)})
+        out.append(TokenRows(tokens, torch.arange(512).expand(2, -1), torch.zeros(2, 512, dtype=torch.long),
+                             tokens.roll(-1, 1), torch.ones(2, 512), torch.device("cuda")))
     return out
 
 

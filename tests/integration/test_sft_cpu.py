@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import private_conversion_cache, trinity_run, trinity_run_argv
+from tests.conftest import FIXTURES, private_conversion_cache, trinity_run, trinity_run_argv
 from tests.console import noise
 
 REPO = Path(__file__).resolve().parents[2]
@@ -203,17 +203,30 @@ def test_stop_resume_and_kill_during_save(assets, baseline, tmp_path):
     cfg = job(assets, out, trainer={"total_steps": 10, "save_interval": 3})
     path = tmp_path / "p2.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
-    env = {**os.environ, **private_conversion_cache(tmp_path), "TRINITY_TEST_CKPT_PAUSE_S": "9:60"}
+    # The worker stops itself (SIGSTOP) as it is about to write step 9's `complete` marker: everything else
+    # of the checkpoint is written (tests/fixtures/stop_before_open/sitecustomize.py); it is killed there.
+    hooks = str(FIXTURES / "stop_before_open")
+    env = {**os.environ, **private_conversion_cache(tmp_path), "TRINITY_TEST_STOP_BEFORE_OPEN": "step_9.tmp/complete",
+           "PYTHONPATH": os.pathsep.join(p for p in (hooks, os.environ.get("PYTHONPATH", "")) if p)}
     proc = subprocess.Popen(trinity_run_argv(path), cwd=REPO, env=env,
                             stdout=(tmp_path / "p2.out").open("w"), stderr=subprocess.STDOUT)
     tmp_ckpt = ckpts / "step_9.tmp"
     try:
         deadline = time.time() + 150
-        while not (tmp_ckpt / "rng" / "rank_0.pt").is_file():
-            assert time.time() < deadline and proc.poll() is None, "the save of step 9 never started"
+        while True:
+            assert time.time() < deadline and proc.poll() is None, "the save of step 9 never reached its marker"
+            workers, stopped = [], []
+            for p in psutil.Process(proc.pid).children(recursive=True):
+                try:  # a short-lived child may end (or be a zombie) between the listing and the look
+                    if _runs_worker(p.cmdline()):
+                        workers.append(p)
+                        stopped.append(p.status() == psutil.STATUS_STOPPED)
+                except psutil.Error:
+                    continue
+            if workers and all(stopped):
+                break
             time.sleep(0.2)
-        workers = [p for p in psutil.Process(proc.pid).children(recursive=True) if _runs_worker(p.cmdline())]
-        assert len(workers) == 1
+        assert len(workers) == 1 and (tmp_ckpt / "rng" / "rank_0.pt").is_file()
         os.kill(workers[0].pid, signal.SIGKILL)
         assert proc.wait(timeout=60) != 0
     finally:

@@ -204,7 +204,7 @@ def _dapo_recipe(monkeypatch, draws: list[list[float]], lengths: list[list[int]]
     from trinity.config.schema import JobConfig
     from trinity.rollout.types import Rollout
     from trinity.trainer.recipes import dapo
-    from trinity.trainer.recipes.rl import Phases
+    from trinity.trainer.recipes.rl import Phases, Scored
 
     monkeypatch.setattr(dapo, "_dp_info", lambda: (0, 1, None))
     cfg = JobConfig.model_validate({
@@ -223,7 +223,7 @@ def _dapo_recipe(monkeypatch, draws: list[list[float]], lengths: list[list[int]]
             return self.phases.run("rollout", {}, lambda: Rollout(tokens, torch.ones(len(lens), 1, dtype=torch.long), mask, -mask.float()))
 
         def score(self, prompts, ro):
-            return self.phases.run("reward", {}, lambda: torch.tensor(self.current[0]))
+            return self.phases.run("reward", {}, lambda: Scored(torch.tensor(self.current[0])))
 
     recipe = Recipe.__new__(Recipe)
     recipe.cfg, recipe.pad_id = cfg, 0
@@ -236,7 +236,8 @@ def test_dapo_draws_until_enough_varied_groups(monkeypatch):
     # draw 1: groups (1, 1) equal, (0, 1) varied; draw 2: (0, 0) equal, (1, 0.5) varied -> batch full
     recipe = _dapo_recipe(monkeypatch, [[1, 1, 0, 1], [0, 0, 1, 0.5]], [[1, 1, 2, 1], [1, 1, 3, 4]],
                           filter_groups={"enable": True, "metric": "score"})
-    ro, scores, groups, m = recipe.sample(1, torch.Generator())
+    s = recipe.sample(1, torch.Generator())
+    ro, scores, groups, m = s.rollout, s.scores, s.groups, s.metrics
     # overlong: free up to 2 tokens, -0.5 per token after: lengths 2, 1, 3, 4 -> 0, 0, -0.5, -1
     assert torch.allclose(scores, torch.tensor([0.0, 1.0, 0.5, -0.5]))
     assert ro.response_mask.sum(-1).tolist() == [2, 1, 3, 4] and ro.tokens.shape == (4, 5)
@@ -248,7 +249,8 @@ def test_dapo_draws_until_enough_varied_groups(monkeypatch):
 def test_dapo_fills_with_dropped_groups_at_max_num_gen_batches(monkeypatch):
     recipe = _dapo_recipe(monkeypatch, [[1, 1, 0, 1], [0, 0, 1, 1]], [[1, 1, 1, 1], [1, 1, 1, 1]],
                           filter_groups={"enable": True, "metric": "score", "max_num_gen_batches": 2})
-    _, scores, _, m = recipe.sample(1, torch.Generator())
+    s = recipe.sample(1, torch.Generator())
+    scores, m = s.scores, s.metrics
     assert scores.tolist() == [0.0, 1.0, 1.0, 1.0]  # the varied group, then the first dropped one
     assert (m["dapo/num_gen_batches"], m["dapo/kept_groups"], m["dapo/filled_groups"]) == (2, 1, 1)
 
@@ -257,5 +259,5 @@ def test_dapo_seq_reward_metric_sees_the_overlong_penalty(monkeypatch):
     # equal scores, different lengths: seq_reward (score + penalty) varies, score does not
     draws, lengths = [[1, 1, 1, 1]], [[1, 4, 1, 1]]
     recipe = _dapo_recipe(monkeypatch, draws, lengths, filter_groups={"enable": True, "max_num_gen_batches": 1})
-    _, _, _, m = recipe.sample(1, torch.Generator())
+    m = recipe.sample(1, torch.Generator()).metrics
     assert (m["dapo/kept_groups"], m["dapo/filled_groups"]) == (1, 1)

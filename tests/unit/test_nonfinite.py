@@ -17,7 +17,7 @@ from trinity.config.roles import Role
 from trinity.config.schema import OptimConfig
 from trinity.errors import UserError
 from trinity.trainer.nonfinite import NonFiniteGuard
-from trinity.trainer.recipes.sft import SFTLoss
+from trinity.trainer.recipes.sft import SFTLoss, TokenRows
 
 FIX = "check this step's data, or set trainer.skip_nonfinite_steps to skip such steps"
 
@@ -27,11 +27,11 @@ class Poisoned(SFTLoss):
     stay finite: only the loss shows it), `grad_nan` adds sqrt(0 x logits), 0 with a nan gradient."""
 
     def __init__(self, vocab_size: int, how: str | None):
-        super().__init__(torch.device("cpu"), 1.0 / 24, vocab_size)
+        super().__init__(vocab_size)
         self.how = how
 
-    def __call__(self, batch, logits):
-        loss, metrics = super().__call__(batch, logits)
+    def __call__(self, batch, logits, *, denom, scale):
+        loss, metrics = super().__call__(batch, logits, denom=denom, scale=scale)
         if self.how in ("loss_nan", "loss_inf"):
             loss = loss + float("nan" if self.how == "loss_nan" else "inf")
         elif self.how == "grad_nan":
@@ -39,14 +39,13 @@ class Poisoned(SFTLoss):
         return loss, metrics
 
 
-def batches(step: int, vocab: int) -> list[dict]:
+def batches(step: int, vocab: int) -> list[TokenRows]:
     g = torch.Generator().manual_seed(step)
     out = []
     for _ in range(2):
         tokens = torch.randint(1, vocab, (1, 12), generator=g)
-        out.append({"tokens": tokens, "position_ids": torch.arange(12).unsqueeze(0),
-                    "doc_ids": torch.zeros(1, 12, dtype=torch.long), "labels": tokens.roll(-1, 1),
-                    "loss_mask": torch.ones(1, 12)})
+        out.append(TokenRows(tokens, torch.arange(12).unsqueeze(0), torch.zeros(1, 12, dtype=torch.long),
+                             tokens.roll(-1, 1), torch.ones(1, 12), torch.device("cpu")))
     return out
 
 
@@ -73,7 +72,8 @@ def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
 
 def step(e, facts, n: int, how: str | None):
     e.advance_schedule()
-    return e.train_batch(batches(n, facts.vocab_size), Poisoned(facts.vocab_size, how))
+    # 2 micro batches x DP 1 / 48: each micro batch's token sum / 24
+    return e.train_batch(batches(n, facts.vocab_size), Poisoned(facts.vocab_size, how), denom=48)
 
 
 @pytest.mark.parametrize("how,on_host,clip,what", [

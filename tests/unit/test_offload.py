@@ -50,7 +50,7 @@ def _steps(facts, path, offload: bool, distributed: bool = True, n: int = 3) -> 
         adv = torch.linspace(-1, 1, 4).unsqueeze(1) * ro.response_mask
         off.need(params=True, grads=True, optim=True)
         state.scheduler.step(1)
-        m = actor_update(state, Experience(ro, old, adv, adv), cfg, facts.vocab_size, seqs_per_update=2, micro=1)
+        m = actor_update(state, Experience(ro, old, adv, adv), cfg, facts.vocab_size, seqs_per_update=2, micro=1).metrics
         losses.append(m["actor/pg_loss"])
     off.need(params=False)
     return losses
@@ -157,14 +157,15 @@ def _sft_engine(facts, path, distributed: bool, on_host: bool):
                       dtype=torch.float32, total_steps=10, optimizer_on_host=on_host)
 
 
-def _sft_batches(step: int, vocab: int) -> list[dict]:
+def _sft_batches(step: int, vocab: int) -> list:
+    from trinity.trainer.recipes.sft import TokenRows
+
     g = torch.Generator().manual_seed(step)
     out = []
     for _ in range(2):  # two micro batches: gradients accumulate before the host step
         tokens = torch.randint(1, vocab, (1, 12), generator=g)
-        out.append({"tokens": tokens, "position_ids": torch.arange(12).unsqueeze(0),
-                    "doc_ids": torch.zeros(1, 12, dtype=torch.long), "labels": tokens.roll(-1, 1),
-                    "loss_mask": torch.ones(1, 12)})
+        out.append(TokenRows(tokens, torch.arange(12).unsqueeze(0), torch.zeros(1, 12, dtype=torch.long),
+                             tokens.roll(-1, 1), torch.ones(1, 12), torch.device("cpu")))
     return out
 
 

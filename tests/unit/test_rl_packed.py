@@ -112,8 +112,10 @@ def compare_packed_padded(facts, path, m: MegatronConfig, *, loss_agg_mode: str 
     adv = torch.linspace(-1, 1, ro.tokens.shape[0]).unsqueeze(1) * ro.response_mask
     cfg = ActorConfig(ppo_mini_batch_size=2, loss_agg_mode=loss_agg_mode, entropy_coeff=0.01)
     n = ro.tokens.shape[0]
-    m_pad = last(actor_update(a_pad, Experience(ro, lp_pad, adv, adv), cfg, facts.vocab_size, seqs_per_update=n // 2, micro=padded))
-    m_pack = last(actor_update(a_pack, Experience(ro, lp_pad, adv, adv), cfg, facts.vocab_size, seqs_per_update=n // 2, micro=packed))
+    m_pad = last(actor_update(a_pad, Experience(ro, lp_pad, adv, adv), cfg, facts.vocab_size, seqs_per_update=n // 2,
+                              micro=padded).metrics)
+    m_pack = last(actor_update(a_pack, Experience(ro, lp_pad, adv, adv), cfg, facts.vocab_size, seqs_per_update=n // 2,
+                               micro=packed).metrics)
     res["pg_loss"] = abs(m_pad["actor/pg_loss"] - m_pack["actor/pg_loss"])
     res["loss"] = abs(m_pad["actor/loss"] - m_pack["actor/loss"])
     res["params"] = _max_diff(_params(a_pad), _params(a_pack))
@@ -123,9 +125,8 @@ def compare_packed_padded(facts, path, m: MegatronConfig, *, loss_agg_mode: str 
     a_sep, a_fused = _engine(facts, path, m), _engine(facts, path, m)
     sep = infer_logprobs(a_sep, ro, facts.vocab_size, packed.reset())
     actor_update(a_sep, Experience(ro, sep, adv, adv), cfg, facts.vocab_size, seqs_per_update=n, micro=packed)
-    exp = Experience(ro, None, adv, adv)
-    actor_update(a_fused, exp, cfg, facts.vocab_size, seqs_per_update=n, micro=packed)
-    res["on_policy_old_logp"] = _max_diff(exp.old_logp, sep)
+    fused = actor_update(a_fused, Experience(ro, None, adv, adv), cfg, facts.vocab_size, seqs_per_update=n, micro=packed)
+    res["on_policy_old_logp"] = _max_diff(fused.old_logp, sep)
     res["on_policy_params"] = _max_diff(_params(a_sep), _params(a_fused))
 
     if critic:

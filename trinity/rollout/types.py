@@ -22,7 +22,7 @@ class SamplingParams:
     eos_token_ids: tuple[int, ...] = ()
 
 
-@dataclass
+@dataclass(frozen=True)
 class Rollout:
     """A batch of sequences `[prompt (left-padded) | response (right-padded)]`.
 
@@ -121,7 +121,13 @@ class BucketTime:
 class RolloutEngine(Protocol):
     """Generates `max_new_tokens` (at most) after each prompt; every rank of a model-parallel group
     returns the same `Rollout`. `stats` describes the last call (an engine that measures nothing leaves
-    the defaults); `time_buckets`, set by the caller, asks it to time its decode steps per batch bucket."""
+    the defaults); `time_buckets`, set by the caller (a profiled step), asks it to time its decode steps
+    per batch bucket.
+
+    An engine that decodes with the training modules themselves (the built-in one) runs them as they are
+    configured: the RL recipe wraps it in `trinity.trainer.recipes.rl.SequenceParallelOff`, itself a
+    `RolloutEngine`, which switches sequence parallel off around `generate` (one token per decode step
+    cannot be split over TP ranks)."""
 
     stats: RolloutStats
     time_buckets: bool

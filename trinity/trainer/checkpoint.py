@@ -29,7 +29,7 @@ import random
 import shutil
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -38,14 +38,10 @@ import yaml
 from trinity.distributed import collectives
 from trinity.errors import UserError
 from trinity.trainer.resume import COMPLETE, CONFIG_FILE, STEP_DIR, complete_checkpoints
-# Fault injection for tests, `<step>:<seconds>`: sleep after checkpoint <step>'s data is written,
-# before it is marked complete (a test kills the job in that window).
-PAUSE_ENV = "TRINITY_TEST_CKPT_PAUSE_S"
 
-
-def _pause_s(step: int) -> float:
-    at, _, seconds = os.environ.get(PAUSE_ENV, "").partition(":")
-    return float(seconds) if at.strip() == str(step) and seconds else 0.0
+if TYPE_CHECKING:
+    from trinity.trainer.engine import RoleEngine
+    from trinity.trainer.recipes import TrainData
 
 
 def _rank() -> int:
@@ -120,8 +116,8 @@ class CheckpointManager:
     folder itself; `config`: the job config as a plain dict, stored beside each checkpoint."""
 
     def __init__(
-        self, root: Path, *, keep_last: int, is_rank0: bool, engines: dict[str, Any], data: Any,
-        hf_dir: str | Path | None = None, flat: bool = False, config: dict[str, Any] | None = None,
+        self, root: Path, *, keep_last: int, is_rank0: bool, engines: dict[str, RoleEngine], data: TrainData,
+        hf_dir: str | Path | None = None, flat: bool = False, config: dict[str, object] | None = None,
     ):
         self.root, self.keep_last, self.is_rank0, self.hf_dir = Path(root), keep_last, is_rank0, hf_dir
         self.engines = {name: e for name, e in engines.items() if e.trained}
@@ -159,7 +155,7 @@ class CheckpointManager:
         for name, engine in self.engines.items():
             engine.save(self._role_dir(tmp, name), hf_dir=self.hf_dir, extra=extra,
                         meta={"kind": "training", "role": name, "step": step})
-            if getattr(engine, "lora", None) is not None:  # a LoRA actor: its adapters as a PEFT folder too
+            if engine.lora is not None:  # a LoRA actor: its adapters as a PEFT folder too
                 from trinity.models.facts import ModelFacts
                 from trinity.trainer.export import ADAPTER_DIR, write_adapter_folder
 
@@ -172,7 +168,6 @@ class CheckpointManager:
         _barrier()
         save_rng(tmp / "rng" / f"rank_{_rank()}.pt")
         _barrier()
-        time.sleep(_pause_s(step))
         if self.is_rank0:
             _write_synced(tmp / COMPLETE, json.dumps({"step": step, "time": time.time()}) + "\n")
             if final.exists():  # a checkpoint of the same step from an earlier attempt
@@ -203,7 +198,7 @@ class CheckpointManager:
     def load(self, path: Path) -> int:
         """Restore every trained role (model, optimizer, schedule), the data position and the RNG from
         `path`; returns its step."""
-        extra: dict[str, Any] = {}
+        extra: dict[str, object] = {}
         for name in self.engines:
             if not self._role_dir(path, name).is_dir():
                 raise UserError(f"trainer.resume: {path} has no {name}/ checkpoint (was it written by another algorithm?)")

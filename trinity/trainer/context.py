@@ -5,11 +5,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from trinity.config.loader import LoadedConfig
 from trinity.config.roles import Role
 from trinity.config.schema import JobConfig
+
+if TYPE_CHECKING:
+    import torch
+
+    from trinity.models.facts import ModelFacts
+    from trinity.trainer.engine import RoleEngine
+    from trinity.trainer.nonfinite import NonFiniteGuard
 
 
 @dataclass
@@ -17,8 +24,8 @@ class WorkerContext:
     """One rank's view of the job once the parallel state is set up."""
 
     loaded: LoadedConfig
-    device: Any  # torch.device
-    dtype: Any  # torch.dtype of the parameters
+    device: torch.device
+    dtype: torch.dtype  # of the parameters
     rank: int
     world_size: int
 
@@ -27,7 +34,7 @@ class WorkerContext:
         return self.loaded.config
 
     @property
-    def facts(self) -> Any:
+    def facts(self) -> ModelFacts:
         return self.loaded.facts
 
     @property
@@ -39,7 +46,7 @@ class WorkerContext:
         return self.rank == 0
 
     @cached_property
-    def nonfinite(self) -> Any:
+    def nonfinite(self) -> NonFiniteGuard:
         """The run's one NonFiniteGuard (trinity.trainer.nonfinite): every engine reports to it, the loop
         tells it the step and the last checkpoint."""
         from trinity.trainer.nonfinite import NonFiniteGuard
@@ -51,7 +58,7 @@ class WorkerContext:
         if self.is_rank0:
             print(text, flush=True)
 
-    def build_engine(self, role: Role, total_steps: int, *, optimizer_on_host: bool = False) -> Any:
+    def build_engine(self, role: Role, total_steps: int, *, optimizer_on_host: bool = False) -> RoleEngine:
         """`role`'s engine: its chunks built, loaded from the job's weight source for it, and wrapped
         (DDP, optimizer and an LR schedule over `total_steps` when the role is trained)."""
         from trinity.config.weights import weight_source

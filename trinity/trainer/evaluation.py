@@ -19,20 +19,25 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 import numpy as np
 import torch
 
 from trinity.distributed import collectives
 from trinity.errors import UserError
+from trinity.trainer.recipes import Metrics, Recipe, StepOutput
+from trinity.trainer.samples import Sample
+
+if TYPE_CHECKING:
+    from trinity.trainer.recipes.rl import RLRecipe
+    from trinity.trainer.recipes.sft import SFTLoss, TokenRows
 
 
 class Evaluator:
     """Runs the job's evaluation; `due(step)` says whether step `step` ends with one."""
 
-    def __init__(self, recipe: Any):
+    def __init__(self, recipe: Recipe):
         self.recipe, self.cfg, self.ctx = recipe, recipe.cfg, recipe.ctx
         self.interval = self.cfg.trainer.val_interval
         # the algorithm's evaluation (AlgorithmSpec.evaluation; validate refuses val_files without one)
@@ -41,16 +46,20 @@ class Evaluator:
         prepare()
 
     @classmethod
-    def build(cls, recipe: Any) -> "Evaluator | None":
+    def build(cls, recipe: Recipe) -> "Evaluator | None":
         """None when the job has no data.val_files."""
         return cls(recipe) if recipe.cfg.data.val_files else None
 
     def due(self, step: int) -> bool:
         return bool(self.interval and step % self.interval == 0) or step == self.recipe.total_steps
 
-    def run(self, step: int) -> dict[str, Any]:
-        """The val metrics after `step` steps (0: before training), as a metrics row, on every rank."""
-        return {"step": step, **(self._rl(step) if self.kind == "reward" else self._sft())}
+    def run(self, step: int) -> StepOutput:
+        """The val metrics after `step` steps (0: before training), as a metrics row, on every rank, and
+        this rank's val samples (the `reward` evaluation)."""
+        if self.kind == "reward":
+            metrics, samples = self._rl(step)
+            return StepOutput({"step": step, **metrics}, samples)
+        return StepOutput({"step": step, **self._sft()})
 
     # ---------------------------------------------------------------- SFT
 
@@ -72,7 +81,7 @@ class Evaluator:
     def _sft(self) -> dict[str, float]:
         from megatron.core import parallel_state as ps
 
-        from trinity.trainer.recipes.sft import SFTLoss
+        from trinity.trainer.recipes.sft import SFTLoss, TokenRows
 
         ctx, rows = self.ctx, self.rows
         micro = self.cfg.trainer.micro_batch_size
@@ -81,12 +90,13 @@ class Evaluator:
         # Micro batches of one shape per schedule call (pipeline buffers have one shape): the full ones,
         # then the rest one row at a time.
         groups = [[mine[i:i + micro] for i in range(0, full, micro)], [mine[i:i + 1] for i in range(full, len(mine))]]
-        loss_fn = SFTLoss(ctx.device, 1.0, ctx.facts.vocab_size)
+        loss_fn = SFTLoss(ctx.facts.vocab_size)
         local = torch.zeros(1, dtype=torch.float64, device=ctx.device)
         for group in groups:
             if not group:
                 continue
-            batches = [{k: torch.from_numpy(a) for k, a in rows.rows(idx).items()} for idx in group]
+            batches = [TokenRows.from_arrays({k: torch.from_numpy(a) for k, a in rows.rows(idx).items()}, ctx.device)
+                       for idx in group]
             outputs = _forward_only(self.recipe.actor.model, batches, loss_fn)
             if ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0:
                 local += sum(float(o["loss_sum"]) for o in outputs)
@@ -101,7 +111,7 @@ class Evaluator:
         from trinity.data.prompts import PromptKeys, tokenize_prompts
         from trinity.data.readers import read_records
 
-        cfg, recipe = self.cfg, self.recipe
+        cfg, recipe = self.cfg, self.rl_recipe
         keys = PromptKeys(prompt_key=cfg.data.prompt_key, messages_key=cfg.data.messages_key, answer_key=cfg.data.answer_key)
         prompts, _ = tokenize_prompts(read_records(cfg.data.val_files), recipe.tokenizer,
                                       max_prompt_length=cfg.data.max_prompt_length, keys=keys)
@@ -113,17 +123,25 @@ class Evaluator:
         # as many sequences per generate call as a training step's rollout on this rank
         self.batch = max(1, cfg.data.train_batch_size * cfg.actor_rollout_ref.rollout.n // dp_size)
 
-    def _rl(self, step: int) -> dict[str, float]:
+    @property
+    def rl_recipe(self) -> RLRecipe:
+        """The recipe of an algorithm that generates (its spec's evaluation is `reward`)."""
+        from trinity.trainer.recipes.rl import RLRecipe
+
+        assert isinstance(self.recipe, RLRecipe), "the reward evaluation runs an RL recipe's rollout"
+        return self.recipe
+
+    def _rl(self, step: int) -> tuple[Metrics, list[Sample]]:
         from trinity.trainer.recipes.lora_ref import rollout_weights
         from trinity.trainer.recipes.rl import _dp_stats
 
-        recipe = self.recipe
+        recipe = self.rl_recipe
         for role, engine in recipe.engines.items():
             engine.need(params=role == "actor")
         gen = torch.Generator(device=self.ctx.device).manual_seed(self.cfg.trainer.seed)
         scores: list[float] = []
         lengths: list[int] = []
-        samples: list[dict[str, Any]] = []
+        samples: list[Sample] = []
         errors: list[str] = []  # samples scored 0 (reward.on_error: zero)
         for start in range(0, len(self.prompts), self.batch):
             part = self.prompts[start:start + self.batch]
@@ -139,7 +157,6 @@ class Evaluator:
             lengths += [int(k) for k in n]
             samples += [{"step": step, "prompt": p.text, "response": t, "reward": r, "answer": p.answer, "source": p.source}
                         for p, t, r in zip(part, texts, s)]
-        self.samples = samples
         if errors:
             from trinity.rewards.process import errors_warning
 
@@ -148,20 +165,22 @@ class Evaluator:
         device = self.ctx.device
         mean, std = _dp_stats(torch.tensor(scores, dtype=torch.float64, device=device))
         len_mean, _ = _dp_stats(torch.tensor(lengths, dtype=torch.float64, device=device))
-        return {"val/reward_mean": mean, "val/reward_std": std, "val/response_length/mean": len_mean}
+        return {"val/reward_mean": mean, "val/reward_std": std, "val/response_length/mean": len_mean}, samples
 
 
 @torch.no_grad()
-def _forward_only(chunks: list[Any], batches: list[dict[str, Any]], loss_fn: Any) -> list[dict[str, Any]]:
-    """`loss_fn` over micro batches of one shape through megatron's schedule, forward only (every
-    pipeline and virtual stage); the last stage's per-micro-batch metric dicts."""
+def _forward_only(chunks: Sequence[torch.nn.Module], batches: list[TokenRows],
+                  loss_fn: SFTLoss) -> list[dict[str, torch.Tensor]]:
+    """`loss_fn` (unscaled) over micro batches of one shape through megatron's schedule, forward only
+    (every pipeline and virtual stage); the last stage's per-micro-batch metric dicts."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    b, s = batches[0]["tokens"].shape
+    b, s = batches[0].tokens.shape
 
-    def forward_step(data_iterator: Any, chunk: Any) -> tuple[torch.Tensor, Any]:
+    def forward_step(data_iterator: Iterator[TokenRows],
+                     chunk: torch.nn.Module) -> tuple[torch.Tensor, Callable[[torch.Tensor], object]]:
         micro = next(data_iterator)
-        return loss_fn.forward(chunk, micro), partial(loss_fn, micro)
+        return micro.forward(chunk), lambda output: loss_fn(micro, output, denom=1.0, scale=1.0)
 
     iterators = [iter(batches) for _ in chunks]
     outputs = get_forward_backward_func()(

@@ -4,6 +4,7 @@ one metrics logger, and at the end the HF export, curves.png and the run's summa
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from trinity.trainer.checkpoint import CheckpointManager
 from trinity.trainer.context import WorkerContext
@@ -12,6 +13,9 @@ from trinity.trainer.metrics import MetricsLogger
 from trinity.trainer.recipes import Recipe
 from trinity.trainer.samples import SampleLog
 from trinity.trainer.trackers import build_trackers
+
+if TYPE_CHECKING:
+    import torch
 
 
 def run(ctx: WorkerContext, recipe_cls: type[Recipe]) -> None:
@@ -46,8 +50,10 @@ def run(ctx: WorkerContext, recipe_cls: type[Recipe]) -> None:
     samples = SampleLog(ctx.output_dir, cfg.trainer.samples_per_step(cfg.is_rl), ctx.is_rank0)
 
     def evaluate(step: int) -> None:
-        metrics.log_val(evaluator.run(step))
-        samples.write(step, getattr(evaluator, "samples", None), metrics, name="val_step")
+        assert evaluator is not None
+        result = evaluator.run(step)
+        metrics.log_val(result.metrics)
+        samples.write(step, result.samples, metrics, name="val_step")
 
     save_every = cfg.trainer.save_interval
     profiler = StepProfiler.from_config(cfg, ctx.output_dir, ctx.rank, ctx.device)
@@ -58,10 +64,10 @@ def run(ctx: WorkerContext, recipe_cls: type[Recipe]) -> None:
             guard.start(step)
             with profiler.step(step, recipe.profile_lines) as profiled:
                 recipe.profiling(profiled)
-                row = {**recipe.step(step), **guard.metrics()}
+                out = recipe.step(step)
+                row = {**out.metrics, **guard.metrics()}
             profiler.log(metrics, row)
-            samples.write(step, getattr(recipe, "last_samples", None), metrics,
-                          show=metrics.line_due(step, cfg.trainer.samples_interval()))
+            samples.write(step, out.samples, metrics, show=metrics.line_due(step, cfg.trainer.samples_interval()))
             if evaluator is not None and evaluator.due(step):
                 evaluate(step)
             if (save_every and step % save_every == 0) or (step == recipe.total_steps and cfg.trainer.save_last):
@@ -90,7 +96,7 @@ def run(ctx: WorkerContext, recipe_cls: type[Recipe]) -> None:
         close_run(ctx, trackers)
 
 
-def export_folders(ctx: WorkerContext, hf: Path, chunks: list) -> list[Path]:
+def export_folders(ctx: WorkerContext, hf: Path, chunks: list[torch.nn.Module]) -> list[Path]:
     """The folders the export wrote: the HF model, and a LoRA job's adapters."""
     from trinity.models.lora import has_lora
     from trinity.trainer.export import ADAPTER_DIR

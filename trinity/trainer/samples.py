@@ -11,6 +11,9 @@ import json
 from pathlib import Path
 from typing import Any
 
+# One scored response: prompt, response, reward, answer, source (and the step, written with it).
+Sample = dict[str, str | float | int | None]
+
 
 def _gather(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Every DP rank's samples, in DP rank order (a collective: every rank calls it)."""
@@ -57,7 +60,7 @@ class SampleLog:
     def __init__(self, output_dir: Path, n_print: int, is_rank0: bool):
         self.dir, self.n_print, self.is_rank0 = output_dir / "samples", n_print, is_rank0
 
-    def write(self, step: int, samples: list[dict[str, Any]] | None, printer: Any, name: str = "step",
+    def write(self, step: int, samples: list[Sample] | None, printer: Any, name: str = "step",
               show: bool = True) -> None:
         """Gather `samples` (this rank's) over DP, write them to samples/<name>_<step>.jsonl and, when
         `show` (trainer.log_samples_interval's steps; evaluations always), print the first n_print with

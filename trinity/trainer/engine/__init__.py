@@ -3,6 +3,6 @@
 (`fused_optimizer`), weight gradients fused into DDP's buffer (`grad_fusion`), weight loading by
 source (`weights`)."""
 
-from trinity.trainer.engine.engine import LossFn, RoleEngine, StepResult, forward_only
+from trinity.trainer.engine.engine import Denominator, LossFn, MicroBatch, RoleEngine, StepResult, forward_only
 
-__all__ = ["LossFn", "RoleEngine", "StepResult", "forward_only"]
+__all__ = ["Denominator", "LossFn", "MicroBatch", "RoleEngine", "StepResult", "forward_only"]

@@ -4,13 +4,16 @@ Built from (model facts, the role's megatron block, optimizer settings or None, 
 head or not). A trained engine wraps its chunks in megatron-core DDP and owns the optimizer, the LR
 schedule and the offloader; a frozen one (the ref) owns bare chunks, forward only. Recipes see only:
 
-- `train_batch(micro_batches, loss_fn)`: THE training step of every algorithm (zero the grads, run
-  megatron's pipeline schedule over the micro batches, step the optimizer unless the loss or the grad
-  norm is not finite: trinity.trainer.nonfinite);
-- `infer_batch(micro_batches, forward, reduce_fn, result_shape)`: forward only, micro batch by micro
-  batch, through the pipeline schedule at PP>1 with the result broadcast to every stage;
+- `train_batch(micro_batches, loss_fn, denom=)`: THE training step of every algorithm (zero the grads,
+  run megatron's pipeline schedule over the micro batches, step the optimizer unless the loss or the
+  grad norm is not finite: trinity.trainer.nonfinite);
+- `infer_batch(micro_batches, reduce_fn, result_shape)`: forward only, micro batch by micro batch,
+  through the pipeline schedule at PP>1 with the result broadcast to every stage;
 - `need(params=, grads=, optim=)`: what the next phase needs resident (offload);
 - `save(path, ...)` / `load(path)`: the role's part of a training checkpoint.
+
+The engine knows a micro batch (`MicroBatch`) by its token ids [b, s] (the schedule's shapes) and its
+own forward; everything else in it is the loss's (`LossFn`).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import TYPE_CHECKING, Callable, Iterator, Protocol, Sequence, TypeVar
 
 import torch
 
@@ -29,16 +32,47 @@ from trinity.errors import UserError
 from trinity.trainer.engine.offload import RoleOffloader
 from trinity.trainer.nonfinite import NonFiniteGuard, loss_code, problem
 
+if TYPE_CHECKING:
+    from trinity.config.megatron import MegatronConfig
+    from trinity.config.schema import OptimConfig
+    from trinity.config.schema.actor_rollout_ref import LoraConfig
+    from trinity.models.facts import ModelFacts
 
-class LossFn(Protocol):
-    """What `train_batch` runs per micro batch: the stage's forward, then the loss on the last stage.
 
-    `__call__` returns (the loss to back-propagate, already scaled for megatron's division by the number
-    of micro batches and DDP's average over DP; a dict of detached metrics that the schedule collects)."""
+class MicroBatch(Protocol):
+    """What the engine runs: one micro batch's token ids [b, s] (on every pipeline stage: the schedule
+    sizes its buffers by them) and the stage's forward over it. The kinds are frozen dataclasses, one per
+    layout: `trinity.trainer.recipes.sft.TokenRows` (SFT / PT / DPO rows), and the RL ones of
+    `trinity.trainer.recipes.rollout_forward` (`PaddedRollout`, `PackedMicro`) and
+    `trinity.trainer.recipes.rl_update.ExperienceMicro` (either of them with its sequences' experience)."""
 
-    def forward(self, chunk: Any, micro: Any) -> torch.Tensor: ...
+    @property
+    def tokens(self) -> torch.Tensor: ...
 
-    def __call__(self, micro: Any, output: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]: ...
+    def forward(self, chunk: torch.nn.Module) -> torch.Tensor:
+        """This stage's output: the last stage's logits (values), other stages' hidden states."""
+        ...
+
+
+M = TypeVar("M", bound=MicroBatch)
+M_contra = TypeVar("M_contra", bound=MicroBatch, contravariant=True)
+
+# The denominator a loss is normalised by: a count over the whole (global) batch, a tensor where it was
+# all-reduced over DP (RL's token / sequence counts).
+Denominator = torch.Tensor | float
+
+
+class LossFn(Protocol[M_contra]):
+    """The loss of one micro batch, on the last pipeline stage, from the stage's `output`.
+
+    `denom`: what the loss is normalised by (the global batch's token / sequence / pair count, given to
+    `train_batch`); `scale`: the factor that cancels megatron's division by the number of micro batches
+    and DDP's average over DP (micro batches x DP, the engine's), so that the gradient is the global
+    batch's on every layout. Returns (the loss to back-propagate, times `scale`; detached metrics, which
+    the schedule collects per micro batch)."""
+
+    def __call__(self, micro: M_contra, output: torch.Tensor, *, denom: Denominator,
+                 scale: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]: ...
 
 
 @dataclass
@@ -47,15 +81,16 @@ class StepResult:
     stages), the global grad norm (every rank), and whether the update was skipped (a non-finite loss or
     grad norm under trainer.skip_nonfinite_steps: the weights are unchanged)."""
 
-    outputs: list[dict[str, Any]]
+    outputs: list[dict[str, torch.Tensor]]
     grad_norm: float
     skipped: bool = False
 
 
 class RoleEngine:
     def __init__(
-        self, role: Role, chunks: list[Any], megatron: Any, optim: Any | None, *, dtype: torch.dtype, total_steps: int,
-        optimizer_on_host: bool = False, lora: Any = None, facts: Any = None, nonfinite: NonFiniteGuard | None = None,
+        self, role: Role, chunks: list[torch.nn.Module], megatron: MegatronConfig, optim: OptimConfig | None, *,
+        dtype: torch.dtype, total_steps: int, optimizer_on_host: bool = False, lora: LoraConfig | None = None,
+        facts: ModelFacts | None = None, nonfinite: NonFiniteGuard | None = None,
     ):
         """`optimizer_on_host`: `megatron.optimizer_offload` keeps the optimizer in host memory and steps it
         there (single-phase recipes: `trinity.trainer.engine.host_optimizer`) instead of moving it
@@ -82,6 +117,7 @@ class RoleEngine:
                 # before DDP and the optimizer copy the parameters: both start from the folder's values
                 self.lora_loaded = load_peft_adapters(chunks, self.lora.adapter_path, facts, rank=self.lora.rank,
                                                       alpha=self.lora.alpha)
+        self.chunks = list(chunks)  # without wrappers (DDP wraps these very modules)
         if optim is None:
             for chunk in chunks:
                 chunk.eval()
@@ -100,9 +136,9 @@ class RoleEngine:
 
     @classmethod
     def build(
-        cls, role: Role, facts: Any, megatron: Any, optim: Any | None, source: WeightSource, *,
-        device: str, dtype: torch.dtype, total_steps: int, chunks: list[Any] | None = None,
-        optimizer_on_host: bool = False, lora: Any = None, nonfinite: NonFiniteGuard | None = None,
+        cls, role: Role, facts: ModelFacts, megatron: MegatronConfig, optim: OptimConfig | None, source: WeightSource, *,
+        device: str, dtype: torch.dtype, total_steps: int, chunks: list[torch.nn.Module] | None = None,
+        optimizer_on_host: bool = False, lora: LoraConfig | None = None, nonfinite: NonFiniteGuard | None = None,
     ) -> "RoleEngine":
         """Build the role's GPTModel chunks (value head for the critic), load `source` into them and wrap
         them; `chunks` are already built and loaded ones (the worker's actor)."""
@@ -122,9 +158,9 @@ class RoleEngine:
         return self.optimizer is not None
 
     @property
-    def modules(self) -> list[Any]:
+    def modules(self) -> list[torch.nn.Module]:
         """The GPTModel chunks without their DDP wrappers (generation, export)."""
-        return [getattr(chunk, "module", chunk) for chunk in self.model]
+        return list(self.chunks)
 
     def lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
@@ -144,41 +180,41 @@ class RoleEngine:
 
     # ------------------------------------------------------------------ the step
 
-    def train_batch(self, micro_batches: list[Any], loss_fn: LossFn) -> StepResult:
-        """One optimizer step over this rank's micro batches (every micro batch has `tokens` [b, s], or a
-        `rollout` whose tokens are). Their number may differ between DP ranks (RL's packed micro batches:
-        each rank's loss scale cancels its own count); at PP>1 the RL recipes give all of one call one
-        shape, as SFT's fixed-length rows have (the schedule is told the first one's). An update whose loss
-        or grad norm is not finite is not applied; the run's guard stops the job or counts it."""
+    def train_batch(self, micro_batches: Sequence[M], loss_fn: LossFn[M], *, denom: Denominator) -> StepResult:
+        """One optimizer step over this rank's micro batches, each loss normalised by `denom` (`LossFn`).
+        Their number may differ between DP ranks (RL's packed micro batches: each rank's loss scale cancels
+        its own count); at PP>1 the RL recipes give all of one call one shape, as SFT's fixed-length rows
+        have (the schedule is told the first one's). An update whose loss or grad norm is not finite is not
+        applied; the run's guard stops the job or counts it."""
+        from megatron.core import parallel_state as ps
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         for chunk in self.model:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
-        b, s = _tokens(micro_batches[0]).shape
+        b, s = micro_batches[0].tokens.shape
+        scale = float(len(micro_batches) * ps.get_data_parallel_world_size())
 
         # The interleaved (VPP) schedule runs micro batches in groups of PP and refuses a count that is not
         # a multiple of PP, which RL's packed micro batches cannot promise: a short call is filled up with
         # copies of its last micro batch whose loss is multiplied by 0 (no gradient, outputs dropped), and
         # the real ones' losses by len(run) / real, undoing the schedule's division by len(run).
-        from megatron.core import parallel_state as ps
-
         group = ps.get_pipeline_model_parallel_world_size() if len(self.model) > 1 else 1
         real = len(micro_batches)
-        run = list(enumerate(micro_batches + micro_batches[-1:] * (-real % group)))
+        run = list(enumerate(list(micro_batches) + list(micro_batches[-1:]) * (-real % group)))
         fix = len(run) / real
         losses: list[torch.Tensor] = []  # the real micro batches' losses (last stage): the non-finite check
 
-        def scaled(micro: Any, weight: float, output: torch.Tensor) -> tuple[torch.Tensor, Any]:
-            loss, metrics = loss_fn(micro, output)
+        def scaled(micro: M, weight: float, output: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+            loss, metrics = loss_fn(micro, output, denom=denom, scale=scale)
             if not weight:
                 return loss * weight, {}
             losses.append(loss.detach())
             return (loss if weight == 1.0 else loss * weight), metrics
 
-        def forward_step(data_iterator: Any, chunk: Any) -> tuple[torch.Tensor, Callable]:
+        def forward_step(data_iterator: Iterator[tuple[int, M]], chunk: torch.nn.Module) -> tuple[torch.Tensor, Callable]:
             i, micro = next(data_iterator)
-            output = loss_fn.forward(chunk, micro)
+            output = micro.forward(chunk)
             return output, partial(scaled, micro, 1.0 if len(run) == real else fix if i < real else 0.0)
 
         # One iterator per VPP chunk: the interleaved schedule runs every micro batch through each chunk.
@@ -213,22 +249,20 @@ class RoleEngine:
         return norm, True
 
     @torch.no_grad()
-    def infer_batch(
-        self, micro_batches: list[Any], forward: Callable[[Any, Any], torch.Tensor],
-        reduce_fn: Callable[[torch.Tensor, Any], torch.Tensor], result_shape: tuple[int, ...],
-    ) -> torch.Tensor:
-        return forward_only(self.model, micro_batches, forward, reduce_fn, result_shape)
+    def infer_batch(self, micro_batches: Sequence[M], reduce_fn: Callable[[torch.Tensor, M], torch.Tensor],
+                    result_shape: tuple[int, ...]) -> torch.Tensor:
+        return forward_only(self.model, micro_batches, reduce_fn, result_shape)
 
     # ------------------------------------------------------------------ checkpoint part
 
-    def save(self, path: Path, *, hf_dir: Any, extra: dict[str, Any], meta: dict[str, Any]) -> None:
+    def save(self, path: Path, *, hf_dir: str | Path | None, extra: dict[str, object], meta: dict[str, object]) -> None:
         """Model + optimizer as a reshardable trinity dist checkpoint at `path` (all ranks call)."""
         from trinity.convert.dist_ckpt import save_model_checkpoint
         from trinity.compat import cpu_compat
         from trinity.trainer.engine.optimizer_state import ReshardableOptimizer
 
         if self.lora is not None:  # adapters + optimizer only: the base comes from the weight source on resume
-            meta = {**meta, "lora": self.lora.model_dump(mode="json") if hasattr(self.lora, "model_dump") else vars(self.lora)}
+            meta = {**meta, "lora": self.lora.model_dump(mode="json")}
         with cpu_compat.checkpoint_io():
             save_model_checkpoint(
                 self.model, path, hf_dir=hf_dir, extra_common=extra, optimizer=ReshardableOptimizer(self.optimizer),
@@ -265,7 +299,7 @@ class RoleEngine:
         flat, _ = _flat_sharded(self.model)
         return tuple(sorted({v.key for v in flat.values() if ".lora.lora_" not in v.key}))
 
-    def load(self, path: Path) -> dict[str, Any]:
+    def load(self, path: Path) -> dict[str, object]:
         """Model + optimizer from `path`; returns the checkpoint's `extra`. The optimizer's
         hyper-parameters stay the config's (a resume with a changed optim.lr applies it)."""
         from trinity.convert.dist_ckpt import load_model_checkpoint
@@ -285,15 +319,7 @@ class RoleEngine:
         return extra
 
 
-def _tokens(micro: Any) -> torch.Tensor:
-    """A micro batch's token ids [b, s]: a packed-row dict's `tokens`, a rollout's (or an experience
-    dict's rollout's) tokens, a `PackedMicro`'s row [1, S]."""
-    if isinstance(micro, dict):
-        return micro["tokens"] if "tokens" in micro else micro["rollout"].tokens
-    return micro.tokens
-
-
-def _schedule_seq_length(model: list[Any], s: int) -> int:
+def _schedule_seq_length(model: Sequence[torch.nn.Module], s: int) -> int:
     """The sequence length megatron's schedule sizes its pipeline buffers by: with sequence parallel the
     forwards pad rows to a multiple of TP (`trinity.trainer.recipes.rollout_forward.forward_output`)."""
     from trinity.distributed.sequence_parallel import round_up, sp_multiple
@@ -303,22 +329,22 @@ def _schedule_seq_length(model: list[Any], s: int) -> int:
 
 @torch.no_grad()
 def forward_only(
-    model: list[Any], micro_batches: list[Any], forward: Callable[[Any, Any], torch.Tensor],
-    reduce_fn: Callable[[torch.Tensor, Any], torch.Tensor], result_shape: tuple[int, ...],
+    model: Sequence[torch.nn.Module], micro_batches: Sequence[M], reduce_fn: Callable[[torch.Tensor, M], torch.Tensor],
+    result_shape: tuple[int, ...],
 ) -> torch.Tensor:
-    """`reduce_fn(forward(chunk, micro), micro)` of every micro batch, concatenated along dim 0, on every
+    """`reduce_fn(micro.forward(chunk), micro)` of every micro batch, concatenated along dim 0, on every
     rank. At PP>1 through megatron's pipeline schedule (forward only): the last stage computes it and
     broadcasts it (fp32, `result_shape`) to the other stages. With virtual pipeline stages (several
     chunks per rank) through megatron's interleaved schedule, forward only."""
     from megatron.core import parallel_state as ps
 
     if ps.get_pipeline_model_parallel_world_size() == 1:
-        return torch.cat([reduce_fn(forward(model[0], part), part) for part in micro_batches])
+        return torch.cat([reduce_fn(part.forward(model[0]), part) for part in micro_batches])
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    def forward_step(data_iterator: Any, chunk: Any) -> tuple[torch.Tensor, Callable]:
+    def forward_step(data_iterator: Iterator[M], chunk: torch.nn.Module) -> tuple[torch.Tensor, Callable]:
         part = next(data_iterator)
-        output = forward(chunk, part)
+        output = part.forward(chunk)
         return output, lambda out: (out.new_zeros(()), {"out": reduce_fn(out, part)})
 
     # The interleaved schedule runs micro batches in groups of PP per chunk and refuses a count that is
@@ -329,13 +355,13 @@ def forward_only(
     out: list[torch.Tensor] = []
     # the schedule's point-to-point buffers have one shape: one call per run of equal-sized micro batches
     start = 0
-    device = _tokens(micro_batches[0]).device
+    device = micro_batches[0].tokens.device
     while start < len(micro_batches):
-        shape = _tokens(micro_batches[start]).shape
+        shape = micro_batches[start].tokens.shape
         end = start
-        while end < len(micro_batches) and _tokens(micro_batches[end]).shape == shape:
+        while end < len(micro_batches) and micro_batches[end].tokens.shape == shape:
             end += 1
-        run = micro_batches[start:end]
+        run = list(micro_batches[start:end])
         run = run + run[-1:] * (-len(run) % group)
         store = get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=[iter(run) for _ in model] if len(model) > 1 else iter(run),

@@ -8,11 +8,44 @@ Specs name recipes as `module:Class` strings so that looking one up imports only
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar, Protocol
 
 from trinity.algorithms.registry import ALGORITHMS
 from trinity.config.roles import Role
 from trinity.errors import UserError
+from trinity.trainer.samples import Sample
+
+if TYPE_CHECKING:
+    from trinity.trainer.context import WorkerContext
+    from trinity.trainer.engine import RoleEngine
+
+# A metrics row: metric name -> value (ints and bools count as numbers); the loop adds `step`.
+Metrics = dict[str, float]
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """What one training step (or evaluation) gives back on every rank: its metrics row and, for an
+    algorithm that generates, this rank's scored samples (trinity.trainer.samples; None: nothing to log)."""
+
+    metrics: Metrics
+    samples: list[Sample] | None = None
+
+
+class TrainData(Protocol):
+    """What the loop and the checkpoints need of a recipe's data: its position (saved and restored with
+    a checkpoint), the steps of one epoch and a one-line summary. Each recipe's own data type adds how
+    it hands out its batches."""
+
+    @property
+    def steps_per_epoch(self) -> int: ...
+
+    def state_dict(self) -> dict[str, object]: ...
+
+    def load_state_dict(self, state: dict[str, object]) -> None: ...
+
+    def summary(self) -> str: ...
 
 # algorithm.name -> its recipe, as the registry has it
 RECIPES: dict[str, str] = {name: spec.recipe for name, spec in ALGORITHMS.items()}
@@ -29,11 +62,12 @@ class Recipe:
     # where moving it between phases would free nothing), instead of moving it off between phases.
     optimizer_on_host: ClassVar[bool] = False
 
-    def __init__(self, ctx: Any):
+    data: TrainData
+
+    def __init__(self, ctx: WorkerContext):
         self.ctx = ctx
         self.cfg = ctx.config
-        self.engines: dict[str, Any] = {}
-        self.data: Any = None
+        self.engines: dict[str, RoleEngine] = {}
         self.total_steps = 0
 
     # ---------------------------------------------------------------- what a recipe defines
@@ -43,20 +77,20 @@ class Recipe:
         (JobConfig.roles)."""
         return [Role.from_path(path) for path in self.cfg.roles()]
 
-    def build_data(self) -> Any:
-        """This rank's data (with state_dict / load_state_dict / steps_per_epoch / summary())."""
+    def build_data(self) -> TrainData:
+        """This rank's data."""
         raise NotImplementedError
 
-    def step(self, step: int) -> dict[str, Any]:
-        """One training step; returns its metrics row (with `step`, on every rank)."""
+    def step(self, step: int) -> StepOutput:
+        """One training step: its metrics row (with `step`, on every rank) and samples."""
         raise NotImplementedError
 
-    def line(self, metrics: dict[str, Any]) -> list[str]:
+    def line(self, metrics: Metrics) -> list[str]:
         """The console line's parts after `step i/N`."""
         raise NotImplementedError
 
     def setup(self) -> None:
-        """Anything built after the engines (phases, samplers...)."""
+        """What is built after the engines (phases, samplers...)."""
 
     def profiling(self, on: bool) -> None:
         """Called before each step: whether the loop's profiler profiles it (a recipe may then measure more)."""
@@ -83,7 +117,7 @@ class Recipe:
             engine.all_resident()
 
     @property
-    def actor(self) -> Any:
+    def actor(self) -> RoleEngine:
         return self.engines[Role.actor.value]
 
 

@@ -18,7 +18,7 @@ import torch
 
 from trinity.distributed import collectives
 from trinity.rollout.types import Rollout
-from trinity.trainer.recipes.rl import RLRecipe, _dp_info
+from trinity.trainer.recipes.rl import RLRecipe, Sampled, Scored, _dp_info
 
 
 def concat_rollouts(parts: list[Rollout], pad_id: int) -> Rollout:
@@ -42,21 +42,21 @@ def concat_rollouts(parts: list[Rollout], pad_id: int) -> Rollout:
 
 
 class DAPORecipe(RLRecipe):
-    def draw(self, gen: torch.Generator) -> tuple[Rollout, torch.Tensor, torch.Tensor]:
+    def draw(self, gen: torch.Generator) -> tuple[Rollout, Scored, torch.Tensor]:
         """One batch of prompts: (rollout, the reward function's scores, scores + overlong penalty)."""
         from trinity.algorithms.dapo import overlong_penalty
 
         prompts = self.data.next_batch()
         ro = self.generate(prompts, gen)
-        score = self.score(prompts, ro)
+        scored = self.score(prompts, ro)
         ob = self.cfg.reward_model.overlong_buffer
         if not ob.enable:
-            return ro, score, score
+            return ro, scored, scored.scores
         penalty = overlong_penalty(ro.response_mask.sum(-1), self.cfg.actor_rollout_ref.rollout.response_length,
                                    ob.len, ob.penalty_factor)
-        return ro, score, score + penalty
+        return ro, scored, scored.scores + penalty
 
-    def sample(self, step: int, gen: torch.Generator) -> tuple[Rollout, torch.Tensor, list[int], dict[str, float]]:
+    def sample(self, step: int, gen: torch.Generator) -> Sampled:
         from trinity.algorithms.dapo import varied_groups
 
         cfg = self.cfg
@@ -68,8 +68,13 @@ class DAPORecipe(RLRecipe):
         dropped: list[tuple[Rollout, torch.Tensor, torch.Tensor]] = []
         times: dict[str, float] = {}
         rollout_tokens, draws = 0, 0
+        samples, errors, scored_count = [], [], 0
         while True:
-            ro, score, shaped = self.draw(gen)
+            ro, scored, shaped = self.draw(gen)
+            score = scored.scores
+            samples += scored.samples
+            errors += scored.errors
+            scored_count += int(score.numel())
             draws += 1
             rollout_tokens += int(ro.response_mask.sum())
             for key in ("time/rollout_s", "time/reward_s"):
@@ -98,4 +103,4 @@ class DAPORecipe(RLRecipe):
             "dapo/num_gen_batches": draws, "dapo/kept_groups": int(counts[0]), "dapo/filled_groups": int(counts[1]),
             "dapo/score_mean": float(counts[2] / counts[4]), "dapo/overlong_penalty_mean": float(counts[3] / counts[4]),
         }
-        return ro, shaped, [i for i in range(want) for _ in range(n)], metrics
+        return Sampled(ro, shaped, [i for i in range(want) for _ in range(n)], metrics, samples, errors, scored_count)

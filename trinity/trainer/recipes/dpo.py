@@ -10,17 +10,24 @@ and DDP's average over DP: every TP/PP/DP layout and micro batch size computes t
 from __future__ import annotations
 
 import time
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from trinity.config.roles import Role
 from trinity.distributed import collectives
 from trinity.errors import UserError
+from trinity.trainer.engine import Denominator
 from trinity.trainer.metrics import peak_memory_gib
-from trinity.trainer.recipes import Recipe
+from trinity.trainer.recipes import Metrics, Recipe, StepOutput
 from trinity.trainer.recipes.lora_ref import AdaptersOff, uses_lora
-from trinity.trainer.recipes.sft import SFTLoss, _sync
+from trinity.trainer.recipes.rollout_forward import Inference
+from trinity.trainer.recipes.sft import TokenRows, _sync
+
+if TYPE_CHECKING:
+    from trinity.config.schema.algorithm import DPOConfig
+    from trinity.data.preference import PreferenceData
 
 # Per-pair sums each micro batch reports (last stage), averaged over the global batch's pairs: the
 # metrics.jsonl keys are TRL's.
@@ -30,32 +37,40 @@ METRICS = {
 }
 
 
-def sequence_logps(logits: torch.Tensor, batch: dict[str, Any], device: torch.device, vocab_size: int) -> torch.Tensor:
+def sequence_logps(logits: torch.Tensor, rows: TokenRows, vocab_size: int) -> torch.Tensor:
     """Summed log-probs of each row's trained (answer) tokens, [rows] fp32, from the last stage's
     vocab-parallel logits [s, b, vocab / tp]."""
     from megatron.core import parallel_state as ps
 
     from trinity.algorithms.logprob import vocab_parallel_log_probs
 
-    labels = batch["labels"].to(device, non_blocking=True).t()
-    loss_mask = batch["loss_mask"].to(device, non_blocking=True).t()
+    labels = rows.labels.to(rows.device, non_blocking=True).t()
+    loss_mask = rows.loss_mask.to(rows.device, non_blocking=True).t()
     logp = vocab_parallel_log_probs(logits, labels, group=ps.get_tensor_model_parallel_group(), vocab_size=vocab_size)
     return (logp.float() * loss_mask).sum(0)
 
 
-class DPOLoss(SFTLoss):
-    """The DPO loss of a micro batch of pairs (chosen rows, then rejected rows, `ref_logps` attached),
-    summed over its pairs and pre-scaled by `scale`; the forward is SFT's."""
+@dataclass(frozen=True)
+class ScoredPairs(TokenRows):
+    """A micro batch of pairs (chosen rows, then rejected rows) with the reference policy's sequence
+    log-probs of its rows, `ref_logps` [2 x pairs]."""
 
-    def __init__(self, device: torch.device, scale: float, vocab_size: int, dpo: Any):
-        super().__init__(device, scale, vocab_size)
-        self.dpo = dpo
+    ref_logps: torch.Tensor
 
-    def __call__(self, batch: dict[str, Any], logits: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
+
+class DPOLoss:
+    """The DPO loss of a micro batch of pairs, summed over its pairs, divided by `denom` (the global
+    batch's pairs) and times `scale` (`trinity.trainer.engine.LossFn`)."""
+
+    def __init__(self, vocab_size: int, dpo: DPOConfig):
+        self.vocab_size, self.dpo = vocab_size, dpo
+
+    def __call__(self, batch: ScoredPairs, logits: torch.Tensor, *, denom: Denominator,
+                 scale: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         from trinity.algorithms.dpo import dpo_loss
 
-        logps = sequence_logps(logits, batch, self.device, self.vocab_size)
-        ref = batch["ref_logps"].to(self.device)
+        logps = sequence_logps(logits, batch, self.vocab_size)
+        ref = batch.ref_logps.to(batch.device)
         m = logps.shape[0] // 2
         losses, pair = dpo_loss(
             logps[:m], logps[m:], ref[:m], ref[m:], beta=self.dpo.beta, loss_type=self.dpo.loss_type.value,
@@ -66,14 +81,16 @@ class DPOLoss(SFTLoss):
             "rejected_reward": pair.rejected_reward.sum(), "margin": pair.margin.sum(), "accuracy": pair.accuracy.sum(),
             "chosen_logps": logps[:m].detach().sum(), "rejected_logps": logps[m:].detach().sum(),
         }
-        return losses.sum() * self.scale, sums
+        return losses.sum() * (scale / denom), sums
 
 
 class DPORecipe(Recipe):
     flat_checkpoint = True  # one trained role (the ref is frozen, never saved): step_N/ is the actor's checkpoint
     optimizer_on_host = True  # one trained role, one update a step: optimizer_offload steps it in host memory, as SFT
 
-    def build_data(self) -> Any:
+    data: PreferenceData
+
+    def build_data(self) -> PreferenceData:
         from megatron.core import parallel_state as ps
 
         from trinity.data.preference import PreferenceKeys, build_preference_data
@@ -96,28 +113,27 @@ class DPORecipe(Recipe):
                 f"{d.label_smoothing}; reference: {ref}")
 
     @property
-    def ref(self) -> Any:
+    def ref(self) -> Inference:
         return AdaptersOff(self.actor) if uses_lora(self.cfg) else self.engines[Role.ref.value]
 
-    def ref_logps(self, micro: list[dict[str, Any]]) -> None:
-        """Attach the ref's sequence log-probs to each micro batch (`ref_logps`, [2 x pairs]): one forward
-        of the frozen ref per step, before the actor's step needs the memory."""
-        device, vocab = self.ctx.device, self.ctx.facts.vocab_size
-        fwd = SFTLoss(device, 1.0, vocab)
-        self.ref.need(params=True)
-        out = self.ref.infer_batch(
-            micro, lambda chunk, batch: fwd.forward(chunk, batch),
-            lambda logits, batch: sequence_logps(logits, batch, device, vocab),
-            (sum(b["tokens"].shape[0] for b in micro),),
-        )
-        self.ref.need(params=False)
-        start = 0
-        for batch in micro:
-            n = batch["tokens"].shape[0]
-            batch["ref_logps"] = out[start : start + n]
+    def ref_logps(self, micro: list[TokenRows]) -> list[ScoredPairs]:
+        """The micro batches with the ref's sequence log-probs of their rows: one forward of the frozen ref
+        per step, before the actor's step needs the memory."""
+        vocab = self.ctx.facts.vocab_size
+        ref = self.ref
+        ref.need(params=True)
+        out = ref.infer_batch(micro, lambda logits, rows: sequence_logps(logits, rows, vocab),
+                              (sum(b.tokens.shape[0] for b in micro),))
+        ref.need(params=False)
+        scored, start = [], 0
+        for rows in micro:
+            n = rows.tokens.shape[0]
+            scored.append(ScoredPairs(rows.tokens, rows.position_ids, rows.doc_ids, rows.labels, rows.loss_mask,
+                                      rows.device, out[start : start + n]))
             start += n
+        return scored
 
-    def step(self, step: int) -> dict[str, Any]:
+    def step(self, step: int) -> StepOutput:
         from megatron.core import parallel_state as ps
 
         device, actor = self.ctx.device, self.actor
@@ -125,11 +141,10 @@ class DPORecipe(Recipe):
         _sync(device)
         t0 = time.perf_counter()
         # on the device up front: at PP>1 the ref's result is broadcast on the tokens' device
-        micro = [{k: v.to(device) for k, v in b.items()} for b in self.data.next_global_batch()]
-        self.ref_logps(micro)
+        micro = self.ref_logps([TokenRows.from_arrays({k: v.to(device) for k, v in b.items()}, device)
+                                for b in self.data.next_global_batch()])
         actor.advance_schedule()
-        scale = len(micro) * ps.get_data_parallel_world_size() / pairs
-        result = actor.train_batch(micro, DPOLoss(device, scale, self.ctx.facts.vocab_size, self.cfg.algorithm.dpo))
+        result = actor.train_batch(micro, DPOLoss(self.ctx.facts.vocab_size, self.cfg.algorithm.dpo), denom=pairs)
         # The sums exist on the last pipeline stage; count each DP replica once (TP rank 0).
         local = torch.zeros(len(METRICS), dtype=torch.float64, device=device)
         if ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0:
@@ -138,15 +153,15 @@ class DPORecipe(Recipe):
         local = collectives.all_reduce(local)
         _sync(device)
         dt = time.perf_counter() - t0
-        row: dict[str, Any] = {"step": step}
+        row: Metrics = {"step": step}
         row.update({name: float(v) / pairs for name, v in zip(METRICS.values(), local.tolist())})
         row.update({
             "lr": actor.lr(), "grad_norm": result.grad_norm, "tokens_per_s": self.data.tokens_per_step / dt,
             "step_time_s": dt, "mem_peak_gib": peak_memory_gib(device),
         })
-        return row
+        return StepOutput(row)
 
-    def line(self, metrics: dict[str, Any]) -> list[str]:
+    def line(self, metrics: Metrics) -> list[str]:
         return [
             f"loss {metrics['loss']:.4f}", f"acc {metrics['rewards/accuracies']:.2f}",
             f"margin {metrics['rewards/margins']:.4f}", f"lr {metrics['lr']:.2e}", f"grad_norm {metrics['grad_norm']:.3f}",

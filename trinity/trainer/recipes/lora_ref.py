@@ -13,10 +13,19 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence, TypeVar
+
+import torch
+
+from trinity.trainer.engine import MicroBatch, RoleEngine
+
+if TYPE_CHECKING:
+    from trinity.config.schema import JobConfig
+
+M = TypeVar("M", bound=MicroBatch)
 
 
-def uses_lora(cfg: Any) -> bool:
+def uses_lora(cfg: JobConfig) -> bool:
     """Whether the job trains LoRA adapters on the actor (a JobConfig)."""
     return cfg.actor_rollout_ref.actor.lora.rank > 0
 
@@ -27,16 +36,17 @@ class AdaptersOff:
     It owns no memory: `need` does nothing (the actor's own phases decide where its parameters are; the
     reference phase asks for the actor's parameters)."""
 
-    def __init__(self, actor: Any):
+    def __init__(self, actor: RoleEngine):
         self.actor = actor
 
-    def infer_batch(self, *args: Any, **kwargs: Any) -> Any:
+    def infer_batch(self, micro_batches: Sequence[M], reduce_fn: Callable[[torch.Tensor, M], torch.Tensor],
+                    result_shape: tuple[int, ...]) -> torch.Tensor:
         from trinity.models.lora import adapters_disabled
 
         with adapters_disabled(self.actor.model):
-            return self.actor.infer_batch(*args, **kwargs)
+            return self.actor.infer_batch(micro_batches, reduce_fn, result_shape)
 
-    def need(self, **_: Any) -> None:
+    def need(self, *, params: bool, grads: bool = False, optim: bool = False) -> None:
         return None
 
 
@@ -46,7 +56,7 @@ DEVICE_KEEP_FREE = 0.25
 
 
 @contextlib.contextmanager
-def rollout_weights(actor: Any, keep: str = "auto") -> Iterator[None]:
+def rollout_weights(actor: RoleEngine | Sequence[torch.nn.Module], keep: str = "auto") -> Iterator[None]:
     """Around a rollout: the adapters merged into the actor's base weights (W + alpha/rank * B A, rounded to
     the weight's dtype), restored bit-exactly on exit; nothing for a model without adapters. `actor`: a
     RoleEngine or model chunks.
@@ -57,11 +67,9 @@ def rollout_weights(actor: Any, keep: str = "auto") -> Iterator[None]:
     milliseconds. `keep` (actor.lora.rollout_weights): "device" (a GPU copy), "host" (adapters_merged), "auto"
     (the GPU copy while at least DEVICE_KEEP_FREE of the device's memory stays free besides it, else the
     host), "adapters" (no merge: the decoders compute the adapters beside the base weights)."""
-    import torch
-
     from trinity.models.lora import adapters_merged, lora_modules
 
-    chunks = actor.modules if hasattr(actor, "modules") and not callable(actor.modules) else actor
+    chunks = actor.modules if isinstance(actor, RoleEngine) else actor
     if keep not in ("auto", "device", "host", "adapters"):
         raise ValueError(f"rollout_weights: keep must be auto, device, host or adapters, got {keep!r}")
     entries = [(m, a) for _, m, a in lora_modules(chunks)]

@@ -3,8 +3,8 @@
 
 from __future__ import annotations
 
-from typing import Any
-
+from trinity.trainer.engine import RoleEngine
+from trinity.trainer.recipes import Metrics
 from trinity.trainer.recipes.rl import RLRecipe, _from_last_stage
 from trinity.trainer.recipes.rl_update import Experience, critic_update
 
@@ -13,8 +13,9 @@ class PPORecipe(RLRecipe):
     def critic_warmup(self, step: int) -> bool:
         return step <= self.cfg.critic.warmup_steps
 
-    def update_critic(self, exp: Experience) -> dict[str, Any]:
+    def update_critic(self, exp: Experience) -> Metrics:
         cfg, critic = self.cfg, self.critic
+        assert isinstance(critic, RoleEngine), "PPO's roles include the critic"
         critic.advance_schedule()
         full = {"params": True, "grads": True, "optim": True}
         batching = self.batching["critic"].reset()

@@ -3,13 +3,16 @@ trained."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from trinity.trainer.recipes.sft import SFTRecipe
 
+if TYPE_CHECKING:
+    from trinity.data.pretrain import PTData
+
 
 class PTRecipe(SFTRecipe):
-    def build_data(self) -> Any:
+    def build_data(self) -> PTData:
         from megatron.core import parallel_state as ps
 
         from trinity.data.pretrain import pt_data_from_job

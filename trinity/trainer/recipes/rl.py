@@ -19,23 +19,36 @@ from __future__ import annotations
 import json
 import sys
 import time
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Callable, Mapping, Sequence, TypeVar
 
 import torch
 
 from trinity.config.roles import Role
 from trinity.distributed import collectives
 from trinity.errors import UserError
-from trinity.rollout.types import SamplingParams
+from trinity.rollout.types import Rollout, RolloutEngine, RolloutStats, SamplingParams
+from trinity.trainer.engine import RoleEngine
 from trinity.trainer.engine.offload import memory_gib
-from trinity.trainer.recipes import Recipe
+from trinity.trainer.recipes import Metrics, Recipe, StepOutput
 from trinity.trainer.recipes import rollout_forward as F
 from trinity.trainer.recipes.lora_ref import AdaptersOff, rollout_weights, uses_lora
-from trinity.trainer.recipes.rl_update import Experience, actor_update
+from trinity.trainer.recipes.rl_update import ActorUpdate, Experience, actor_update
+from trinity.trainer.samples import Sample
+
+if TYPE_CHECKING:
+    import torch.distributed
+    from transformers import PreTrainedTokenizerBase
+
+    from trinity.data.prompts import Prompt, PromptData
+
+T = TypeVar("T")
+# A phase's tokens (`Phases.run`): the real ones, or (real, computed: padding included); ints or 0-d tensors.
+PhaseTokens = int | torch.Tensor | tuple[int | torch.Tensor, int | torch.Tensor]
 
 
-def eos_token_ids(tokenizer: Any, model_dir: str) -> tuple[int, ...]:
+def eos_token_ids(tokenizer: PreTrainedTokenizerBase, model_dir: str) -> tuple[int, ...]:
     """EOS of the tokenizer plus generation_config.json's eos_token_id (int or list), if any."""
     ids = {int(tokenizer.eos_token_id)} if tokenizer.eos_token_id is not None else set()
     gen = Path(model_dir) / "generation_config.json"
@@ -52,11 +65,12 @@ class Phases:
     (outside the timed span); on CUDA mem/<phase>_peak_gib is the peak during it.
     """
 
-    def __init__(self, device: torch.device, engines: dict[str, Any]):
+    def __init__(self, device: torch.device, engines: Mapping[str, RoleEngine]):
         self.device, self.engines = device, engines
         self.metrics: dict[str, float] = {}
 
-    def run(self, name: str, needs: dict[str, dict[str, bool]], fn: Any, tokens: Any = None) -> Any:
+    def run(self, name: str, needs: dict[str, dict[str, bool]], fn: Callable[[], T],
+            tokens: Callable[[T], PhaseTokens] | PhaseTokens | None = None) -> T:
         """`tokens`: the phase's real tokens, or (real, computed) where computed counts what the forward
         passes ran, padding included (padding_fraction/<name>); a number, or a function of the result."""
         for role, engine in self.engines.items():
@@ -83,7 +97,7 @@ class Phases:
         return result
 
 
-def _dp_info() -> tuple[int, int, Any]:
+def _dp_info() -> tuple[int, int, torch.distributed.ProcessGroup]:
     from megatron.core import parallel_state as ps
 
     return ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(), ps.get_data_parallel_group()
@@ -132,19 +146,72 @@ def _masked_stats(prefix: str, x: torch.Tensor, mask: torch.Tensor) -> dict[str,
     return {f"{prefix}/mean": float(sel.mean()), f"{prefix}/max": float(sel.max()), f"{prefix}/min": float(sel.min())}
 
 
+class SequenceParallelOff:
+    """The rollout engine the RL recipes run (a `RolloutEngine`): `engine` with sequence parallel switched
+    off on the actor's `chunks` around each `generate`. Decoding feeds one token per step, which cannot be
+    split over TP ranks (trinity.distributed.sequence_parallel); a no-op for models built without it."""
+
+    def __init__(self, engine: RolloutEngine, chunks: Sequence[torch.nn.Module]):
+        self.engine, self.chunks = engine, list(chunks)
+
+    @property
+    def stats(self) -> RolloutStats:
+        return self.engine.stats
+
+    @property
+    def time_buckets(self) -> bool:
+        return self.engine.time_buckets
+
+    @time_buckets.setter
+    def time_buckets(self, on: bool) -> None:
+        self.engine.time_buckets = on
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
+                 generator: torch.Generator | None = None) -> Rollout:
+        from trinity.distributed.sequence_parallel import sequence_parallel_disabled
+
+        with sequence_parallel_disabled(self.chunks):
+            return self.engine.generate(prompts, params, generator)
+
+
+@dataclass(frozen=True)
+class Scored:
+    """The reward of one rollout: a score per response, the samples logged (trinity.trainer.samples), and
+    the errors of the responses scored 0 (reward.on_error: zero)."""
+
+    scores: torch.Tensor
+    samples: list[Sample] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Sampled:
+    """A step's scored rollout: rollout.n responses per prompt (a prompt's responses consecutive), their
+    scores and group ids, extra metrics, and every response scored on the way (samples, reward errors)."""
+
+    rollout: Rollout
+    scores: torch.Tensor
+    groups: list[int]
+    metrics: Metrics
+    samples: list[Sample] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    scored: int = 0  # responses scored (DAPO scores more than it keeps)
+
+
 class RLRecipe(Recipe):
     """Every RL algorithm. Subclasses add a critic (`update_critic(...)`, PPO) or replace `sample(...)`
     (DAPO)."""
 
-    def build_data(self) -> Any:
+    data: PromptData
+    rollout_engine: RolloutEngine
+
+    def build_data(self) -> PromptData:
         from trinity.data.loader import load_tokenizer, pad_token_id
         from trinity.data.prompts import build_prompt_data
         from trinity.rewards.process import GuardedReward
 
         cfg = self.cfg
         self.reward_fn = GuardedReward(cfg.reward)
-        self.reward_errors: list[str] = []  # this step's samples scored 0 (reward.on_error: zero)
-        self.reward_scored = 0
         self.tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path)
         self.pad_id = pad_token_id(self.tokenizer)
         rollout = cfg.actor_rollout_ref.rollout
@@ -164,7 +231,6 @@ class RLRecipe(Recipe):
         )
 
     def setup(self) -> None:
-        from trinity.distributed.sequence_parallel import RolloutWithoutSequenceParallel
         from trinity.rollout.continuous import ActorRollout, KVBudget
 
         self.vocab_size = self.ctx.facts.vocab_size
@@ -172,7 +238,7 @@ class RLRecipe(Recipe):
         # evaluation, which uses this engine) runs the actor's modules with sequence parallel off.
         # With virtual pipeline stages (VPP) the rollout decodes through all of this rank's model chunks.
         chunks = list(self.actor.model)
-        self.rollout_engine = RolloutWithoutSequenceParallel(
+        self.rollout_engine = SequenceParallelOff(
             ActorRollout(chunks if len(chunks) > 1 else chunks[0], self.vocab_size, self.pad_id,
                          KVBudget.from_config(self.cfg.actor_rollout_ref.rollout)), self.actor.model)
         self.phases = Phases(self.ctx.device, self.engines)
@@ -182,15 +248,13 @@ class RLRecipe(Recipe):
         return f"{super().describe()}; roles: {', '.join(self.engines)}"
 
     def profiling(self, on: bool) -> None:
-        # a profiled step also times the rollout's decode steps per batch bucket (the built-in engine)
-        if hasattr(self.rollout_engine, "time_buckets"):
-            self.rollout_engine.time_buckets = on
+        # a profiled step also times the rollout's decode steps per batch bucket
+        self.rollout_engine.time_buckets = on
 
     def profile_lines(self) -> list[str]:
-        stats = getattr(self.rollout_engine, "stats", None)
-        return stats.bucket_lines() if stats is not None else []
+        return self.rollout_engine.stats.bucket_lines()
 
-    def make_batching(self) -> dict[str, Any]:
+    def make_batching(self) -> dict[str, F.Batching]:
         """Each role's `Batching` (rollout_forward): packed rows of its token budget, or padded rows."""
         from megatron.core import parallel_state as ps
 
@@ -207,7 +271,7 @@ class RLRecipe(Recipe):
             for role in (Role.actor, Role.ref, Role.critic)
         }
 
-    def on_policy(self, ro: Any, warmup: bool) -> bool:
+    def on_policy(self, ro: Rollout, warmup: bool) -> bool:
         """Whether this step's old log-probs can come from the actor update's own forward: one epoch over
         one mini-batch (the update starts from the weights that generated the rollout), no KL in the
         reward (it needs them before the update), an actor update this step, and no forced recompute."""
@@ -216,7 +280,7 @@ class RLRecipe(Recipe):
                 and self.seqs_per_update >= ro.tokens.shape[0] and not self.cfg.algorithm.use_kl_in_reward)
 
     @property
-    def ref(self) -> Any:
+    def ref(self) -> F.Inference | None:
         if uses_lora(self.cfg) and self.cfg.needs_ref:
             return AdaptersOff(self.actor)
         return self.engines.get(Role.ref.value)
@@ -227,7 +291,7 @@ class RLRecipe(Recipe):
         return Role.actor.value if uses_lora(self.cfg) else Role.ref.value
 
     @property
-    def critic(self) -> Any:
+    def critic(self) -> RoleEngine | None:
         return self.engines.get(Role.critic.value)
 
     # ---------------------------------------------------------------- what the algorithms differ in
@@ -245,61 +309,58 @@ class RLRecipe(Recipe):
         """Whether this step trains the critic only (PPO's critic.warmup_steps)."""
         return False
 
-    def update_critic(self, exp: Experience) -> dict[str, Any]:
+    def update_critic(self, exp: Experience) -> Metrics:
         return {}
 
     # ---------------------------------------------------------------- one step
 
-    def sample(self, step: int, gen: torch.Generator) -> tuple[Any, torch.Tensor, list[int], dict[str, float]]:
-        """This step's rollout (rollout.n responses per prompt, a prompt's responses consecutive), their
-        scores, their group ids and extra metrics. DAPO's dynamic sampling overrides it."""
+    def sample(self, step: int, gen: torch.Generator) -> Sampled:
+        """This step's scored rollout. DAPO's dynamic sampling overrides it."""
         prompts = self.data.next_batch()
         ro = self.generate(prompts, gen)
         n = self.cfg.actor_rollout_ref.rollout.n
-        return ro, self.score(prompts, ro), [i for i in range(len(prompts)) for _ in range(n)], {}
+        scored = self.score(prompts, ro)
+        return Sampled(ro, scored.scores, [i for i in range(len(prompts)) for _ in range(n)], {},
+                       scored.samples, scored.errors, int(scored.scores.numel()))
 
-    def generate(self, prompts: list[Any], gen: torch.Generator) -> Any:
+    def generate(self, prompts: list[Prompt], gen: torch.Generator) -> Rollout:
         n = self.cfg.actor_rollout_ref.rollout.n
         ids = [p.prompt_ids for p in prompts for _ in range(n)]
-        def run() -> Any:
+        def run() -> Rollout:
             # LoRA: the decoders read W + alpha/rank * B A, or compute the adapters beside W (`adapters`)
             with rollout_weights(self.actor, keep=self.cfg.actor_rollout_ref.actor.lora.rollout_weights):
                 return self.rollout_engine.generate(ids, self.sampling, gen)
 
-        def tokens(r: Any) -> Any:
-            # the built-in engine also counts the rows its decode steps computed (padding_fraction/rollout)
-            stats = getattr(self.rollout_engine, "stats", None)
-            return r.response_mask.sum() if stats is None else (r.response_mask.sum(), stats.computed_tokens)
+        def tokens(r: Rollout) -> PhaseTokens:
+            # and the rows the engine's decode steps computed (padding_fraction/rollout; 0 where it counts none)
+            return r.response_mask.sum(), self.rollout_engine.stats.computed_tokens
 
         ro = self.phases.run("rollout", {"actor": {"params": True}}, run, tokens=tokens)
-        stats = getattr(self.rollout_engine, "stats", None)
-        if stats is not None:  # the engine's shape of this rollout: slots (KV budget), steps, graph captures
-            self.phases.metrics.update({"rollout/slots": stats.slots, "rollout/decode_steps": stats.decode_steps,
-                                        "rollout/graph_captures": stats.graph_captures,
-                                        "rollout/graph_capture_s": stats.capture_s})
+        stats = self.rollout_engine.stats  # the engine's shape of this rollout: slots (KV budget), steps, graph captures
+        self.phases.metrics.update({"rollout/slots": stats.slots, "rollout/decode_steps": stats.decode_steps,
+                                    "rollout/graph_captures": stats.graph_captures,
+                                    "rollout/graph_capture_s": stats.capture_s})
         return ro
 
-    def score(self, prompts: list[Any], ro: Any) -> torch.Tensor:
+    def score(self, prompts: list[Prompt], ro: Rollout) -> Scored:
         n = self.cfg.actor_rollout_ref.rollout.n
         lengths = ro.response_mask.sum(-1)
 
-        def run() -> torch.Tensor:
+        def run() -> Scored:
             texts = [self.tokenizer.decode(row[: int(k)].tolist(), skip_special_tokens=True) for row, k in zip(ro.responses, lengths)]
             result = self.reward_fn.score([p.text for p in prompts for _ in range(n)], texts,
                                           [p.answer for p in prompts for _ in range(n)])
             s = result.scores
-            self.reward_errors += result.errors
-            self.reward_scored += len(s)
             # what trainer.log_samples prints and writes (trinity.trainer.samples); every scored response of
             # the step, so DAPO's groups dropped by dynamic sampling are there too
-            self.last_samples.extend(
+            samples: list[Sample] = [
                 {"prompt": p.text, "response": t, "reward": float(r), "answer": p.answer, "source": p.source}
-                for p, t, r in zip([p for p in prompts for _ in range(n)], texts, s))
-            return torch.tensor(s, dtype=torch.float32, device=ro.tokens.device)
+                for p, t, r in zip([p for p in prompts for _ in range(n)], texts, s)]
+            return Scored(torch.tensor(s, dtype=torch.float32, device=ro.tokens.device), samples, list(result.errors))
 
         return self.phases.run("reward", {"actor": {"params": True}}, run)
 
-    def step(self, step: int) -> dict[str, Any]:
+    def step(self, step: int) -> StepOutput:
         cfg = self.cfg
         dp_rank, _, _ = _dp_info()
         # The generator lives on the model's device: a CPU generator makes every decode step copy the
@@ -310,10 +371,9 @@ class RLRecipe(Recipe):
         ph.metrics = {}
         actor = self.actor
 
-        self.last_samples: list[dict[str, Any]] = []
-        self.reward_errors, self.reward_scored = [], 0
-        ro, scores, groups, sampled = self.sample(step, gen)
-        reward_errors = self.reward_error_metrics()
+        sampled = self.sample(step, gen)
+        ro, scores, groups = sampled.rollout, sampled.scores, sampled.groups
+        reward_errors = self.reward_error_metrics(sampled.errors, sampled.scored)
         mask = ro.response_mask.float()
         lengths = ro.response_mask.sum(-1)
         bat = self.batching
@@ -332,15 +392,21 @@ class RLRecipe(Recipe):
                 self.critic, ro, bat["critic"].reset()), bat["critic"].counts)
 
         exp, extra = self.experience(ro, scores, groups, old_logp, ref_logp, values)
-        out: dict[str, Any] = {"step": step}
+        out: Metrics = {"step": step}
         full = {"params": True, "grads": True, "optim": True}
         if not warmup:
             # A step's updates share one LR (verl steps the schedule once per RL step).
             actor.advance_schedule()
-            out.update(ph.run("update_actor", {"actor": full}, lambda: _from_last_stage(actor_update(
-                actor, exp, cfg.actor_rollout_ref.actor, self.vocab_size, seqs_per_update=self.seqs_per_update,
-                micro=bat["actor"].reset(), policy_loss=cfg.spec.load_policy_loss())), bat["actor"].counts))
-            old_logp = exp.old_logp  # on-policy steps: from the update's forward
+
+            def update_actor() -> ActorUpdate:
+                u = actor_update(actor, exp, cfg.actor_rollout_ref.actor, self.vocab_size,
+                                 seqs_per_update=self.seqs_per_update, micro=bat["actor"].reset(),
+                                 policy_loss=cfg.spec.load_policy_loss())
+                return replace(u, metrics=_from_last_stage(u.metrics))
+
+            updated = ph.run("update_actor", {"actor": full}, update_actor, bat["actor"].counts)
+            out.update(updated.metrics)
+            old_logp = updated.old_logp  # on-policy steps: from the update's forward
         out.update(self.update_critic(exp))
 
         reward_mean, reward_std = _dp_stats(scores)
@@ -364,13 +430,13 @@ class RLRecipe(Recipe):
         out.update(_masked_stats("advantages", exp.advantages, mask))
         out.update(_masked_stats("returns", exp.returns, mask))
         out.update(extra)
-        out.update(sampled)
+        out.update(sampled.metrics)
         out.update(reward_errors)
         out.update(ph.metrics)
         out["step_time_s"] = sum(v for k, v in ph.metrics.items() if k.startswith("time/"))
-        return out
+        return StepOutput(out, sampled.samples)
 
-    def reward_error_metrics(self) -> dict[str, float]:
+    def reward_error_metrics(self, errors: list[str], scored: int) -> Metrics:
         """`reward/errors`: the step's samples (all DP ranks) whose reward failed and scored 0
         (`reward.on_error: zero`), with one warning of this rank's first; nothing while none failed."""
         from trinity.rewards.process import errors_warning
@@ -378,13 +444,12 @@ class RLRecipe(Recipe):
         if self.cfg.reward.on_error != "zero":
             return {}
         _, dp, _ = _dp_info()
-        mean, _ = _dp_stats(torch.tensor([float(len(self.reward_errors))], device=self.phases.device))
-        if self.reward_errors:
-            print(errors_warning(self.cfg.reward.function, self.reward_errors, self.reward_scored),
-                  file=sys.stderr, flush=True)
+        mean, _ = _dp_stats(torch.tensor([float(len(errors))], device=self.phases.device))
+        if errors:
+            print(errors_warning(self.cfg.reward.function, errors, scored), file=sys.stderr, flush=True)
         return {"reward/errors": round(mean * dp)}
 
-    def experience(self, ro: Any, scores: torch.Tensor, groups: list[int], old_logp: torch.Tensor | None,
+    def experience(self, ro: Rollout, scores: torch.Tensor, groups: list[int], old_logp: torch.Tensor | None,
                    ref_logp: torch.Tensor | None, values: torch.Tensor | None) -> tuple[Experience, dict[str, float]]:
         """Outcome reward on each response's last token, optional KL penalty, then the recipe's advantages.
         `old_logp` None: the actor update computes them (on-policy steps)."""
@@ -405,7 +470,7 @@ class RLRecipe(Recipe):
 
     # ---------------------------------------------------------------- console
 
-    def line(self, metrics: dict[str, Any]) -> list[str]:
+    def line(self, metrics: Metrics) -> list[str]:
         parts = [f"reward {metrics['reward/mean']:.3f}", f"len {metrics['response_length/mean']:.1f}"]
         for key in ("actor/pg_loss", "actor/ref_kl", "critic/vf_loss"):
             if key in metrics:

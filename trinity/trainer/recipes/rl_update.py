@@ -10,32 +10,53 @@ sequences, so they do not depend on how the sequences are cut into micro batches
 
 On-policy steps (one epoch, one mini-batch: the weights that generated the rollout are the ones the
 update starts from) can leave `Experience.old_logp` unset: the update's own forward gives them, detached
-(ratio 1 exactly), and `actor_update` fills `exp.old_logp` from it for the step's metrics.
+(ratio 1 exactly), and `actor_update` returns them (`ActorUpdate.old_logp`) for the step's metrics.
+
+Each micro batch of an update is an `ExperienceMicro`: its sequences' rollout micro batch (padded rows or
+one packed row, `rollout_forward.RolloutMicro`) with their part of the experience, in the same order.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from functools import partial
-from typing import Any, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
-from trinity.algorithms.losses import PolicyLossFn, actor_loss, global_agg_denominator, value_loss
+from trinity.algorithms.losses import LossAggMode, PolicyLossFn, actor_loss, global_agg_denominator, value_loss
 from trinity.distributed import collectives
 from trinity.rollout.types import Rollout
-from trinity.trainer.recipes.rollout_forward import (
-    Batching, forward_output, packed_forward, packed_response_logprobs, packed_response_values, response_logprobs,
-    response_values,
-)
+from trinity.trainer.engine import Denominator, LossFn, RoleEngine
+from trinity.trainer.recipes.rollout_forward import Batching, RolloutMicro
+
+if TYPE_CHECKING:
+    import torch.distributed
+
+    from trinity.config.schema import ActorConfig, CriticConfig
 
 
-@dataclass
-class Experience:
-    """Everything the updates need for this rank's sequences (all [B, R] except rollout)."""
+@dataclass(frozen=True)
+class ExperiencePart:
+    """The experience of some sequences (all [b, R] except rollout), in the order a micro batch holds them;
+    `rows`: their rows in the step's `Experience`."""
 
     rollout: Rollout
-    old_logp: torch.Tensor | None  # None: from the update's own forward (on-policy, see module doc)
+    old_logp: torch.Tensor | None
+    advantages: torch.Tensor
+    returns: torch.Tensor
+    ref_logp: torch.Tensor | None
+    values: torch.Tensor | None
+    rows: torch.Tensor
+
+
+@dataclass(frozen=True)
+class Experience:
+    """Everything the updates need for this rank's sequences (all [B, R] except rollout), each the result
+    of its phase: the rollout's, the ref's (ref_logp), the old log-probs' (None: from the actor update's own
+    forward, on-policy, see module doc), the critic's (values) and the advantage estimator's."""
+
+    rollout: Rollout
+    old_logp: torch.Tensor | None
     advantages: torch.Tensor
     returns: torch.Tensor
     ref_logp: torch.Tensor | None = None
@@ -45,82 +66,107 @@ class Experience:
     def size(self) -> int:
         return self.rollout.tokens.shape[0]
 
-    def part(self, idx: torch.Tensor) -> dict[str, Any]:
+    def part(self, idx: torch.Tensor) -> ExperiencePart:
         """The sequences `idx` (int64 row indices, in the order the micro batch holds them)."""
         on = self.advantages.device
-        pick = lambda t: None if t is None else t[idx.to(t.device)]  # noqa: E731
-        return {
-            "rollout": self.rollout.select(idx.to(self.rollout.tokens.device)), "old_logp": pick(self.old_logp),
-            "advantages": pick(self.advantages), "returns": pick(self.returns), "ref_logp": pick(self.ref_logp),
-            "values": pick(self.values), "rows": idx.to(on),
-        }
+
+        def pick(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t[idx.to(t.device)]
+
+        return ExperiencePart(
+            self.rollout.select(idx.to(self.rollout.tokens.device)), pick(self.old_logp), self.advantages[idx.to(on)],
+            self.returns[idx.to(self.returns.device)], pick(self.ref_logp), pick(self.values), idx.to(on),
+        )
 
 
-def _dp() -> tuple[int, Any]:
+@dataclass(frozen=True)
+class ExperienceMicro:
+    """A micro batch of an update: the sequences' rollout micro batch (what the engine runs) and their
+    experience (what the loss reads)."""
+
+    batch: RolloutMicro
+    exp: ExperiencePart
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        return self.batch.tokens
+
+    def forward(self, chunk: torch.nn.Module) -> torch.Tensor:
+        return self.batch.forward(chunk)
+
+
+@dataclass(frozen=True)
+class ActorUpdate:
+    """The actor's updates of one step: their metrics (last pipeline stage), and the old log-probs [B, R]
+    the losses used (every stage): the given ones, or on-policy those of the update's own forward."""
+
+    metrics: dict[str, float]
+    old_logp: torch.Tensor
+
+
+def _dp() -> tuple[int, torch.distributed.ProcessGroup]:
     from megatron.core import parallel_state as ps
 
     return ps.get_data_parallel_world_size(), ps.get_data_parallel_group()
 
 
-def _actor_loss_func(micro: dict, actor_cfg: Any, vocab_size: int, denom: torch.Tensor, scale: float,
-                     collect: list, policy_loss: PolicyLossFn | None, output: torch.Tensor):
-    ro: Rollout = micro["rollout"]
-    if "pack" in micro:
-        logp, entropy = packed_response_logprobs(output, micro["pack"], vocab_size, with_entropy=True)
-    else:
-        logp, entropy = response_logprobs(output, ro, vocab_size, with_entropy=True)
-    old_logp = micro["old_logp"]
-    if old_logp is None:  # on-policy: this forward runs the weights that generated the rollout
-        old_logp = logp.detach()
-        collect.append((micro["rows"], old_logp))
-    loss, metrics = actor_loss(
-        logp, old_logp, micro["advantages"], ro.response_mask, actor_cfg,
-        entropy=entropy, ref_logp=micro["ref_logp"], denominator=denom, policy_loss=policy_loss,
-    )
-    return loss * scale, {k: v.float() for k, v in metrics.items()} | {"actor/loss": loss.detach()}
+@dataclass
+class ActorLoss:
+    """The actor's `LossFn`. On-policy (no old log-probs given) it takes them from this forward, detached,
+    and keeps (rows, log-probs) of each micro batch in `on_policy` (last stage) for `actor_update` to return."""
+
+    actor_cfg: ActorConfig
+    vocab_size: int
+    policy_loss: PolicyLossFn | None = None
+    on_policy: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+
+    def __call__(self, micro: ExperienceMicro, output: torch.Tensor, *, denom: Denominator,
+                 scale: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        exp = micro.exp
+        logp, entropy = micro.batch.logprobs(output, self.vocab_size, with_entropy=True)
+        old_logp = exp.old_logp
+        if old_logp is None:  # on-policy: this forward runs the weights that generated the rollout
+            old_logp = logp.detach()
+            self.on_policy.append((exp.rows, old_logp))
+        loss, metrics = actor_loss(
+            logp, old_logp, exp.advantages, exp.rollout.response_mask, self.actor_cfg,
+            entropy=entropy, ref_logp=exp.ref_logp, denominator=denom, policy_loss=self.policy_loss,
+        )
+        return loss * scale, {k: v.float() for k, v in metrics.items()} | {"actor/loss": loss.detach()}
 
 
-def _critic_loss_func(micro: dict, critic_cfg: Any, mode: Any, denom: torch.Tensor, scale: float, output: torch.Tensor):
-    ro: Rollout = micro["rollout"]
-    values = packed_response_values(output, micro["pack"]) if "pack" in micro else response_values(output, ro)
-    loss, m = value_loss(values, micro["values"], micro["returns"], ro.response_mask, critic_cfg.cliprange_value, mode, denom)
-    return loss * scale, {"critic/vf_loss": loss.detach(), "critic/vf_clipfrac": m.vf_clipfrac, "critic/vpred_mean": m.vpred_mean}
+@dataclass(frozen=True)
+class CriticLoss:
+    """The critic's `LossFn`: the clipped value loss against the experience's returns."""
+
+    critic_cfg: CriticConfig
+    mode: LossAggMode | str
+
+    def __call__(self, micro: ExperienceMicro, output: torch.Tensor, *, denom: Denominator,
+                 scale: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        exp = micro.exp
+        assert exp.values is not None, "the critic update needs the values phase's values"
+        loss, m = value_loss(micro.batch.values(output), exp.values, exp.returns, exp.rollout.response_mask,
+                             self.critic_cfg.cliprange_value, self.mode, denom)
+        return loss * scale, {"critic/vf_loss": loss.detach(), "critic/vf_clipfrac": m.vf_clipfrac,
+                              "critic/vpred_mean": m.vpred_mean}
 
 
-class RolloutLoss:
-    """A `LossFn` over rollout micro batches: the whole-sequence forward, then `fn(micro, output=...)`."""
-
-    def __init__(self, fn: Callable):
-        self.fn = fn
-
-    def forward(self, chunk: Any, micro: dict[str, Any]) -> torch.Tensor:
-        if "pack" in micro:
-            return packed_forward(chunk, micro["pack"])
-        ro: Rollout = micro["rollout"]
-        return forward_output(chunk, ro.tokens, ro.attention_pad_mask())
-
-    def __call__(self, micro: dict[str, Any], output: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
-        return self.fn(micro, output=output)
-
-
-def _one_update(engine: Any, micros: list[dict], make_loss: Callable[[torch.Tensor, float], Callable], mode: Any) -> tuple[list[dict], float]:
+def _one_update(engine: RoleEngine, micros: list[ExperienceMicro], loss: LossFn[ExperienceMicro],
+                mode: LossAggMode | str) -> tuple[list[dict[str, torch.Tensor]], float]:
     dp, group = _dp()
-    denom = global_agg_denominator([m["rollout"].response_mask for m in micros], mode, group if dp > 1 else None)
-    result = engine.train_batch(micros, RolloutLoss(make_loss(denom, float(len(micros) * dp))))
+    denom = global_agg_denominator([m.exp.rollout.response_mask for m in micros], mode, group if dp > 1 else None)
+    result = engine.train_batch(micros, loss, denom=denom)
     return result.outputs, result.grad_norm
 
 
-def _micro_batches(exp: Experience, start: int, end: int, batching: Batching) -> list[dict]:
-    """The micro batches of sequences start ... end - 1: padded rows, or packed rows (`pack`, with the
-    row's `tokens` [1, S] for the schedule's shapes) whose sequences are picked in the row's order."""
-    parts = batching.split(exp.rollout.select(slice(start, end)))
-    if batching.budget is None:
-        return [exp.part(torch.arange(start + i * batching.micro, start + i * batching.micro + p.tokens.shape[0]))
-                for i, p in enumerate(parts)]
-    return [exp.part(m.index + start) | {"pack": m, "tokens": m.tokens} for m in parts]
+def _micro_batches(exp: Experience, start: int, end: int, batching: Batching) -> list[ExperienceMicro]:
+    """The micro batches of sequences start ... end - 1: padded rows, or packed rows whose sequences are
+    picked in the row's order."""
+    return [ExperienceMicro(m, exp.part(m.index + start)) for m in batching.split(exp.rollout.select(slice(start, end)))]
 
 
-def _reduce(records: list[dict], grad_norms: list[float], prefix: str) -> dict[str, float]:
+def _reduce(records: list[dict[str, torch.Tensor]], grad_norms: list[float], prefix: str) -> dict[str, float]:
     """Mean over micro batches and DP ranks; losses are summed per update first (each micro loss is a
     share of its mini-batch's loss), then averaged over updates."""
     dp, group = _dp()
@@ -142,42 +188,35 @@ def _as_batching(micro: int | Batching) -> Batching:
 
 
 def update(
-    engine: Any, exp: Experience, *, seqs_per_update: int, epochs: int, micro: int | Batching,
-    make_loss: Callable[[torch.Tensor, float], Callable], mode: Any, prefix: str,
+    engine: RoleEngine, exp: Experience, *, seqs_per_update: int, epochs: int, micro: int | Batching,
+    loss: LossFn[ExperienceMicro], mode: LossAggMode | str, prefix: str,
 ) -> dict[str, float]:
     """`epochs` passes over this rank's sequences in mini-batches of `seqs_per_update`; `micro`: rows per
     padded micro batch, or a `Batching`."""
     batching = _as_batching(micro)
-    records: list[dict] = []
+    records: list[dict[str, torch.Tensor]] = []
     norms: list[float] = []
     for _ in range(epochs):
         for start in range(0, exp.size, seqs_per_update):
             micros = _micro_batches(exp, start, min(start + seqs_per_update, exp.size), batching)
-            outputs, norm = _one_update(engine, micros, make_loss, mode)
+            outputs, norm = _one_update(engine, micros, loss, mode)
             records.extend(outputs)
             norms.append(norm)
     return _reduce(records, norms, prefix)
 
 
-def actor_update(engine: Any, exp: Experience, actor_cfg: Any, vocab_size: int, *, seqs_per_update: int,
-                 micro: int | Batching, policy_loss: PolicyLossFn | None = None) -> dict[str, float]:
+def actor_update(engine: RoleEngine, exp: Experience, actor_cfg: ActorConfig, vocab_size: int, *, seqs_per_update: int,
+                 micro: int | Batching, policy_loss: PolicyLossFn | None = None) -> ActorUpdate:
     """The actor's updates of one step. With `exp.old_logp` None (on-policy: one epoch, one mini-batch),
-    the update's forward gives the old log-probs and `exp.old_logp` holds them afterwards, on every stage.
-    `policy_loss`: the algorithm's own (AlgorithmSpec.policy_loss), else actor.policy_loss.loss_mode's."""
-    collect: list[tuple[torch.Tensor, torch.Tensor]] = []
-    on_policy = exp.old_logp is None
-    if on_policy and (actor_cfg.ppo_epochs != 1 or seqs_per_update < exp.size):
+    the update's forward gives the old log-probs, returned on every stage. `policy_loss`: the algorithm's
+    own (AlgorithmSpec.policy_loss), else actor.policy_loss.loss_mode's."""
+    if exp.old_logp is None and (actor_cfg.ppo_epochs != 1 or seqs_per_update < exp.size):
         raise ValueError("old log-probs from the update's forward need one epoch over one mini-batch")
-
-    def make(denom: torch.Tensor, scale: float) -> Callable:
-        return partial(_actor_loss_func, actor_cfg=actor_cfg, vocab_size=vocab_size, denom=denom, scale=scale,
-                       collect=collect, policy_loss=policy_loss)
-
+    loss = ActorLoss(actor_cfg, vocab_size, policy_loss)
     metrics = update(engine, exp, seqs_per_update=seqs_per_update, epochs=actor_cfg.ppo_epochs, micro=micro,
-                     make_loss=_kw_last(make), mode=actor_cfg.loss_agg_mode, prefix="actor")
-    if on_policy:
-        exp.old_logp = _assemble(collect, exp)
-    return metrics
+                     loss=loss, mode=actor_cfg.loss_agg_mode, prefix="actor")
+    old_logp = exp.old_logp if exp.old_logp is not None else _assemble(loss.on_policy, exp)
+    return ActorUpdate(metrics, old_logp)
 
 
 def _assemble(pieces: list[tuple[torch.Tensor, torch.Tensor]], exp: Experience) -> torch.Tensor:
@@ -193,20 +232,7 @@ def _assemble(pieces: list[tuple[torch.Tensor, torch.Tensor]], exp: Experience) 
     return out * mask
 
 
-def critic_update(engine: Any, exp: Experience, critic_cfg: Any, mode: Any, *, seqs_per_update: int,
-                  micro: int | Batching) -> dict[str, float]:
-    def make(denom: torch.Tensor, scale: float) -> Callable:
-        return partial(_critic_loss_func, critic_cfg=critic_cfg, mode=mode, denom=denom, scale=scale)
-
+def critic_update(engine: RoleEngine, exp: Experience, critic_cfg: CriticConfig, mode: LossAggMode | str, *,
+                  seqs_per_update: int, micro: int | Batching) -> dict[str, float]:
     return update(engine, exp, seqs_per_update=seqs_per_update, epochs=critic_cfg.ppo_epochs, micro=micro,
-                  make_loss=_kw_last(make), mode=mode, prefix="critic")
-
-
-def _kw_last(make: Callable[[torch.Tensor, float], Callable]) -> Callable[[torch.Tensor, float], Callable]:
-    """Loss functions take (micro, <keywords>, output): bind micro positionally, output last."""
-
-    def bound(denom: torch.Tensor, scale: float) -> Callable:
-        fn = make(denom, scale)
-        return lambda micro, output: fn(micro, output=output)
-
-    return bound
+                  loss=CriticLoss(critic_cfg, mode), mode=mode, prefix="critic")

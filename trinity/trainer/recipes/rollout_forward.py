@@ -17,16 +17,16 @@ attention SFT uses. Both give [B, R] results in the rollout's order.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Callable, Protocol, Sequence, TypeVar
 
 import numpy as np
 import torch
 
 from trinity.rollout.types import Rollout
-from trinity.trainer.engine import forward_only
+from trinity.trainer.engine import MicroBatch, forward_only
 
 
-def forward_output(model: Any, tokens: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
+def forward_output(model: torch.nn.Module, tokens: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
     """The model's output over whole sequences in megatron's layout: [S, B, vocab / TP] logits (or
     [S, B, 1] values) on the last stage (`trinity.models.logprobs.stage_output`: no [B, S] copy).
 
@@ -75,14 +75,39 @@ def response_values(output: torch.Tensor, rollout: Rollout) -> torch.Tensor:
     return output[p : p + r, :, 0].t().float()
 
 
-def _rollout_forward(chunk: Any, part: Rollout) -> torch.Tensor:
-    return forward_output(chunk, part.tokens, part.attention_pad_mask())
+@dataclass(frozen=True)
+class PaddedRollout:
+    """A micro batch of rollout rows as they are (`Batching` without a token budget): `rows` of the
+    rollout, each a left-padded prompt then its right-padded response."""
+
+    rollout: Rollout
+    index: torch.Tensor  # [b] rows of the split rollout (host, int64)
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        return self.rollout.tokens
+
+    @property
+    def size(self) -> int:
+        return int(self.index.numel())
+
+    def forward(self, chunk: torch.nn.Module) -> torch.Tensor:
+        return forward_output(chunk, self.rollout.tokens, self.rollout.attention_pad_mask())
+
+    def logprobs(self, output: torch.Tensor, vocab_size: int, *,
+                 with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(log p(response tokens), entropy or None), [b, R] fp32, from the last stage's logits."""
+        return response_logprobs(output, self.rollout, vocab_size, with_entropy=with_entropy)
+
+    def values(self, output: torch.Tensor) -> torch.Tensor:
+        """Critic values [b, R] fp32, from the last stage's [S, b, 1]."""
+        return response_values(output, self.rollout)
 
 
 # ---------------------------------------------------------------- packed (padding-free) micro batches
 
 
-@dataclass
+@dataclass(frozen=True)
 class PackedMicro:
     """One packed row: the real tokens (prompt without its left padding, then the response up to and
     including EOS, nothing else) of the rollout rows `index`, back to back, then padding up to the row
@@ -106,6 +131,21 @@ class PackedMicro:
     @property
     def size(self) -> int:
         return int(self.index.numel())
+
+    def forward(self, chunk: torch.nn.Module) -> torch.Tensor:
+        return packed_forward(chunk, self)
+
+    def logprobs(self, output: torch.Tensor, vocab_size: int, *,
+                 with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(log p(response tokens), entropy or None), [b, R] fp32 in the row's sequence order."""
+        return packed_response_logprobs(output, self, vocab_size, with_entropy=with_entropy)
+
+    def values(self, output: torch.Tensor) -> torch.Tensor:
+        return packed_response_values(output, self)
+
+
+# A micro batch of rollout sequences: padded rows, or one packed row (`Batching` decides).
+RolloutMicro = PaddedRollout | PackedMicro
 
 
 def sequence_lengths(rollout: Rollout) -> tuple[torch.Tensor, torch.Tensor]:
@@ -181,7 +221,7 @@ def pack_rollout(rollout: Rollout, budget: int, *, multiple: int = 1, same_lengt
     return out
 
 
-def packed_forward(model: Any, part: PackedMicro) -> torch.Tensor:
+def packed_forward(model: torch.nn.Module, part: PackedMicro) -> torch.Tensor:
     """The model's output over one packed row ([S, 1, vocab / TP] logits or [S, 1, 1] values on the
     last stage): each sequence attends only to itself (flash varlen on CUDA with our spec)."""
     from trinity.models.build import packed_attention
@@ -239,7 +279,8 @@ class Batching:
         self.real = self.computed = 0
         return self
 
-    def split(self, rollout: Rollout) -> list[Any]:
+    def split(self, rollout: Rollout) -> list[RolloutMicro]:
+        """The rollout's micro batches: packed rows (`budget`), or `micro` rows at a time."""
         if self.budget is not None:
             parts = pack_rollout(rollout, self.budget, multiple=self.multiple, same_length=self.same_length)
             self.real += sum(m.real_tokens for m in parts)
@@ -248,27 +289,42 @@ class Batching:
         p, r = sequence_lengths(rollout)
         self.real += int((p + r).sum())
         self.computed += rollout.tokens.numel()
-        return [rollout.select(slice(s, s + self.micro)) for s in range(0, rollout.tokens.shape[0], self.micro)]
+        n = rollout.tokens.shape[0]
+        return [PaddedRollout(rollout.select(slice(s, s + self.micro)), torch.arange(s, min(s + self.micro, n)))
+                for s in range(0, n, self.micro)]
 
-    def counts(self, _result: Any = None) -> tuple[int, int]:
+    def counts(self, _result: object = None) -> tuple[int, int]:
         return self.real, self.computed
 
 
-def _infer(model: Any, rollout: Rollout, batching: Batching | int,
-           reduce: Callable[[torch.Tensor, Rollout], torch.Tensor],
-           packed_reduce: Callable[[torch.Tensor, PackedMicro], torch.Tensor]) -> torch.Tensor:
+M = TypeVar("M", bound=MicroBatch)
+
+
+class Inference(Protocol):
+    """What runs forward-only passes over micro batches: a `RoleEngine`, or the LoRA actor with its
+    adapters off (`lora_ref.AdaptersOff`); `need` makes its parameters resident for them (offload)."""
+
+    def infer_batch(self, micro_batches: Sequence[M], reduce_fn: Callable[[torch.Tensor, M], torch.Tensor],
+                    result_shape: tuple[int, ...]) -> torch.Tensor: ...
+
+    def need(self, *, params: bool, grads: bool = False, optim: bool = False) -> None: ...
+
+
+# What the forward-only phases run: an engine, or bare model chunks (this rank's, in VPP order).
+InferenceModel = Inference | Sequence[torch.nn.Module]
+
+
+def _infer(model: InferenceModel, rollout: Rollout, batching: Batching | int,
+           reduce: Callable[[torch.Tensor, RolloutMicro], torch.Tensor]) -> torch.Tensor:
     if isinstance(batching, int):
         batching = Batching(batching)
     parts = batching.split(rollout)
     shape = tuple(rollout.response_mask.shape)
-    packed = batching.budget is not None
-    forward = packed_forward if packed else _rollout_forward
-    fn = packed_reduce if packed else reduce
-    if hasattr(model, "infer_batch"):  # a RoleEngine
-        result = model.infer_batch(parts, forward, fn, shape)
+    if isinstance(model, (list, tuple)):
+        result = forward_only(model, parts, reduce, shape)
     else:
-        result = forward_only(model, parts, forward, fn, shape)
-    if not packed:
+        result = model.infer_batch(parts, reduce, shape)
+    if batching.budget is None:
         return result
     # rows came back in packing order: put them back in the rollout's
     order = torch.cat([m.index for m in parts]).to(result.device)
@@ -278,19 +334,19 @@ def _infer(model: Any, rollout: Rollout, batching: Batching | int,
 
 
 @torch.no_grad()
-def infer_logprobs(model: Any, rollout: Rollout, vocab_size: int, micro_batch: Batching | int) -> torch.Tensor:
+def infer_logprobs(model: InferenceModel, rollout: Rollout, vocab_size: int, micro_batch: Batching | int) -> torch.Tensor:
     """Forward-only log-probs of the responses, micro batch by micro batch (ref and old log-probs); at
-    PP>1 through megatron's pipeline schedule, returned on every stage. `model`: a RoleEngine or its
-    chunks; `micro_batch`: a `Batching`, or rows per padded micro batch."""
-    def reduce(logits: torch.Tensor, part: Rollout) -> torch.Tensor:
-        return response_logprobs(logits, part, vocab_size, with_entropy=False)[0]
+    PP>1 through megatron's pipeline schedule, returned on every stage. `model`: a RoleEngine (or
+    `AdaptersOff`) or model chunks; `micro_batch`: a `Batching`, or rows per padded micro batch."""
+    def reduce(logits: torch.Tensor, part: RolloutMicro) -> torch.Tensor:
+        return part.logprobs(logits, vocab_size, with_entropy=False)[0]
 
-    def packed_reduce(logits: torch.Tensor, part: PackedMicro) -> torch.Tensor:
-        return packed_response_logprobs(logits, part, vocab_size, with_entropy=False)[0]
-
-    return _infer(model, rollout, micro_batch, reduce, packed_reduce) * rollout.response_mask
+    return _infer(model, rollout, micro_batch, reduce) * rollout.response_mask
 
 
 @torch.no_grad()
-def infer_values(model: Any, rollout: Rollout, micro_batch: Batching | int) -> torch.Tensor:
-    return _infer(model, rollout, micro_batch, response_values, packed_response_values) * rollout.response_mask
+def infer_values(model: InferenceModel, rollout: Rollout, micro_batch: Batching | int) -> torch.Tensor:
+    def reduce(output: torch.Tensor, part: RolloutMicro) -> torch.Tensor:
+        return part.values(output)
+
+    return _infer(model, rollout, micro_batch, reduce) * rollout.response_mask
