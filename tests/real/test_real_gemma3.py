@@ -86,7 +86,7 @@ def test_greedy_answers_equal_hf_generate(models, gemma3_model):
     from trinity.data.loader import pad_token_id
     from trinity.data.sft import render_prompt, tokenize_texts
     from trinity.rollout.continuous import generate_continuous
-    from trinity.rollout.generate import SamplingParams
+    from trinity.rollout.types import SamplingParams
 
     gpt, facts, hf, tok = models
     chat = [render_prompt(tok, p) for p in CHAT]

@@ -120,26 +120,4 @@ def sequence_parallel_disabled(chunks: Any) -> Iterator[None]:
             setattr(obj, attr, value)
 
 
-class RolloutWithoutSequenceParallel:
-    """A rollout engine (`trinity.rollout.types.RolloutEngine`) whose `generate` runs with sequence
-    parallel switched off on `chunks` (the hybrid engine's actor chunks it decodes with)."""
-
-    def __init__(self, engine: Any, chunks: Any):
-        self.engine, self.chunks = engine, chunks
-
-    def generate(self, *args: Any, **kwargs: Any) -> Any:
-        with sequence_parallel_disabled(self.chunks):
-            return self.engine.generate(*args, **kwargs)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.engine, name)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        # the wrapped engine's settings (ActorRollout.time_buckets) are set through the wrapper too
-        if name in ("engine", "chunks"):
-            object.__setattr__(self, name, value)
-        else:
-            setattr(self.engine, name, value)
-
-
-__all__ = ["RolloutWithoutSequenceParallel", "SP_ATTRS", "pad_to_multiple", "round_up", "sequence_parallel_disabled", "sp_multiple"]
+__all__ = ["SP_ATTRS", "pad_to_multiple", "round_up", "sequence_parallel_disabled", "sp_multiple"]

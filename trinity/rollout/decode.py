@@ -63,7 +63,7 @@ _CACHE_MULTIPLE = 64  # cache length granularity: aligned rows for the attention
 def _lean_supported(gpt: Any) -> bool:
     """Whether every layer of this chunk is one the lean path computes exactly: torch RMSNorms (our
     spec), a dense gated-SiLU MLP, non-interleaved RoPE over the whole cache, no sequence parallel (the
-    RL rollout switches it off: `RolloutWithoutSequenceParallel`)."""
+    RL rollout switches it off: `trinity.trainer.recipes.rl.SequenceParallelOff`)."""
     config = gpt.config
     if config.rotary_interleaved or config.sequence_parallel:
         return False
