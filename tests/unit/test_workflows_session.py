@@ -83,7 +83,7 @@ def test_tool_conversation_mask_equals_a_hand_built_one(tokenizer):
 
     # a template without tools (the tiny tokenizer's own, SmolLM2-style) refuses tools= with a clear error
     plain = _with_template(tokenizer, CHAT_TEMPLATE)
-    with pytest.raises(ToolsNotSupported, match=r"^the chat template of tokenizer '.*tok0' does not use `tools`"):
+    with pytest.raises(ToolsNotSupported, match=r"^the chat template of tokenizer '.*tok\d+' does not use `tools`"):
         asyncio.run(Session({}, plain, engine=None).chat([user], tools=[CALCULATOR_TOOL]))
     with pytest.raises(WorkflowError, match="ToolsNotSupported: .* does not use `tools`"):  # a setup error: not scored
         _run(plain, calculator_workflow, replies, tasks=[{"prompt": "1+1=", "answer": "2"}],

@@ -261,7 +261,8 @@ def convert_gemma3_gguf(gguf_path: Path, out_dir: Path) -> None:
     if config.model_type != "gemma3_text":
         raise UserError(f"{gguf_path}: model_type {config.model_type!r}, not a text-only Gemma 3 (gemma3_text)")
     tokenizer = AutoTokenizer.from_pretrained(src_dir, gguf_file=name, tokenizer_type="gemma", trust_remote_code=False)
-    loaded = Gemma3ForCausalLM.from_pretrained(src_dir, gguf_file=name, config=config, dtype=torch.float32)
+    gguf = dict(gguf_file=name, config=config, dtype=torch.float32)
+    loaded = Gemma3ForCausalLM.from_pretrained(src_dir, **gguf, trust_remote_code=False)
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     config.dtype = torch.float32
