@@ -56,7 +56,7 @@ def test_what_trinity_run_checks_around_a_launch_imports_nothing_heavy(tmp_path)
     code = (
         "import sys\nfrom pathlib import Path\n"
         "from trinity.convert.fingerprint import source_fingerprint\n"
-        "from trinity.trainer.resume import complete_checkpoints\n"
+        "from trinity.launch.run_folder import complete_checkpoints\n"
         "import trinity.cli.commands, trinity.cli.generate\n"
         f"root = Path({str(tmp_path)!r})\n"
         "print(len(source_fingerprint(root)), [s for s, _ in complete_checkpoints(root / 'checkpoints')])\n"

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO
-from trinity.trainer.progress import TTY_ENV, console_is_terminal, line_due, live_console, rate
+from trinity.launch.console import TTY_ENV, live_console
+from trinity.trainer.progress import console_is_terminal, line_due, rate
 
 # --- which steps print, and where a bar is drawn ---------------------------------------------------
 

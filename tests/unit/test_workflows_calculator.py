@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from trinity.workflows.calculator import MAX_DIGITS, CalculatorError, calculator, evaluate, final_number
+from trinity.workflows.calculator import (
+    MAX_DIGITS,
+    CalculatorError,
+    calculator,
+    evaluate,
+    final_number,
+)
 from trinity.workflows.tool_calls import TOOL_CALL_PARSERS, QwenToolCalls
 from trinity.workflows.types import ToolCall
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from trinity.config.schema.workflow import WorkflowConfig
-from trinity.workflows.limits import Limits
+from trinity.config.schema.workflow import Limits, WorkflowConfig
 
 
 def test_defaults_are_the_runners():

@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from trinity.config.schema.workflow import Limits
 from trinity.rollout.types import SamplingParams
 from trinity.testing.chat_templates import QWEN2_5
 from trinity.workflows.backends import RolloutBackend
 from trinity.workflows.calculator import CALCULATOR_TOOL, calculator_workflow
 from trinity.workflows.guess_number import guess_number_workflow
-from trinity.workflows.limits import Limits
 from trinity.workflows.runner import run_workflow
 from trinity.workflows.session import Session
 from trinity.workflows.types import TrainingSequence

@@ -11,12 +11,16 @@ import time
 
 import pytest
 
+from trinity.config.schema.workflow import Limits
 from trinity.rollout.types import SamplingParams
 from trinity.testing.chat_templates import QWEN2_5, QWEN3
 from trinity.workflows.backends import ScriptedBackend
-from trinity.workflows.calculator import CALCULATOR_TOOL, calculator, calculator_workflow
+from trinity.workflows.calculator import (
+    CALCULATOR_TOOL,
+    calculator,
+    calculator_workflow,
+)
 from trinity.workflows.guess_number import guess_number_workflow
-from trinity.workflows.limits import Limits
 from trinity.workflows.registry import resolve_workflow
 from trinity.workflows.runner import WorkflowError, run_workflow
 from trinity.workflows.session import Session

@@ -10,5 +10,5 @@
 - `cispo`: CISPO's clipped importance-weight loss (algorithm.name: cispo).
 - `dapo`, `dpo`: DAPO's overlong penalty and group filter, DPO's losses.
 - `logprob`: log-probs and entropy from vocab-parallel (tensor-parallel) logits, chunked fp32.
-Modes are the config's enums (`trinity.config.schema.KLEstimator`, `LossAggMode`).
+- `modes`: the loss aggregation modes and KL estimators the config names (`LossAggMode`, `KLEstimator`).
 """

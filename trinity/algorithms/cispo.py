@@ -21,7 +21,7 @@ import torch
 
 from trinity.algorithms.advantages import masked_mean
 from trinity.algorithms.losses import PolicyLossMetrics, agg_loss
-from trinity.config.schema import LossAggMode
+from trinity.algorithms.modes import LossAggMode
 
 
 def cispo_policy_loss(

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-from trinity.config.schema import KLEstimator
+from trinity.algorithms.modes import KLEstimator
 
 KLFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 

@@ -26,14 +26,17 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from trinity.algorithms.advantages import masked_mean
 from trinity.algorithms.kl import token_kl
+from trinity.algorithms.modes import KLEstimator, LossAggMode
 from trinity.distributed import collectives
-from trinity.config.schema import ActorConfig, KLEstimator, LossAggMode
+
+if TYPE_CHECKING:
+    from trinity.config.schema import ActorConfig
 
 
 def _seq_has_tokens(mask: torch.Tensor) -> torch.Tensor:

@@ -161,7 +161,7 @@ def _run_record(out: Path) -> dict:
     """What a previous job left in `out`: its resolved config and finished-job record (bytes) and what
     it trained (the metrics' size and the complete checkpoints)."""
     from trinity.trainer.finished import DONE_FILE
-    from trinity.trainer.resume import complete_checkpoints
+    from trinity.launch.run_folder import complete_checkpoints
 
     resolved, metrics, done = out / "resolved_config.yaml", out / "metrics.jsonl", out / DONE_FILE
     return {
@@ -173,7 +173,7 @@ def _run_record(out: Path) -> dict:
 
 def interrupted_message(out: Path) -> str:
     """What to tell a user who stopped the job: where it can go on from."""
-    from trinity.trainer.resume import complete_checkpoints
+    from trinity.launch.run_folder import complete_checkpoints
 
     found = complete_checkpoints(out / "checkpoints")
     if not found:

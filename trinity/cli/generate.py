@@ -43,7 +43,7 @@ def _is_hf(path: Path) -> bool:
 
 
 def _newest_checkpoint(root: Path) -> Path | None:
-    from trinity.trainer.resume import complete_checkpoints
+    from trinity.launch.run_folder import complete_checkpoints
 
     found = complete_checkpoints(root)
     return found[-1][1] if found else None

@@ -16,6 +16,8 @@ lists them with what each replaces; each module's first line states what it is w
 - `rope`: megatron-core's fused RoPE entry points (model build without TransformerEngine);
 - `te_absent`: the names megatron-core leaves wrong without TransformerEngine (layer spec build);
 - `scoped`: megatron-core module attributes replaced for one block (the dist-checkpoint loader).
+- `optimizer_state`: the distributed optimizer's checkpoint methods on its instances for one call (save and
+  resume through `trinity.trainer.engine.optimizer_state`).
 """
 
 from __future__ import annotations

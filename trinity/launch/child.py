@@ -21,6 +21,7 @@ from typing import Any, Iterator
 
 from trinity import compat
 from trinity.compat import quiet
+from trinity.parent_death import arm_parent_death, linux_prctl
 
 CLI_PID_ENV = "TRINITY_CLI_PID"
 DEBUG_ENV = quiet.DEBUG_ENV
@@ -161,35 +162,6 @@ def end_process(code: int) -> None:
 # What both launchers pass on to their child as a stop (supervise() to the launcher, trinity.launch.single
 # to its worker): Ctrl-C, SIGTERM, and SIGHUP when the terminal or ssh session closes.
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-_PR_SET_PDEATHSIG = 1
-
-
-def _prctl() -> Any:
-    """Linux's prctl through ctypes, None elsewhere. Resolved before a fork: nothing to load after it."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        import ctypes
-
-        return ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-
-
-def arm_parent_death(parent: int, prctl: Any = None) -> None:
-    """In a child of `parent`: have the kernel SIGKILL this process when its parent dies, even by kill -9
-    (Linux prctl PR_SET_PDEATHSIG; nothing elsewhere), and exit now if the parent is already gone.
-
-    The signal fires when the parent's *thread* that forked this process ends, not the process: the
-    callers fork from their main thread, which only ends with the process."""
-    prctl = prctl if prctl is not None else _prctl()
-    if prctl is None:
-        return
-    prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
-    if os.getppid() != parent:  # the parent died before the signal was armed
-        os._exit(128 + int(signal.SIGKILL))
-
-
 def die_with_parent() -> Any:
     """A preexec_fn that arms `arm_parent_death` in the child; None where that does not exist. `trinity run`
     gives it to the launcher (trinity.launch.torchrun.supervise), trinity.launch.single to its worker.
@@ -199,7 +171,7 @@ def die_with_parent() -> Any:
     any more) was seen to outlive the CLI by over 30 s under load, while a SIGKILL cannot be caught or
     hang. The workers then stop by themselves: trinity.launch.child's watchdog in every worker ends it
     within a second of `trinity run`'s death."""
-    prctl = _prctl()
+    prctl = linux_prctl()
     if prctl is None:
         return None
     parent = os.getpid()
@@ -234,7 +206,7 @@ def forks_die_with_this_process() -> Iterator[None]:
         _guarded_forks["hooked"] = True
     before = set(multiprocessing.active_children())
     outer = _guarded_forks["parent"], _guarded_forks["prctl"]
-    _guarded_forks["parent"], _guarded_forks["prctl"] = os.getpid(), _prctl()
+    _guarded_forks["parent"], _guarded_forks["prctl"] = os.getpid(), linux_prctl()
     try:
         yield
     except BaseException:

@@ -19,7 +19,7 @@ from pathlib import Path
 from trinity import __version__
 from trinity.errors import UserError
 from trinity.launch.lock import LOCK_FILE
-from trinity.trainer.resume import CONFIG_FILE, complete_checkpoints
+from trinity.launch.run_folder import CONFIG_FILE, complete_checkpoints
 
 # Not hidden: a multi-node job's check for leftover temporary files (names starting with ".") must
 # not see it, and a user listing the folder should.

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from trinity.launch.child import FORWARDED, die_with_parent
-from trinity.trainer.progress import relay_prefix
+from trinity.launch.console import relay_prefix
 
 PREFIX = relay_prefix(0).encode()
 

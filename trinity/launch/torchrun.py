@@ -64,7 +64,7 @@ def worker_env(environ: Mapping[str, str], stream: IO[str], *, debug: bool = Fal
     width (COLUMNS, for rich). PYTHONUNBUFFERED makes the workers write their output as it comes, the
     progress bar's partial lines included. TRINITY_DEBUG=1 (`--debug`) keeps the third-party warnings
     that trinity.compat.quiet filters otherwise."""
-    from trinity.trainer.progress import TTY_ENV, live_console
+    from trinity.launch.console import TTY_ENV, live_console
 
     env = dict(environ)
     env[quiet.DEBUG_ENV] = "1" if debug else "0"

@@ -243,7 +243,7 @@ def _serve(recv: Connection, send: Connection) -> None:
 
 def main(argv: list[str]) -> int:
     recv_fd, send_fd, parent = (int(a) for a in argv)
-    from trinity.launch.child import arm_parent_death
+    from trinity.parent_death import arm_parent_death
 
     arm_parent_death(parent)  # never outlive the rank, kill -9 included
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C reaches the group: the rank decides

@@ -37,7 +37,7 @@ import yaml
 
 from trinity.distributed import collectives
 from trinity.errors import UserError
-from trinity.trainer.resume import COMPLETE, CONFIG_FILE, STEP_DIR, complete_checkpoints
+from trinity.launch.run_folder import COMPLETE, CONFIG_FILE, STEP_DIR, complete_checkpoints
 
 if TYPE_CHECKING:
     from trinity.trainer.engine import RoleEngine

@@ -19,7 +19,8 @@ import socket
 from pathlib import Path
 from typing import Any
 
-from trinity.trainer.resume import COMPLETE, IGNORED, flatten
+from trinity.launch.run_folder import COMPLETE
+from trinity.trainer.resume import IGNORED, flatten
 
 DONE_FILE = "trinity_done.json"
 

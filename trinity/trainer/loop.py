@@ -88,7 +88,7 @@ def run(ctx: WorkerContext, recipe_cls: type[Recipe]) -> None:
         ctx.log(f"exported HF model to {exports[0]}")
     if ctx.is_rank0:
         from trinity.trainer.finished import write_done
-        from trinity.trainer.resume import complete_checkpoints
+        from trinity.launch.run_folder import complete_checkpoints
 
         last = dict(complete_checkpoints(ckpt.root)).get(recipe.total_steps)
         write_done(ctx.output_dir, config=cfg.model_dump(mode="json"), step=recipe.total_steps,

@@ -13,7 +13,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from trinity.trainer.progress import TTY_ENV, console_is_terminal, line_due, progress_bar  # noqa: F401 - TTY_ENV: one name for tests
+from trinity.launch.console import TTY_ENV  # noqa: F401 - one name for tests
+from trinity.trainer.progress import console_is_terminal, line_due, progress_bar
 
 
 def peak_memory_gib(device: Any) -> float:

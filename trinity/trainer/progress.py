@@ -12,20 +12,7 @@ import shutil
 import sys
 from typing import Any, Mapping, TextIO
 
-# Set by `trinity run` for its workers ("1"/"0"): whether a live bar belongs on `trinity run`'s stdout.
-# Under torchrun a worker's stdout is a log file that torchrun tails (prefixed) onto that terminal, so
-# the worker cannot find out itself.
-TTY_ENV = "TRINITY_TTY"
-
-
-def live_console(environ: Mapping[str, str], stream: TextIO) -> bool:
-    """Whether `stream` is a terminal a person watches (see the module's docstring)."""
-    if environ.get("CI", "").strip().lower() not in ("", "0", "false"):
-        return False
-    if environ.get("TERM", "").strip() == "dumb":
-        return False
-    isatty = getattr(stream, "isatty", None)
-    return bool(isatty and isatty())
+from trinity.launch.console import TTY_ENV, live_console, relay_prefix
 
 
 def console_is_terminal(environ: Mapping[str, str] | None = None, stream: TextIO | None = None) -> bool:
@@ -52,12 +39,6 @@ def rate(steps_per_s: float | None) -> str:
     if steps_per_s < 1:
         return f"{1 / steps_per_s:.2f} s/step"
     return f"{steps_per_s:.1f} steps/s"
-
-
-def relay_prefix(local_rank: int | str) -> str:
-    """What torchrun's `--tee` (and trinity.launch.single) puts before each line of a worker of local
-    rank `local_rank` on the console."""
-    return f"[default{local_rank}]:"
 
 
 class TailSafe:

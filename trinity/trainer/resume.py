@@ -13,7 +13,6 @@ On resume the two are compared key by key:
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Any
 
@@ -21,25 +20,10 @@ import yaml
 
 from trinity.errors import UserError
 
-from trinity.config.loader import RESOLVED_CONFIG_FILE as CONFIG_FILE  # noqa: F401
+from trinity.launch.run_folder import CONFIG_FILE
 # A checkpoint is the folder <output_dir>/checkpoints/step_<N>; it is complete once trinity.trainer.checkpoint
 # has written COMPLETE into it. Here, without torch, for the CLI (`trinity run` names the last complete
 # checkpoint after a run; `trinity generate` loads the newest).
-COMPLETE = "complete"
-STEP_DIR = re.compile(r"^step_(\d+)$")
-
-
-def complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
-    """(step, folder) of the complete checkpoints under root, oldest first."""
-    found = []
-    if root.is_dir():
-        for child in root.iterdir():
-            m = STEP_DIR.match(child.name)
-            if m and child.is_dir() and (child / COMPLETE).is_file():
-                found.append((int(m.group(1)), child))
-    return sorted(found)
-
-
 # Keys that never matter for a resume: where it resumes from, where the output goes, and where the
 # initial weights come from (a resume loads the checkpoint's).
 IGNORED = ("trainer.resume", "trainer.output_dir", ".megatron.dist_checkpointing_path", ".megatron.use_dist_checkpointing",

@@ -48,7 +48,7 @@ def first_last(rows: list[dict[str, Any]], key: str) -> tuple[tuple[int, float],
 
 
 def last_checkpoint(out: Path) -> Path | None:
-    from trinity.trainer.resume import complete_checkpoints
+    from trinity.launch.run_folder import complete_checkpoints
 
     found = complete_checkpoints(out / "checkpoints")
     return found[-1][1] if found else None

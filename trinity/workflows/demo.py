@@ -11,12 +11,12 @@ import sys
 
 import torch
 
+from trinity.config.schema.workflow import Limits
 from trinity.rollout.types import SamplingParams
 from trinity.testing.chat_templates import QWEN2_5
 from trinity.workflows.backends import RolloutBackend, ScriptedBackend
 from trinity.workflows.calculator import calculator_workflow
 from trinity.workflows.guess_number import guess_number_workflow
-from trinity.workflows.limits import Limits
 from trinity.workflows.runner import run_workflow
 from trinity.workflows.types import ChatTokenizer
 

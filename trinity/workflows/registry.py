@@ -4,17 +4,12 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import re
 from typing import TYPE_CHECKING, Awaitable, Callable
+
+from trinity.config.schema.workflow import BUILTIN_WORKFLOWS, FUNCTION_PATTERN  # noqa: F401 (resolved here)
 
 if TYPE_CHECKING:
     from trinity.workflows.types import Episode
-
-BUILTIN_WORKFLOWS: dict[str, str] = {
-    "calculator": "trinity.workflows.calculator:calculator_workflow",
-    "guess_number": "trinity.workflows.guess_number:guess_number_workflow",
-}
-FUNCTION_PATTERN = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$")
 
 Workflow = Callable[..., Awaitable["Episode"]]
 

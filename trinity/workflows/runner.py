@@ -17,14 +17,21 @@ import inspect
 import math
 from typing import Mapping, Sequence
 
+from trinity.config.schema.workflow import Limits
 from trinity.rollout.types import SamplingParams
 from trinity.workflows.batcher import EngineError, WaveBatcher
-from trinity.workflows.limits import Limits
 from trinity.workflows.registry import Workflow
 from trinity.workflows.session import EpisodeLimit, Session, TurnTimeout
 from trinity.workflows.tool_calls import ToolsNotSupported
 from trinity.workflows.transcript import TemplateMismatch
-from trinity.workflows.types import JSON, ChatBackend, ChatTokenizer, EndReason, Episode, Task
+from trinity.workflows.types import (
+    JSON,
+    ChatBackend,
+    ChatTokenizer,
+    EndReason,
+    Episode,
+    Task,
+)
 
 
 class WorkflowError(RuntimeError):

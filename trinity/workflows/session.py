@@ -14,12 +14,27 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Mapping, Protocol, Sequence
 
+from trinity.config.schema.workflow import Limits
 from trinity.rollout.types import SamplingParams
-from trinity.workflows.limits import Limits
-from trinity.workflows.tool_calls import ToolCallParser, check_tools_supported, parser_for
+from trinity.workflows.tool_calls import (
+    ToolCallParser,
+    check_tools_supported,
+    parser_for,
+)
 from trinity.workflows.transcript import Transcript
-from trinity.workflows.types import (JSON, ChatTokenizer, EndReason, Episode, Finish, Message, Task, TokenRequest,
-                                     TokenResult, ToolCall, Turn)
+from trinity.workflows.types import (
+    JSON,
+    ChatTokenizer,
+    EndReason,
+    Episode,
+    Finish,
+    Message,
+    Task,
+    TokenRequest,
+    TokenResult,
+    ToolCall,
+    Turn,
+)
 
 
 class EpisodeLimit(Exception):

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
-from trinity.workflows.limits import TemplatePolicy
+from trinity.config.schema.workflow import TemplatePolicy
 from trinity.workflows.types import JSON, ChatTokenizer, Message, TrainingSequence
 
 

@@ -9,6 +9,7 @@ from typing import Literal
 
 from pydantic import Field
 
+from trinity.algorithms.modes import KLEstimator, LossAggMode  # noqa: F401 (the fields' types)
 from trinity.algorithms.registry import ALGORITHMS
 from trinity.config.megatron import StrictModel
 
@@ -23,21 +24,6 @@ class DPOLossType(str, enum.Enum):
     sigmoid = "sigmoid"  # DPO (Rafailov et al. 2023); with label_smoothing > 0, conservative DPO
     ipo = "ipo"  # IPO (Azar et al. 2023)
     robust = "robust"  # robust DPO (Chowdhury et al. 2024)
-
-
-class KLEstimator(str, enum.Enum):
-    """Token-level KL estimators (names as in verl)."""
-
-    kl = "kl"  # k1: logp - ref_logp
-    abs = "abs"
-    mse = "mse"  # k2
-    low_var_kl = "low_var_kl"  # k3, clamped
-
-
-class LossAggMode(str, enum.Enum):
-    token_mean = "token-mean"
-    seq_mean_token_sum = "seq-mean-token-sum"
-    seq_mean_token_mean = "seq-mean-token-mean"
 
 
 class FilterGroupsConfig(StrictModel):

@@ -5,13 +5,60 @@ Not part of the job config yet: `trinity run` does not run workflows.
 
 from __future__ import annotations
 
+import re
+from dataclasses import dataclass
 from typing import Literal
 
 from pydantic import Field, JsonValue, field_validator
 
 from trinity.config.megatron import StrictModel
-from trinity.workflows.limits import Limits
-from trinity.workflows.registry import BUILTIN_WORKFLOWS, FUNCTION_PATTERN
+
+# what `workflow.function` may name (trinity.workflows.registry resolves it)
+BUILTIN_WORKFLOWS: dict[str, str] = {
+    "calculator": "trinity.workflows.calculator:calculator_workflow",
+    "guess_number": "trinity.workflows.guess_number:guess_number_workflow",
+}
+FUNCTION_PATTERN = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$")
+
+
+OnError = Literal["fail", "zero"]
+TemplatePolicy = Literal["segment", "fail"]
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The limits of one episode (trinity.workflows.runner applies them); the `workflow:` block's defaults."""
+
+    max_turns: int = 8
+    """Assistant turns per episode; asking for one more ends the episode with `max_turns`."""
+    context_tokens: int = 4096
+    """Tokens of a conversation (prompt and responses): a turn whose prompt reaches it ends the episode with
+    `context_limit`; a turn generates at most the tokens left below it."""
+    turn_timeout_s: float = 60.0
+    """Seconds one turn may wait for the engine (its wave included) or one tool call may run."""
+    episode_timeout_s: float = 600.0
+    """Seconds a whole episode may take."""
+    on_error: OnError = "fail"
+    """An episode that raises, runs past a timeout or returns something other than an Episode with a finite
+    reward: `fail` stops the run with a line naming the workflow and the task; `zero` keeps the episode,
+    scored 0, with end `error` or `timeout` and the message in `Episode.error`."""
+    template_mismatch: TemplatePolicy = "segment"
+    """A turn whose rendered prompt does not extend the conversation's tokens so far (a template that
+    re-renders earlier turns, e.g. Qwen3 dropping earlier <think> blocks): `segment` starts a new training
+    sequence from the re-rendered prompt, `fail` raises `TemplateMismatch` naming the tokenizer."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_turns", "context_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.on_error not in ("fail", "zero"):
+            raise ValueError(f"on_error must be fail or zero, got {self.on_error!r}")
+        if self.template_mismatch not in ("segment", "fail"):
+            raise ValueError(f"template_mismatch must be segment or fail, got {self.template_mismatch!r}")
+        for name in ("turn_timeout_s", "episode_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
 
 
 class WorkflowConfig(StrictModel):

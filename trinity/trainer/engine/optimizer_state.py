@@ -4,12 +4,12 @@ config's hyper-parameters kept over the checkpoint's on resume (`keep_config_hyp
 
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 
 from trinity.compat import fused_optimizer
+from trinity.compat import optimizer_state as optimizer_patches
 
 # Param-group entries that come from the job's `optim:` block: on resume the config's values win
 # (a changed optim.lr must apply, not the checkpoint's); `lr` itself follows from them at the next
@@ -53,9 +53,7 @@ class ReshardableOptimizer:
         # a load needs them as targets. Adam's starting states are what it saves and what a load fills.
         _init_empty_adam_states(self.optimizer)
         alone = [o for o in _distributed(self.optimizer) if o.data_parallel_group.size() == 1]
-        with _instance_methods(alone, "optimizer_state (checkpoint at DP=1)", "sharded_param_state_fully_reshardable",
-                               lambda opt: _own_model_space_state.__get__(opt),
-                               needs=("gbuf_ranges", "buffers", "_get_main_param_and_optimizer_states")):
+        with optimizer_patches.own_model_space_state(alone):
             return self.optimizer.sharded_state_dict(model_sharded_state_dict, is_loading=is_loading, metadata=self.METADATA)
 
     def load_state_dict(self, state_dict: Any) -> None:
@@ -64,9 +62,7 @@ class ReshardableOptimizer:
         tensors (KeyError: 'step' in _set_main_param_and_optimizer_states). Supply the already
         restored step there, for the duration of this call only."""
         fused = any(g.get("fused") for inner in fused_optimizer.torch_adams(self.optimizer) for g in inner.param_groups)
-        with _instance_methods(_distributed(self.optimizer), "optimizer_state (resume)", "_set_main_param_and_optimizer_states",
-                               lambda opt: _keep_step(opt, opt._set_main_param_and_optimizer_states),
-                               needs=("model_param_group_index_map",)):
+        with optimizer_patches.step_among_loaded_states(_distributed(self.optimizer)):
             self.optimizer.load_state_dict(state_dict)
         _unshare_steps(self.optimizer)
         if fused:  # torch's load_state_dict took the saved groups' flags
@@ -78,62 +74,6 @@ def _distributed(optimizer: Any) -> list[Any]:
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     return [o for o in _chain(optimizer) if isinstance(o, DistributedOptimizer)]
-
-
-@contextlib.contextmanager
-def _instance_methods(opts: list[Any], patch: str, name: str, make: Callable[[Any], Any],
-                      needs: tuple[str, ...] = ()) -> Iterator[None]:
-    """For the `with` block, each of `opts` has `make(opt)` as its method `name` (an instance attribute over
-    the class's); first checks that megatron-core still has `name` and `needs` (patches.require)."""
-    from trinity.compat.checks import require
-
-    for opt in opts:
-        require(patch, opt, name, *needs)
-    for opt in opts:
-        setattr(opt, name, make(opt))
-    try:
-        yield
-    finally:
-        for opt in opts:
-            delattr(opt, name)  # back to the class method
-
-
-def _own_model_space_state(opt: Any, model_sharded_state_dict: Any, is_loading: bool, metadata: Any) -> Any:
-    """`fully_reshardable` param state of a DistributedOptimizer whose DP group is this rank alone: the
-    same ShardedTensors (keys, shapes, replica ids) as megatron-core's `sharded_param_state_fully_reshardable`,
-    whose data are views of the rank's own main params and Adam moments.
-
-    Why: megatron-core gathers the DP ranks' flat shards into buffers of the whole state on the host,
-    zero-filled, for a save (the shards copied in, gathered, concatenated and copied again) and for a load (the buffers only give the shapes; the load
-    then copies out of fresh tensors): with one DP rank those are host copies of what the rank holds, 12
-    bytes per parameter each (84 GB for 7e9 parameters). Loading into the views fills the states in place;
-    megatron-core's `load_parameter_state_from_fully_reshardable` then copies each onto itself. SmolLM2-135M
-    on 2 CPU cores: save 12.9 -> 6.2 s, resume 8.3 -> 3.3 s (docs/performance.md, "Checkpoint save at DP=1")."""
-    from dataclasses import replace
-
-    from megatron.core.dist_checkpointing.dict_utils import nested_values
-    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
-    from megatron.core.dist_checkpointing.utils import extract_sharded_tensors_and_factories
-
-    sharded, _ = extract_sharded_tensors_and_factories(model_sharded_state_dict)
-    meta_of = {sh.data: sh for sh in nested_values(sharded)}
-    state: dict[int, dict[str, Any]] = {}
-    for gbuf_idx, gbuf_range_maps in enumerate(opt.gbuf_ranges):
-        for _dtype in gbuf_range_maps:  # one dtype per buffer (as megatron-core asserts)
-            for model_param in opt.buffers[gbuf_idx].param_index_map:
-                meta = meta_of[model_param]
-                tensors = opt._get_main_param_and_optimizer_states(model_param)
-                entry = {}
-                for key in ("param", "exp_avg", "exp_avg_sq"):
-                    data = tensors[key].detach().float().reshape(meta.data.shape)  # megatron-core's buffers are fp32
-                    kwargs: dict[str, Any] = dict(key=f"optimizer.state.{key}.{meta.key}", data=data,
-                                                  dtype=data.dtype, replica_id=meta.replica_id)
-                    if isinstance(meta, ShardedTensorFactory):
-                        kwargs.pop("dtype")
-                    entry[key] = replace(meta, **kwargs)
-                    entry[key].validate_metadata_integrity()
-                state[len(state)] = entry
-    return state
 
 
 def _unshare_steps(optimizer: Any) -> None:
@@ -150,19 +90,6 @@ def _unshare_steps(optimizer: Any) -> None:
 
 def _chain(optimizer: Any) -> list[Any]:
     return list(getattr(optimizer, "chained_optimizers", [optimizer]))
-
-
-def _keep_step(opt: Any, original: Any) -> Any:
-    def set_states(model_param: Any, tensors: dict[str, Any]) -> None:
-        if "step" not in tensors:
-            group, order = opt.model_param_group_index_map[model_param]
-            main_param = opt.optimizer.param_groups[group]["params"][order]
-            step = opt.optimizer.state[main_param].get("step")
-            if step is not None:
-                tensors = {**tensors, "step": step.clone()}
-        original(model_param, tensors)
-
-    return set_states
 
 
 def _init_empty_adam_states(optimizer: Any) -> None:
@@ -185,5 +112,3 @@ def _init_empty_adam_states(optimizer: Any) -> None:
                                      else torch.tensor(0.0))
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-
-
