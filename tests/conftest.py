@@ -105,7 +105,7 @@ def small_job():
 
 
 def _rank_then_exit(worker, *args) -> None:
-    """A run_two_ranks child: the worker, then the exit a finished training rank takes (without the
+    """A run_ranks child: the worker, then the exit a finished training rank takes (without the
     interpreter's ~1.3 s teardown of torch and megatron-core). An exception exits as usual (code 1)."""
     worker(*args)
     from trinity.launch.child import exit_without_teardown
@@ -113,16 +113,16 @@ def _rank_then_exit(worker, *args) -> None:
     exit_without_teardown(0)
 
 
-def run_two_ranks(worker, *args, timeout: float = 240) -> None:
-    """Run `worker(rank, port, *args)` in two spawned processes (a gloo/NCCL pair on localhost) and
-    fail unless both exit 0; a rank still running after `timeout` seconds is killed."""
+def run_ranks(n: int, worker, *args, timeout: float = 240) -> None:
+    """Run `worker(rank, port, *args)` in `n` spawned processes (a gloo/NCCL group on localhost) and fail
+    unless all exit 0; a rank still running after `timeout` seconds is killed."""
     import torch.multiprocessing as mp
 
     from trinity.distributed.parallel import free_port
 
     ctx = mp.get_context("spawn")
     port = free_port()
-    procs = [ctx.Process(target=_rank_then_exit, args=(worker, rank, port, *args)) for rank in range(2)]
+    procs = [ctx.Process(target=_rank_then_exit, args=(worker, rank, port, *args)) for rank in range(n)]
     for p in procs:
         p.start()
     for p in procs:
@@ -130,6 +130,11 @@ def run_two_ranks(worker, *args, timeout: float = 240) -> None:
         if p.is_alive():
             p.kill()
     assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+
+
+def run_two_ranks(worker, *args, timeout: float = 240) -> None:
+    """`run_ranks` with a pair of ranks."""
+    run_ranks(2, worker, *args, timeout=timeout)
 
 
 def trinity_run_argv(config: Path, *overrides: str, debug: bool = False) -> list[str]:

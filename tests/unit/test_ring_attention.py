@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import _rank_then_exit
+from tests.conftest import run_ranks
 from trinity.distributed.context_parallel import chunk_positions, merge_ranks, split_batch, split_for_rank
 
 
@@ -75,24 +75,6 @@ def _reference(q, k, v, doc_ids, scale):
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=~mask, scale=scale,
         enable_gqa=q.size(2) != k.size(2))
     return out.transpose(1, 2)
-
-
-def _run_ranks(n: int, worker, *args, timeout: float = 240) -> None:
-    """`worker(rank, port, *args)` in `n` spawned processes (tests.conftest.run_two_ranks for n ranks)."""
-    import torch.multiprocessing as mp
-
-    from trinity.distributed.parallel import free_port
-
-    ctx = mp.get_context("spawn")
-    port = free_port()
-    procs = [ctx.Process(target=_rank_then_exit, args=(worker, rank, port, *args)) for rank in range(n)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=timeout)
-        if p.is_alive():
-            p.kill()
-    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
 
 
 def _ring4(rank: int) -> dict:
@@ -276,7 +258,7 @@ def test_ring_attention_equals_full_attention(tmp_path, monkeypatch):
     from trinity.distributed import collectives
 
     monkeypatch.setenv(collectives.STRICT_ENV, "1")
-    _run_ranks(4, _worker, str(tmp_path))
+    run_ranks(4, _worker, str(tmp_path))
     for rank in range(4):
         res = json.loads((tmp_path / f"rank{rank}.json").read_text())
         for name in CASES:
