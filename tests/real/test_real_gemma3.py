@@ -18,6 +18,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from trinity.testing.rollout_checks import check_greedy_equals_hf
+
 pytestmark = [pytest.mark.real, pytest.mark.timeout(900)]  # 900: a first run converts the model
 
 TEXTS = [  # raw text, as a pretrained model is used (it answers chat turns poorly)
@@ -98,14 +100,7 @@ def test_greedy_answers_equal_hf_generate(models, gemma3_model):
     params = SamplingParams(temperature=0.0, max_new_tokens=NEW, eos_token_ids=eos)
     with torch.no_grad():
         ro = generate_continuous(gpt, ids, params, vocab_size=facts.vocab_size, pad_id=pad_token_id(tok))
-    answers = []
-    for i, p in enumerate(ids):
-        n = int(ro.response_mask[i].sum())
-        ours = ro.responses[i, :n].tolist()
-        with torch.no_grad():
-            want = hf.generate(torch.tensor([p]), max_new_tokens=NEW, do_sample=False)[0, len(p):].tolist()
-        assert ours == want, (tok.decode(p), tok.decode(ours), tok.decode(want))
-        answers.append(tok.decode(ours))
+    answers = check_greedy_equals_hf(ro, hf, ids, NEW, tok.decode)
     assert answers[-1].startswith(" Paris"), answers[-1]
 
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from trinity.testing.rollout_checks import check_greedy_equals_hf
+
 pytestmark = [pytest.mark.real, pytest.mark.slow, pytest.mark.timeout(600)]
 
 PROMPTS = [
@@ -48,13 +50,6 @@ def test_greedy_chat_answers_equal_hf_generate(real_model):
         destroy()
     del chunks
     hf = AutoModelForCausalLM.from_pretrained(str(real_model), dtype=torch.float32).eval()
-    answers = []
-    for i, p in enumerate(ids):
-        n = int(ro.response_mask[i].sum())
-        ours = ro.responses[i, :n].tolist()
-        with torch.no_grad():
-            want = hf.generate(torch.tensor([p]), max_new_tokens=NEW, do_sample=False)[0, len(p):].tolist()
-        assert ours == want, (PROMPTS[i], tok.decode(ours), tok.decode(want))
-        answers.append(tok.decode(ours))
+    answers = check_greedy_equals_hf(ro, hf, ids, NEW, tok.decode)
     # a trained model, not random weights: it knows this one and ends its turn
     assert "Paris" in answers[0] and answers[0].endswith("<|im_end|>"), answers[0]

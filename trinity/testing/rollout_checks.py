@@ -7,7 +7,7 @@ from typing import Any, Sequence
 import torch
 
 from trinity.rollout.reference import reference_generate
-from trinity.rollout.types import SamplingParams
+from trinity.rollout.types import Rollout, SamplingParams
 
 
 def check_stops_at_eos(gpt: Any, prompts: Sequence[Sequence[int]], vocab_size: int, **kwargs: Any) -> int:
@@ -31,4 +31,18 @@ def check_stops_at_eos(gpt: Any, prompts: Sequence[Sequence[int]], vocab_size: i
     return width
 
 
-__all__ = ["check_stops_at_eos"]
+def check_greedy_equals_hf(rollout: Rollout, hf: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                           decode: Any) -> list[str]:
+    """Each greedy row of `rollout` equals HF `generate` (do_sample off) on its prompt; returns the decoded
+    answers (`decode`: the tokenizer's). The failure names the prompt and both answers."""
+    answers = []
+    for i, p in enumerate(prompts):
+        ours = rollout.responses[i, : int(rollout.response_mask[i].sum())].tolist()
+        with torch.no_grad():
+            want = hf.generate(torch.tensor([list(p)]), max_new_tokens=max_new_tokens, do_sample=False)[0, len(p):].tolist()
+        assert ours == want, (decode(p), decode(ours), decode(want))
+        answers.append(decode(ours))
+    return answers
+
+
+__all__ = ["check_greedy_equals_hf", "check_stops_at_eos"]
