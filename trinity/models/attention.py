@@ -309,6 +309,25 @@ def _flash_supports(query: Tensor) -> bool:
     return query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and query.size(-1) <= 256
 
 
+def init_core_attention(module: MegatronModule, config: TransformerConfig, layer_number: int,
+                        attn_mask_type: AttnMaskType, attention_type: str, attention_dropout: Optional[float],
+                        softmax_scale: Optional[float], k_channels: Optional[int], v_channels: Optional[int],
+                        tp: int) -> None:
+    """The fields megatron's DotProductAttention constructor sets, which every core attention of ours
+    (SDPACoreAttention, ring_attention.RingCoreAttention) sets alike in its own constructor."""
+    module.layer_number = max(1, layer_number)
+    module.attn_mask_type = attn_mask_type
+    module.attention_type = attention_type
+    projection_size = (v_channels or config.kv_channels) * config.num_attention_heads
+    module.hidden_size_per_partition = divide(projection_size, tp)
+    # apply_query_key_layer_scaling divides the scale by the layer number and multiplies it back in
+    # fp32 inside the softmax (an fp16 overflow guard): the net scale is the plain one.
+    module.softmax_scale = (
+        softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(k_channels or config.kv_channels)
+    )
+    module.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+
+
 class SDPACoreAttention(MegatronModule):
     """Same constructor and forward as megatron-core's DotProductAttention (plugs into SelfAttention)."""
 
@@ -342,19 +361,10 @@ class SDPACoreAttention(MegatronModule):
             pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"])
         self.pg_collection = pg_collection
         tp = pg_collection.tp.size()
-        self.layer_number = max(1, layer_number)
-        self.attn_mask_type = attn_mask_type
-        self.attention_type = attention_type
-        projection_size = (v_channels or config.kv_channels) * config.num_attention_heads
-        self.hidden_size_per_partition = divide(projection_size, tp)
+        init_core_attention(self, config, layer_number, attn_mask_type, attention_type, attention_dropout,
+                            softmax_scale, k_channels, v_channels, tp)
         self.num_attention_heads_per_partition = divide(config.num_attention_heads, tp)
         self.num_query_groups_per_partition = divide(config.num_query_groups, tp)
-        # apply_query_key_layer_scaling divides the scale by the layer number and multiplies it back in
-        # fp32 inside the softmax (an fp16 overflow guard): the net scale is the plain one.
-        self.softmax_scale = (
-            softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(k_channels or config.kv_channels)
-        )
-        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
 
     def forward(
         self,

@@ -35,7 +35,6 @@ matmuls are several times slower than flash on GPUs).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -48,10 +47,10 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.core.utils import divide
 
 from trinity.distributed import collectives
 from trinity.distributed.context_parallel import chunk_positions
+from trinity.models.attention import init_core_attention
 
 
 @dataclass
@@ -360,15 +359,8 @@ class RingCoreAttention(MegatronModule):
         cp = getattr(pg_collection, "cp", None)
         self.cp_group = cp if cp is not None else parallel_state.get_context_parallel_group()
         tp = pg_collection.tp.size()
-        self.layer_number = max(1, layer_number)
-        self.attn_mask_type = attn_mask_type
-        self.attention_type = attention_type
-        projection_size = (v_channels or config.kv_channels) * config.num_attention_heads
-        self.hidden_size_per_partition = divide(projection_size, tp)
-        self.softmax_scale = (
-            softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(k_channels or config.kv_channels)
-        )
-        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+        init_core_attention(self, config, layer_number, attn_mask_type, attention_type, attention_dropout,
+                            softmax_scale, k_channels, v_channels, tp)
 
     def forward(
         self,
