@@ -226,3 +226,39 @@ def test_sft_optimizer_on_host_saves_and_resumes(facts_path, tmp_path):
         a = train_step(first, batch, loss_tokens=24, device=torch.device("cpu"), vocab_size=facts.vocab_size)
         b = train_step(resumed, batch, loss_tokens=24, device=torch.device("cpu"), vocab_size=facts.vocab_size)
         assert b == pytest.approx(a, rel=1e-6), step
+
+
+def test_a_phase_frees_every_roles_parts_before_any_role_reloads(facts_path, monkeypatch):
+    # The update phase after the ref phase: the ref's params must be gone before the actor's grad buffer
+    # comes back (on a GPU the two together ran a 7B GRPO job out of memory).
+    from trinity.config.roles import Role
+    from trinity.models.build import build_model
+    from trinity.trainer.engine import RoleEngine
+    from trinity.trainer.recipes.rl import Phases
+
+    facts, path = facts_path
+    flags = MegatronConfig(param_offload=True, grad_offload=True, optimizer_offload=True)
+    actor = _state(facts, path, distributed=True)
+    actor.offloader = RoleOffloader(actor.model, actor.optimizer, param_offload=True, grad_offload=True,
+                                    optimizer_offload=True)
+    ref = RoleEngine(Role.ref, build_model(facts, flags, device="cpu", dtype=torch.float32), flags, None,
+                     dtype=torch.float32, total_steps=1)
+
+    def ref_bytes() -> int:
+        return sum(p.untyped_storage().nbytes() for p in ref.chunks[0].parameters())
+
+    seen: list[int] = []
+    set_grads = actor.offloader._set_grads
+
+    def watch(resident: bool) -> None:
+        if resident and not actor.offloader.on_grads:
+            seen.append(ref_bytes())
+        set_grads(resident)
+
+    monkeypatch.setattr(actor.offloader, "_set_grads", watch)
+    phases = Phases(torch.device("cpu"), {"actor": actor, "ref": ref})
+    phases.run("rollout", {"actor": {"params": True}}, lambda: None)
+    phases.run("ref", {"ref": {"params": True}}, lambda: None)
+    assert ref_bytes() > 0 and actor.offloader.device_bytes()["params"] == 0
+    phases.run("update_actor", {"actor": {"params": True, "grads": True, "optim": True}}, lambda: None)
+    assert seen == [0] and ref_bytes() == 0 and actor.offloader.device_bytes()["grads"] > 0

@@ -173,6 +173,10 @@ class RoleEngine:
     def need(self, *, params: bool, grads: bool = False, optim: bool = False) -> None:
         self.offloader.need(params=params, grads=grads, optim=optim)
 
+    def release(self, *, params: bool, grads: bool = False, optim: bool = False) -> None:
+        """Offload what a phase does not need, bringing nothing back (`RoleOffloader.release`)."""
+        self.offloader.release(params=params, grads=grads, optim=optim)
+
     def all_resident(self) -> None:
         """Params and optimizer on the device (checkpoint save / export); grads stay where they are
         (a recipe without phases, SFT, never moves anything)."""

@@ -73,6 +73,9 @@ class Phases:
             tokens: Callable[[T], PhaseTokens] | PhaseTokens | None = None) -> T:
         """`tokens`: the phase's real tokens, or (real, computed) where computed counts what the forward
         passes ran, padding included (padding_fraction/<name>); a number, or a function of the result."""
+        # every role gives up what the phase does not use before any role brings its parts back
+        for role, engine in self.engines.items():
+            engine.release(**needs.get(role, {"params": False}))
         for role, engine in self.engines.items():
             engine.need(**needs.get(role, {"params": False}))
         self.metrics[f"mem/{name}_gib"] = memory_gib(self.device)
