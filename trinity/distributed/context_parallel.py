@@ -93,8 +93,9 @@ class _GatherSequence(torch.autograd.Function):
 
 def gather_sequence(local: Tensor, group: Optional[collectives.ProcessGroup], seq_dim: int = 1) -> Tensor:
     """The whole rows of a per-token output (log-probs, entropies, values) from every CP rank's part, on
-    every rank; differentiable with the convention of `_GatherSequence` (each rank's own part)."""
-    if collectives.size(group) == 1:
+    every rank; differentiable with the convention of `_GatherSequence` (each rank's own part). `group`
+    None: CP=1 (`cp_group`), not the world."""
+    if group is None or collectives.size(group) == 1:
         return local
     return _GatherSequence.apply(local, group, seq_dim)
 
@@ -104,6 +105,8 @@ def token_totals(loss_sum: Tensor, token_count: Tensor,
     """(sum, count) of a token loss over the CP group, detached: the normaliser of the loss (divide each
     rank's own differentiable sum by the total count) and the logged value (sum / count)."""
     both = torch.stack([loss_sum.detach().to(torch.float64), token_count.detach().to(torch.float64)])
+    if group is None:  # CP=1 (`cp_group`), not the world
+        return both[0], both[1]
     total = collectives.all_reduce(both, "sum", group)
     return total[0], total[1]
 
@@ -124,8 +127,8 @@ class _SumOverRanks(torch.autograd.Function):
 
 def sum_over_ranks(t: Tensor, group: Optional[collectives.ProcessGroup]) -> Tensor:
     """`t` summed over the CP group (a sequence's log-prob from its tokens on every rank), differentiable
-    with the convention of `_SumOverRanks`."""
-    if collectives.size(group) == 1:
+    with the convention of `_SumOverRanks`. `group` None: CP=1 (`cp_group`), not the world."""
+    if group is None or collectives.size(group) == 1:
         return t
     return _SumOverRanks.apply(t, group)
 
