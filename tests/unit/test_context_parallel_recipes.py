@@ -34,7 +34,6 @@ def _cases(model, vocab: int) -> dict[str, tuple[dict[str, torch.Tensor], dict[s
     loss_mask = (torch.rand(B, S, generator=g) > 0.3).float()
     packed_docs = torch.tensor([[0] * 7 + [1] * 13 + [2] * 12, [0] * 3 + [1] * 20 + [-1] * 9])
     one_doc = torch.tensor([[0] * S, [0] * 25 + [-1] * 7])
-    weights = torch.randn(B, S, generator=g)
     out = {}
 
     def run(name, fn):
