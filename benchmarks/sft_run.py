@@ -10,6 +10,9 @@ metrics, next to `benchmarks/train_step.py`'s bare model step of the same shape.
     python benchmarks/sft_run.py --shape 1.5b --seq 4096 --mbs 2 --optimizer-offload no,yes
     python benchmarks/sft_run.py --shape 7b --seq 4096 --mbs 1 --steps 5 --optimizer-offload yes --no-final-checkpoint
     python benchmarks/sft_run.py --shape 7b --seq 4096 --mbs 1 --steps 5 --lora-rank 16 --no-final-checkpoint
+    python benchmarks/sft_run.py --shape 7b --seq 32768 --mbs 1 --steps 5 --cp 2 --no-final-checkpoint \
+        --megatron 'override_transformer_config={recompute_granularity: full, recompute_method: uniform, recompute_num_layers: 1}'
+        # context parallelism: --cp ranks per layout GPU (--cp 2 on 1gpu: 2 GPUs; on tp2: 4)
 
 Each case is a real `trinity run` (validation, HF -> dist checkpoint cache, torchrun, the SFT loop with
 megatron-core's schedule, DDP and mixed-precision optimizer) on a random-weight Qwen2 of the shape
@@ -82,6 +85,9 @@ def main() -> None:
     ap.add_argument("--no-final-checkpoint", action="store_true",
                     help="stop each job once its last step's metrics are written, before the checkpoint every job "
                          "saves at its end (7B: ~106 GB with the optimizer state, more than a lent machine's disk)")
+    ap.add_argument("--cp", type=int, default=1,
+                    help="context_parallel_size: each layout's GPUs times CP (a row's tokens split over the CP ranks; "
+                         "--seq a multiple of 2 x CP, x TP with sequence_parallel)")
     ap.add_argument("--compile", choices=["none", "layers", "model"], default="none", help="megatron.torch_compile")
     ap.add_argument("--lora-rank", default="0", help="comma list of LoRA ranks, one run each (0 = full fine-tuning; "
                     "actor_rollout_ref.actor.lora.rank, all linears, alpha = 2 x rank)")
@@ -113,6 +119,7 @@ def main() -> None:
                 ap.error(f"--optimizer-offload: {off!r} is not no or yes")
             gpus, tp = LAYOUTS[layout]
             dp = gpus // tp
+            gpus *= args.cp  # context parallelism: CP ranks per TP x DP rank, the rows split between them
             rows_per_step = args.mbs * dp  # every data-parallel rank gets --mbs rows, as scaling.py does
             # enough documents for every step's rows (~2.5 a row); the first term alone was the count
             # before --layouts, kept so that runs at seq 4096 train on the same data as before
@@ -130,6 +137,7 @@ def main() -> None:
                             "profile_step": args.profile_step},
                 "actor_rollout_ref": {"actor": {"optim": {"lr": 1e-4 if rank else 1e-5, "weight_decay": 0.0},
                                                 "megatron": {**megatron, "tensor_model_parallel_size": tp,
+                                                             "context_parallel_size": args.cp,
                                                              "optimizer_offload": off == "yes"}}},
             }
             if rank:
