@@ -309,9 +309,27 @@ def test_rl_batch_rules_and_roles(write_job, small_job):
     assert list(cfg.roles()) == ["actor_rollout_ref.actor", "actor_rollout_ref.ref"]
 
 
-def test_cp_layouts_validate_and_ring_attention_limits_are_named(write_job, small_job):
+def test_cp_with_transformer_engine_refuses_packed_rows(write_job, small_job, monkeypatch):
+    """With TE importable, megatron-core's CP attention runs (whole causal rows only): packed SFT rows and RL
+    are refused naming the key, unpacked SFT rows validate."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: object() if n == "transformer_engine" else real(n, *a))
+    probs = problems_of(write_job(small_job), [f"{ACTOR}.context_parallel_size=2"])
+    assert any(p.startswith(f"{ACTOR}.context_parallel_size: with TransformerEngine installed") and
+               "packed rows (data.packing: true)" in p for p in probs), probs
+    load_config(write_job(with_keys(small_job, data__packing=False)), [f"{ACTOR}.context_parallel_size=2"])
+
+
+def test_cp_layouts_validate_and_ring_attention_limits_are_named(write_job, small_job, monkeypatch):
     """CP > 1 validates with TP, PP and DP on any device (world = TP x PP x CP x DP); for RL the rows are
-    padded on the fly (no seq_length rule). What ring attention lacks is refused naming the key."""
+    padded on the fly (no seq_length rule). What ring attention lacks is refused naming the key. (Without
+    TransformerEngine, as the Docker image's tests would not be: its rule is the test above.)"""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "transformer_engine" else real(n, *a))
     for device in ("cuda", "cpu"):
         for sizes in ({"context_parallel_size": 2}, {"context_parallel_size": 2, "tensor_model_parallel_size": 2,
                                                      "sequence_parallel": True},

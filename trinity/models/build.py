@@ -256,14 +256,25 @@ def packed_attention(model: torch.nn.Module, doc_ids: torch.Tensor, device: torc
     cp = inner.config.context_parallel_size
     if getattr(inner, "trinity_backend", None) == specs.BACKEND_TE:
         if cp > 1:  # TE's CP attention is causal over whole rows only (packed rows would need its thd layout)
-            raise UserError("megatron.context_parallel_size > 1 with TransformerEngine trains unpacked rows only: "
-                            "set data.packing: false, or run without TransformerEngine (ring attention)")
+            if not _one_document_rows(doc_ids):
+                raise UserError("megatron.context_parallel_size > 1 with TransformerEngine trains unpacked rows only "
+                                "(SFT with data.packing: false, pt, DPO): set context_parallel_size 1, or run without "
+                                "TransformerEngine (ring attention)")
+            # one document then padding: causal attention is the document mask (padding sees only itself
+            # or the document, and no loss reads it)
+            return {"attention_mask": None}
         return {"attention_mask": block_causal_mask(doc_ids.to(device, non_blocking=True))}
     if cp > 1:  # ring attention: the whole rows' document ids (each rank finds any block's ids in them)
         from trinity.models.ring_attention import ring_document_params
 
         return {"attention_mask": None, "packed_seq_params": ring_document_params(doc_ids, device=device)}
     return {"attention_mask": None, "packed_seq_params": document_packed_params(doc_ids, device=device)}
+
+
+def _one_document_rows(doc_ids: torch.Tensor) -> bool:
+    """Whether every row of `doc_ids` [b, s] is one document (0) then padding (-1) only."""
+    d = doc_ids.cpu() if doc_ids.is_cuda else doc_ids
+    return bool(((d == 0) | (d == -1)).all() and (d[:, 1:] <= d[:, :-1]).all())
 
 
 def _scale_embedding(scale: float) -> Any:

@@ -87,6 +87,14 @@ def _check_context_parallel(p: str, m: MegatronConfig, cfg: JobConfig, facts: Mo
     if dropout:
         problems.append(f"{p}.override_transformer_config.attention_dropout: ring attention (context_parallel_size > 1) "
                         "has no attention dropout; remove it or set context_parallel_size: 1")
+    te = cfg.cluster.device == "cuda" and importlib.util.find_spec("transformer_engine") is not None
+    if te and (cfg.is_rl or (cfg.spec.name == "sft" and cfg.data.packing)) and not (facts and _local_spec(facts)):
+        # TransformerEngine's CP attention (megatron-core's own path, trinity.models.spec.backend) attends
+        # over whole causal rows: packed rows and RL's left-padded prompts need ring attention
+        what = "RL rows (left-padded prompts, packed sequences)" if cfg.is_rl else "packed rows (data.packing: true)"
+        problems.append(f"{p}.context_parallel_size: with TransformerEngine installed, megatron-core's CP attention runs, "
+                        f"which cannot attend over {what}; set data.packing: false (SFT), or use an environment "
+                        "without TransformerEngine (trinity's ring attention)")
     if facts is None:
         return
     if facts.attn_logit_softcapping is not None:
@@ -95,6 +103,12 @@ def _check_context_parallel(p: str, m: MegatronConfig, cfg: JobConfig, facts: Mo
     if facts.sliding_window is not None:
         problems.append(f"{p}.context_parallel_size: {facts.architecture} attends over a sliding window "
                         f"({facts.sliding_window} tokens), which ring attention does not support; set it to 1")
+
+
+def _local_spec(facts: ModelFacts) -> bool:
+    from trinity.models.spec import needs_local_spec  # megatron-core: imported only where TE is installed
+
+    return needs_local_spec(facts)
 
 
 def _check_against_model(p: str, m: MegatronConfig, f: ModelFacts, problems: list[str], warnings: list[str]) -> None:
