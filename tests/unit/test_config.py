@@ -309,6 +309,20 @@ def test_rl_batch_rules_and_roles(write_job, small_job):
     assert list(cfg.roles()) == ["actor_rollout_ref.actor", "actor_rollout_ref.ref"]
 
 
+@pytest.mark.parametrize("family,what", [("gemma2", "caps attention scores"), ("mistral", "sliding window")])
+def test_cp_refuses_what_ring_attention_cannot_do(write_job, small_job, tmp_path, family, what):
+    from trinity.testing.tiny_models import tiny_hf_config
+
+    config = tiny_hf_config(family)
+    config.architectures = [{"gemma2": "Gemma2ForCausalLM", "mistral": "MistralForCausalLM"}[family]]
+    config.save_pretrained(tmp_path / family)
+    job = with_keys(small_job, model__path=str(tmp_path / family), cluster__nproc_per_node=2,
+                    model__tokenizer_path=small_job["model"]["path"])
+    probs = problems_of(write_job(job), [f"{ACTOR}.context_parallel_size=2"])
+    assert any(p.startswith(f"{ACTOR}.context_parallel_size: ") and what in p and p.endswith("set it to 1")
+               for p in probs), probs
+
+
 def test_cp_with_transformer_engine_refuses_packed_rows(write_job, small_job, monkeypatch):
     """With TE importable, megatron-core's CP attention runs (whole causal rows only): packed SFT rows and RL
     are refused naming the key, unpacked SFT rows validate."""
