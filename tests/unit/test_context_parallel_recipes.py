@@ -44,11 +44,13 @@ def _cases(model, vocab: int) -> dict[str, tuple[dict[str, torch.Tensor], dict[s
                      {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None})
 
     for name, docs in (("sft_packed", packed_docs), ("sft_unpacked", one_doc)):
+        # unpacked rows attend causally at CP>1 (no document mask: torch's flash kernel on GPUs); their
+        # trailing padding, which then sees the document, is trained by no loss
         pos = torch.arange(S).expand(B, S)
-        rows = TokenRows(tokens, pos, docs, labels, loss_mask, torch.device("cpu"))
+        rows = TokenRows(tokens, pos, docs, labels, loss_mask * (docs >= 0), torch.device("cpu"))
 
         def sft(rows=rows):
-            loss, metrics = SFTLoss(vocab)(rows, rows.forward(model), denom=float(loss_mask.sum()), scale=1.0)
+            loss, metrics = SFTLoss(vocab)(rows, rows.forward(model), denom=float(rows.loss_mask.sum()), scale=1.0)
             return {"loss_sum": metrics["loss_sum"]}, loss
         run(name, sft)
 
@@ -111,6 +113,13 @@ def _worker(rank: int, port: int, model_dir: str, out: str) -> None:
         init_parallel(device="cpu", layout=ParallelLayout(cp=2), seed=1)
         model = build_model(facts, MegatronConfig(context_parallel_size=2), device="cpu", dtype=torch.float32)[0]
         assert all(type(layer.self_attention.core_attention) is RingCoreAttention for layer in model.decoder.layers)
+        from trinity.models.build import packed_attention
+        from trinity.models.ring_attention import RingDocumentParams
+
+        cpu = torch.device("cpu")  # unpacked rows attend causally (flash on GPUs), packed ones by document
+        assert packed_attention(model, torch.tensor([[0, 0, 0, -1], [0, 0, 0, 0]]), cpu) == {"attention_mask": None}
+        assert isinstance(packed_attention(model, torch.tensor([[0, 0, 1, -1]]), cpu)["packed_seq_params"],
+                          RingDocumentParams)
         with torch.no_grad():
             for n, p in model.named_parameters():
                 p.copy_(state[n])

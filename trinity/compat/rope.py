@@ -2,7 +2,8 @@
 
 megatron-core 0.16.1 applies RoPE fused only through `rope_utils.fused_apply_rotary_pos_emb`, TransformerEngine's
 kernel, which is None without TE. `install(kernel, thd)` plugs in `trinity.models.rope.fused_rope` (the kernel,
-TE's signature) and, for packed (thd) inputs, a function that says why they need TE.
+TE's signature) and, for packed (thd) inputs, a function that says why they need TE. `install_cp_pos_emb`
+replaces megatron's slicing of the rotary table per context-parallel rank, which pins host memory.
 """
 
 from __future__ import annotations

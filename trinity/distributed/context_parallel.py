@@ -52,7 +52,8 @@ def split_for_rank(t: Tensor, cp_size: int, cp_rank: int, seq_dim: int = 1) -> T
 
 def pos_emb_on_this_rank(pos_emb: Tensor, seq_dim: int, cp_group: collectives.ProcessGroup) -> Tensor:
     """megatron-core's `get_pos_emb_on_this_cp_rank` (rope_utils; RotaryEmbedding.forward calls it at CP>1)
-    without its pinned host index, which a CPU-only torch refuses: cpu_compat puts this one in its place."""
+    without its pinned host index, which a CPU-only torch refuses: build_model puts this one in its place
+    at CP>1 (`trinity.compat.rope.install_cp_pos_emb`)."""
     return split_for_rank(pos_emb, cp_group.size(), cp_group.rank(), seq_dim)
 
 
