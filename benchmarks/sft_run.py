@@ -10,6 +10,9 @@ metrics, next to `benchmarks/train_step.py`'s bare model step of the same shape.
     python benchmarks/sft_run.py --shape 1.5b --seq 4096 --mbs 2 --optimizer-offload no,yes
     python benchmarks/sft_run.py --shape 7b --seq 4096 --mbs 1 --steps 5 --optimizer-offload yes --no-final-checkpoint
     python benchmarks/sft_run.py --shape 7b --seq 4096 --mbs 1 --steps 5 --lora-rank 16 --no-final-checkpoint
+    python benchmarks/sft_run.py --shape 7b --seq 32768 --mbs 1 --steps 5 --cp 2 --unpacked --no-final-checkpoint \
+        --megatron 'override_transformer_config={recompute_granularity: full, recompute_method: uniform, recompute_num_layers: 1}'
+        # context parallelism: --cp ranks per layout GPU (--cp 2 on 1gpu: 2 GPUs; on tp2: 4)
 
 Each case is a real `trinity run` (validation, HF -> dist checkpoint cache, torchrun, the SFT loop with
 megatron-core's schedule, DDP and mixed-precision optimizer) on a random-weight Qwen2 of the shape
@@ -52,14 +55,15 @@ from scaling import LAYOUTS  # noqa: E402
 from train_step import step_flops  # noqa: E402
 
 
-def write_documents(path: Path, n: int, seed: int, seq: int) -> Path:
+def write_documents(path: Path, n: int, seed: int, seq: int, whole_rows: bool = False) -> Path:
     """n {"prompt", "response"} samples of printable ASCII, seq/16 to 3 seq/4 bytes each (256-3072 at
-    seq 4096; a quarter prompt)."""
+    seq 4096; a quarter prompt); `whole_rows`: 7/8 to 15/16 of seq (one long sample per row)."""
     rng = random.Random(seed)
     alphabet = "abcdefghijklmnopqrstuvwxyz      .,0123456789\n"
+    low, high = (7 * seq // 8, 15 * seq // 16) if whole_rows else (seq // 16, 3 * seq // 4)
     with path.open("w") as f:
         for _ in range(n):
-            size = rng.randint(seq // 16, 3 * seq // 4)
+            size = rng.randint(low, high)
             text = "".join(rng.choices(alphabet, k=size))
             f.write(json.dumps({"prompt": text[: size // 4], "response": text[size // 4:]}) + "\n")
     return path
@@ -82,6 +86,13 @@ def main() -> None:
     ap.add_argument("--no-final-checkpoint", action="store_true",
                     help="stop each job once its last step's metrics are written, before the checkpoint every job "
                          "saves at its end (7B: ~106 GB with the optimizer state, more than a lent machine's disk)")
+    ap.add_argument("--cp", type=int, default=1,
+                    help="context_parallel_size: each layout's GPUs times CP (a row's tokens split over the CP ranks; "
+                         "--seq a multiple of 2 x CP, x TP with sequence_parallel)")
+    ap.add_argument("--unpacked", action="store_true",
+                    help="one sample of 7/8 to 15/16 of --seq per row (data.packing: false), as long sequences "
+                         "are trained; at --cp > 1 such rows attend through the ring's flash kernel, packed rows "
+                         "through its fp32 document-masked kernel")
     ap.add_argument("--compile", choices=["none", "layers", "model"], default="none", help="megatron.torch_compile")
     ap.add_argument("--lora-rank", default="0", help="comma list of LoRA ranks, one run each (0 = full fine-tuning; "
                     "actor_rollout_ref.actor.lora.rank, all linears, alpha = 2 x rank)")
@@ -113,16 +124,17 @@ def main() -> None:
                 ap.error(f"--optimizer-offload: {off!r} is not no or yes")
             gpus, tp = LAYOUTS[layout]
             dp = gpus // tp
+            gpus *= args.cp  # context parallelism: CP ranks per TP x DP rank, the rows split between them
             rows_per_step = args.mbs * dp  # every data-parallel rank gets --mbs rows, as scaling.py does
             # enough documents for every step's rows (~2.5 a row); the first term alone was the count
             # before --layouts, kept so that runs at seq 4096 train on the same data as before
             n_docs = max(args.steps * rows_per_step * args.seq // 1000, args.steps * rows_per_step * 3) + 16
-            docs = write_documents(root / f"sft_{layout}.jsonl", n_docs, seed=0, seq=args.seq)
+            docs = write_documents(root / f"sft_{layout}.jsonl", n_docs, seed=0, seq=args.seq, whole_rows=args.unpacked)
             out = root / f"run_{layout}_offload-{off}_lora-{rank}"
             cfg = {
                 "algorithm": {"name": "sft"},
                 "model": {"path": str(model)},
-                "data": {"train_files": [str(docs)], "seq_length": args.seq},
+                "data": {"train_files": [str(docs)], "seq_length": args.seq, "packing": not args.unpacked},
                 "cluster": {"device": args.device, "nproc_per_node": gpus},
                 "trainer": {"total_steps": args.steps, "global_batch_size": rows_per_step,
                             "micro_batch_size": args.mbs, "output_dir": str(out), "save_interval": None,
@@ -130,6 +142,7 @@ def main() -> None:
                             "profile_step": args.profile_step},
                 "actor_rollout_ref": {"actor": {"optim": {"lr": 1e-4 if rank else 1e-5, "weight_decay": 0.0},
                                                 "megatron": {**megatron, "tensor_model_parallel_size": tp,
+                                                             "context_parallel_size": args.cp,
                                                              "optimizer_offload": off == "yes"}}},
             }
             if rank:

@@ -231,12 +231,16 @@ def test_grouped_gemm_without_its_kernel_is_a_clear_error(tp1, tiny_dir):
         _build(facts, MegatronConfig(moe_grouped_gemm=True))
 
 
-def test_context_parallel_without_te_is_a_clear_error(tp1, tiny_dir):
+def test_context_parallel_without_te_builds_ring_attention(tp1, tiny_dir):
     from trinity.errors import UserError
+    from trinity.models.ring_attention import RingCoreAttention
 
     facts = ModelFacts.from_hf_dir(tiny_dir("qwen2"))
-    with pytest.raises(UserError, match="context_parallel_size"):
-        _build(facts, MegatronConfig(context_parallel_size=2))
+    with pytest.raises(UserError, match="torch_compile"):
+        _build(facts, MegatronConfig(context_parallel_size=2, torch_compile="layers"))
+    model = _build(facts, MegatronConfig(context_parallel_size=2))
+    chunk = model[0] if isinstance(model, list) else model
+    assert all(type(layer.self_attention.core_attention) is RingCoreAttention for layer in chunk.decoder.layers)
 
 
 def test_cpu_compat_enable_is_idempotent_and_disable_restores(tp1):

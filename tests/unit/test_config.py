@@ -111,8 +111,8 @@ CASES = [
     ({f"{ACTOR}.use_dist_checkpointing": True}, f"{ACTOR}.dist_checkpointing_path: required", ""),
     ({f"{ACTOR}.use_mbridge": True, f"{ACTOR}.use_dist_checkpointing": True, f"{ACTOR}.dist_checkpointing_path": "/tmp"},
      f"{ACTOR}.use_mbridge: cannot be combined", ""),
-    ({f"{ACTOR}.context_parallel_size": 2}, f"{ACTOR}.context_parallel_size: context parallelism is not supported",
-     "do not split sequences"),
+    ({f"{ACTOR}.context_parallel_size": 2, "data.seq_length": 510},
+     "data.seq_length: 510 is not a multiple of 2 x context_parallel_size = 4", "set it to 512"),
     ({"trainer.global_batch_size": 12}, "trainer.global_batch_size: 12 is not divisible", "micro_batch_size x DP = 1 x 8"),
     ({"actor_rollout_ref.ref.megatron.param_offload": True}, "actor_rollout_ref.ref.megatron.param_offload: the ref role does not exist", "sft"),
     ({"critic": {}}, "critic: only ppo uses a critic", "remove"),
@@ -132,11 +132,12 @@ CASES = [
     ({"trainer.profile_step": 0}, "trainer.profile_step:", "greater than or equal to 1"),
     ({"cluster.device": "tpu"}, "cluster.device:", "'cuda' or 'cpu'"),
     ({f"{ACTOR}.torch_compile": "everything"}, f"{ACTOR}.torch_compile:", "'layers'"),
-    ({f"{ACTOR}.context_parallel_size": 2}, f"{ACTOR}.context_parallel_size: context parallelism is not supported",
-     "set it to 1"),
-    ({"algorithm.name": "grpo", "data.train_files": [str(FIXTURES / "data" / "prompts.jsonl")],
-      "cluster.device": "cpu", f"{ACTOR}.context_parallel_size": 2},
-     f"{ACTOR}.context_parallel_size: context parallelism is not supported", "set it to 1"),
+    ({f"{ACTOR}.context_parallel_size": 2, f"{ACTOR}.torch_compile": "layers"},
+     f"{ACTOR}.torch_compile: must be none with context_parallel_size > 1", "does not compile"),
+    ({f"{ACTOR}.context_parallel_size": 2, f"{ACTOR}.override_transformer_config.attention_dropout": 0.1},
+     f"{ACTOR}.override_transformer_config.attention_dropout: ring attention", "has no attention dropout"),
+    ({f"{ACTOR}.context_parallel_size": 2, f"{ACTOR}.tensor_model_parallel_size": 2, f"{ACTOR}.sequence_parallel": True,
+      "data.seq_length": 516}, "data.seq_length: 516 is not a multiple of 2 x context_parallel_size x TP", "set it to 520"),
 ]
 
 
@@ -308,20 +309,54 @@ def test_rl_batch_rules_and_roles(write_job, small_job):
     assert list(cfg.roles()) == ["actor_rollout_ref.actor", "actor_rollout_ref.ref"]
 
 
-def test_cp_is_refused_with_one_precise_message(write_job, small_job, monkeypatch):
-    """CP > 1 is refused on any device and even with TransformerEngine present: the loops never split
-    sequences, so the message names that reason alone (no 'install TE' / sequence-length advice)."""
+@pytest.mark.parametrize("family,what", [("gemma2", "caps attention scores"), ("mistral", "sliding window")])
+def test_cp_refuses_what_ring_attention_cannot_do(write_job, small_job, tmp_path, family, what):
+    from trinity.testing.tiny_models import tiny_hf_config
+
+    config = tiny_hf_config(family)
+    config.architectures = [{"gemma2": "Gemma2ForCausalLM", "mistral": "MistralForCausalLM"}[family]]
+    config.save_pretrained(tmp_path / family)
+    job = with_keys(small_job, model__path=str(tmp_path / family), cluster__nproc_per_node=2,
+                    model__tokenizer_path=small_job["model"]["path"])
+    probs = problems_of(write_job(job), [f"{ACTOR}.context_parallel_size=2"])
+    assert any(p.startswith(f"{ACTOR}.context_parallel_size: ") and what in p and p.endswith("set it to 1")
+               for p in probs), probs
+
+
+def test_cp_with_transformer_engine_refuses_packed_rows(write_job, small_job, monkeypatch):
+    """With TE importable, megatron-core's CP attention runs (whole causal rows only): packed SFT rows and RL
+    are refused naming the key, unpacked SFT rows validate."""
     import importlib.util
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: object() if n == "transformer_engine" else real(n, *a))
+    probs = problems_of(write_job(small_job), [f"{ACTOR}.context_parallel_size=2"])
+    assert any(p.startswith(f"{ACTOR}.context_parallel_size: with TransformerEngine installed") and
+               "packed rows (data.packing: true)" in p for p in probs), probs
+    load_config(write_job(with_keys(small_job, data__packing=False)), [f"{ACTOR}.context_parallel_size=2"])
+
+
+def test_cp_layouts_validate_and_ring_attention_limits_are_named(write_job, small_job, monkeypatch):
+    """CP > 1 validates with TP, PP and DP on any device (world = TP x PP x CP x DP); for RL the rows are
+    padded on the fly (no seq_length rule). What ring attention lacks is refused naming the key. (Without
+    TransformerEngine, as the Docker image's tests would not be: its rule is the test above.)"""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "transformer_engine" else real(n, *a))
     for device in ("cuda", "cpu"):
-        job = with_keys(small_job, data__seq_length=510, cluster__device=device)
-        probs = problems_of(write_job(job), [f"{ACTOR}.context_parallel_size=2"])
-        cp = [p for p in probs if "context_parallel_size" in p]
-        assert len(cp) == 1 and cp[0].endswith(
-            f"{ACTOR}.context_parallel_size: context parallelism is not supported: the SFT and RL loops do not "
-            "split sequences across CP ranks; set it to 1 (use recompute or TP/PP for long sequences)"), probs
+        for sizes in ({"context_parallel_size": 2}, {"context_parallel_size": 2, "tensor_model_parallel_size": 2,
+                                                     "sequence_parallel": True},
+                      {"context_parallel_size": 2, "pipeline_model_parallel_size": 2}):
+            job = with_keys(small_job, cluster__device=device)
+            cfg = load_config(write_job(job), [f"{ACTOR}.{k}={v}" for k, v in sizes.items()]).config
+            assert cfg.actor_rollout_ref.actor.megatron.context_parallel_size == 2
+    grpo = with_keys(small_job, algorithm__name="grpo", data__seq_length=510,
+                     data__train_files=[str(FIXTURES / "data" / "prompts.jsonl")], cluster__device="cpu")
+    load_config(write_job(grpo), [f"{ACTOR}.context_parallel_size=2"])
+    # world 8 = TP 2 x CP 2 x PP 4 x DP 1; CP 3 does not divide it
+    probs = problems_of(write_job(small_job), [f"{ACTOR}.context_parallel_size=3"])
+    assert any("is not divisible by TP x PP x CP = 1 x 1 x 3" in p for p in probs), probs
 
 
 def test_rl_layout_rules(write_job, small_job):

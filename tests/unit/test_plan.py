@@ -110,3 +110,15 @@ def test_sft_optimizer_offload_moves_the_optimizer_to_host_memory(write_job):
     assert on.peak_per_gpu < 78 * 2**30 < off.peak_per_gpu
     text = render_plan(on)
     assert f"optimizer 0 B (in host memory: {12 * params / 2**30:.2f} GiB per rank, optimizer_offload)" in text
+
+
+def test_context_parallel_divides_activations_logits_and_the_sharded_optimizer(write_job):
+    """TP=2 x CP=2 x DP=2 against TP=2 x DP=4 (8 GPUs): each CP rank holds half of every row (activations
+    and logits halve), and megatron's distributed optimizer shards over DP x CP (= 4 either way)."""
+    (base,) = _plan(write_job).roles
+    (cp,) = _plan(write_job, context_parallel_size=2).roles
+    assert cp.layout == "TP=2 PP=1 CP=2 DP=2" and cp.dp == 2 and base.dp == 4
+    assert cp.memory.params_per_gpu == base.memory.params_per_gpu
+    assert cp.memory.optimizer == base.memory.optimizer == 12 * base.memory.params_per_gpu // 4
+    assert cp.memory.activations * 2 == base.memory.activations
+    assert cp.memory.logits * 2 == base.memory.logits

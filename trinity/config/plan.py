@@ -130,14 +130,16 @@ def estimate_memory(
         per_param = 12 if bytes_per_param < 4 else 8  # fp32 master + Adam m, v (fp32 params are their own master)
         edp = lay.expert_dp(world) if f.is_moe else dp
         full_grads = params * 4  # fp32 gradient buffers (grad_reduce_in_fp32)
+        # megatron's distributed optimizer shards dense parameters over DP x CP (its dp_cp group), experts
+        # over the expert-data-parallel ranks (world / (PP x EP x ETP), which holds the CP ranks too)
         if m.use_distributed_optimizer:
-            full_optimizer = per_param * (dense_params // dp + expert_params // max(edp, 1))
+            full_optimizer = per_param * (dense_params // (dp * cp) + expert_params // max(edp, 1))
         else:
             full_optimizer = per_param * params
         grads, optimizer = full_grads, full_optimizer
         if lora is not None:  # DDP buffers and the optimizer hold the adapters only
             grads = adapters * 4
-            optimizer = per_param * (adapters // dp if m.use_distributed_optimizer else adapters)
+            optimizer = per_param * (adapters // (dp * cp) if m.use_distributed_optimizer else adapters)
             saved = full_grads + full_optimizer - grads - optimizer
         acts = _activations(f, m, seq // cp, micro, layers, microbatches)
     else:

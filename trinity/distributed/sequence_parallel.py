@@ -34,11 +34,13 @@ def round_up(length: int, multiple: int) -> int:
 
 def sp_multiple(model: Any) -> int:
     """What a forward's sequence length must be a multiple of for `model` (a GPTModel chunk or its
-    wrapper): TP with sequence parallel on, else 1."""
+    wrapper): TP with sequence parallel on, else 1; times 2·CP with context parallelism (each CP rank
+    holds two equal chunks, trinity.distributed.context_parallel, which SP then splits over TP)."""
     from trinity.distributed.wrappers import unwrap
 
     config = unwrap(model).config
-    return config.tensor_model_parallel_size if config.sequence_parallel else 1
+    cp = config.context_parallel_size
+    return (config.tensor_model_parallel_size if config.sequence_parallel else 1) * (2 * cp if cp > 1 else 1)
 
 
 def pad_to_multiple(tokens: Any, key_mask: Any, multiple: int, pad_id: int = 0) -> tuple[Any, Any]:

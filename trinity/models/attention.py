@@ -350,7 +350,8 @@ class SDPACoreAttention(MegatronModule):
         super().__init__(config=config)
         self.softcap = softcap
         if config.context_parallel_size != 1:
-            raise ValueError("context parallelism needs TransformerEngine's attention; SDPA runs CP=1")
+            raise ValueError("SDPACoreAttention attends over whole rows: at context_parallel_size > 1 our layer spec "
+                             "uses trinity.models.ring_attention.RingCoreAttention")
         if config.softmax_type != "vanilla":
             raise ValueError(f"softmax_type={config.softmax_type!r} is not supported by SDPACoreAttention")
         # sliding window (Mistral, Gemma): a query sees itself and the `window` keys before it, in every kernel

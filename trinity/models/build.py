@@ -252,9 +252,34 @@ def packed_attention(model: torch.nn.Module, doc_ids: torch.Tensor, device: torc
     """GPTModel.forward's attention arguments for packed rows, `doc_ids` [b, s] (-1 = padding,
     trinity.models.doc_masks; on the CPU, the boundaries need no GPU sync). Our layer spec gets the document boundaries once per micro batch (flash
     varlen on CUDA: no [b, 1, s, s] mask read by every layer); TransformerEngine gets the dense mask."""
-    if getattr(unwrap(model), "trinity_backend", None) == specs.BACKEND_TE:
+    inner = unwrap(model)
+    cp = inner.config.context_parallel_size
+    if getattr(inner, "trinity_backend", None) == specs.BACKEND_TE:
+        if cp > 1:  # TE's CP attention is causal over whole rows only (packed rows would need its thd layout)
+            if not _one_document_rows(doc_ids):
+                raise UserError("megatron.context_parallel_size > 1 with TransformerEngine trains unpacked rows only "
+                                "(SFT with data.packing: false, pt, DPO): set context_parallel_size 1, or run without "
+                                "TransformerEngine (ring attention)")
+            # one document then padding: causal attention is the document mask (padding sees only itself
+            # or the document, and no loss reads it)
+            return {"attention_mask": None}
         return {"attention_mask": block_causal_mask(doc_ids.to(device, non_blocking=True))}
+    if cp > 1:  # ring attention: the whole rows' document ids (each rank finds any block's ids in them)
+        from trinity.models.ring_attention import ring_document_params
+
+        if not doc_ids.is_cuda and _one_document_rows(doc_ids):
+            # unpacked rows: causal attention is their document mask (trailing padding is read by no loss),
+            # and without a mask the ring runs torch's flash kernel per block
+            return {"attention_mask": None}
+
+        return {"attention_mask": None, "packed_seq_params": ring_document_params(doc_ids, device=device)}
     return {"attention_mask": None, "packed_seq_params": document_packed_params(doc_ids, device=device)}
+
+
+def _one_document_rows(doc_ids: torch.Tensor) -> bool:
+    """Whether every row of `doc_ids` [b, s] is one document (0) then padding (-1) only."""
+    d = doc_ids.cpu() if doc_ids.is_cuda else doc_ids
+    return bool(((d == 0) | (d == -1)).all() and (d[:, 1:] <= d[:, :-1]).all())
 
 
 def _scale_embedding(scale: float) -> Any:
@@ -345,9 +370,16 @@ def build_model(
                 "set it to false (experts then run as a loop of linear layers)"
             )
     chosen = specs.backend(config, facts)
-    if config.context_parallel_size > 1 and chosen != specs.BACKEND_TE:
-        raise UserError("megatron.context_parallel_size > 1 needs TransformerEngine, which is not installed")
     scope = compile_scope(megatron)
+    if config.context_parallel_size > 1 and chosen != specs.BACKEND_TE:
+        # ring attention (trinity.models.ring_attention); validation refuses what it cannot do
+        if scope != "none":
+            raise UserError("megatron.torch_compile: must be none with context_parallel_size > 1 (ring attention's "
+                            "send/receive between CP ranks does not trace)")
+        from trinity.compat.rope import install_cp_pos_emb
+        from trinity.distributed.context_parallel import pos_emb_on_this_rank
+
+        install_cp_pos_emb(pos_emb_on_this_rank)
     log.info("layer spec: %s, torch.compile: %s", chosen, scope)
     tied = facts.tie_word_embeddings and not value_head
     chunks: list[GPTModel] = []

@@ -1,7 +1,9 @@
 """Layer specs: TransformerEngine's when it imports, otherwise ours (megatron's local spec with SDPA).
 
 Our spec is `get_gpt_layer_local_spec(normalization="RMSNorm")` with two substitutions:
-- core attention: `trinity.models.attention.SDPACoreAttention` instead of DotProductAttention;
+- core attention: `trinity.models.attention.SDPACoreAttention` instead of DotProductAttention (at
+  context_parallel_size > 1 `trinity.models.ring_attention.RingCoreAttention`, ring attention over the CP
+  group; with TransformerEngine, `backend` picks TE's spec and megatron-core's own CP attention);
 - norms: `TorchNorm` instead of megatron's WrappedTorchNorm, which refuses sequence parallel (only
   apex/TE norms are allowed, and neither is installed on our CPUs or GPUs). Under SP a norm acts on
   each rank's sequence shard independently, so the torch module is correct as is; its params are tagged
@@ -64,6 +66,7 @@ from megatron.core.transformer.transformer_layer import get_transformer_layer_of
 from trinity.compat import te_absent
 from trinity.models.attention import SDPACoreAttention, mla_self_attention
 from trinity.models.facts import ModelFacts
+from trinity.models.ring_attention import RingCoreAttention
 from trinity.models.layer import LayerSubmodules, TransformerLayer, ZeroCenteredRMSNorm
 
 BACKEND_TE = "transformer_engine"
@@ -200,7 +203,9 @@ def layer_spec(facts: ModelFacts, config: TransformerConfig, layer: int = 0) -> 
     sub.input_layernorm = TorchNorm
     sub.pre_mlp_layernorm = TorchNorm
     attn = sub.self_attention.submodules
-    attn.core_attention = SDPACoreAttention
+    # context parallelism without TransformerEngine: ring attention over the CP group (validation refuses
+    # what it lacks: score caps, sliding windows, attention dropout)
+    attn.core_attention = RingCoreAttention if config.context_parallel_size > 1 else SDPACoreAttention
     if moe and facts.moe_group_score_topk:  # DeepSeek's group-limited routing, as transformers ranks groups
         from trinity.models.moe_router import GroupScoreRouter
 

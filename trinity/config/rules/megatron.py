@@ -36,13 +36,7 @@ def check_megatron(
         m.sequence_parallel = False
         warnings.append(f"{p}.sequence_parallel: has no effect with TP=1; disabled (as megatron-core does)")
     if lay.cp > 1:
-        # Neither training loop gives each CP rank its share of the sequence (megatron's
-        # get_batch_on_this_cp_rank), on any device and with or without TransformerEngine; one message
-        # says so (validation is the only check: the recipes do not re-check it).
-        problems.append(
-            f"{p}.context_parallel_size: context parallelism is not supported: the SFT and RL loops do not "
-            "split sequences across CP ranks; set it to 1 (use recompute or TP/PP for long sequences)"
-        )
+        _check_context_parallel(p, m, cfg, facts, problems)
     if m.use_mbridge and facts is not None and facts.mla is not None:
         problems.append(f"{p}.use_mbridge: {facts.architecture} (multi-latent attention) loads through trinity's "
                         "built-in weight map only (mbridge names MLA as TransformerEngine builds it); set it to false")
@@ -70,6 +64,51 @@ def check_megatron(
         _check_against_model(p, m, facts, problems, warnings)
     _check_recompute(p, m, facts, problems)
     _check_transformer_overrides(p, m, problems)
+
+
+def _check_context_parallel(p: str, m: MegatronConfig, cfg: JobConfig, facts: ModelFacts | None,
+                            problems: list[str]) -> None:
+    """What context parallelism needs. Without TransformerEngine our layer spec attends through ring
+    attention (trinity.models.ring_attention), which has no score cap, sliding window or attention
+    dropout, and whose send/receive between CP ranks does not compile; training rows are cut into 2·CP
+    equal chunks (times TP with sequence parallel). RL rows are padded to that multiple on the fly."""
+    cp = m.context_parallel_size
+    tp = m.tensor_model_parallel_size
+    multiple = 2 * cp * (tp if m.sequence_parallel and tp > 1 else 1)
+    how = f"2 x context_parallel_size{' x TP (sequence parallel)' if multiple != 2 * cp else ''} = {multiple}"
+    if not cfg.is_rl and cfg.data.seq_length % multiple:
+        fit = -(-cfg.data.seq_length // multiple) * multiple
+        problems.append(f"data.seq_length: {cfg.data.seq_length} is not a multiple of {how} (each CP rank holds two "
+                        f"equal chunks of a row); set it to {fit}")
+    if m.torch_compile != "none":
+        problems.append(f"{p}.torch_compile: must be none with context_parallel_size > 1 (ring attention sends and "
+                        "receives between CP ranks inside each layer, which does not compile)")
+    dropout = m.override_transformer_config.extra_fields().get("attention_dropout")
+    if dropout:
+        problems.append(f"{p}.override_transformer_config.attention_dropout: ring attention (context_parallel_size > 1) "
+                        "has no attention dropout; remove it or set context_parallel_size: 1")
+    te = cfg.cluster.device == "cuda" and importlib.util.find_spec("transformer_engine") is not None
+    if te and (cfg.is_rl or (cfg.spec.name == "sft" and cfg.data.packing)) and not (facts and _local_spec(facts)):
+        # TransformerEngine's CP attention (megatron-core's own path, trinity.models.spec.backend) attends
+        # over whole causal rows: packed rows and RL's left-padded prompts need ring attention
+        what = "RL rows (left-padded prompts, packed sequences)" if cfg.is_rl else "packed rows (data.packing: true)"
+        problems.append(f"{p}.context_parallel_size: with TransformerEngine installed, megatron-core's CP attention runs, "
+                        f"which cannot attend over {what}; set data.packing: false (SFT), or use an environment "
+                        "without TransformerEngine (trinity's ring attention)")
+    if facts is None:
+        return
+    if facts.attn_logit_softcapping is not None:
+        problems.append(f"{p}.context_parallel_size: {facts.architecture} caps attention scores (attn_logit_softcapping "
+                        f"{facts.attn_logit_softcapping}), which ring attention cannot; set it to 1")
+    if facts.sliding_window is not None:
+        problems.append(f"{p}.context_parallel_size: {facts.architecture} attends over a sliding window "
+                        f"({facts.sliding_window} tokens), which ring attention does not support; set it to 1")
+
+
+def _local_spec(facts: ModelFacts) -> bool:
+    from trinity.models.spec import needs_local_spec  # megatron-core: imported only where TE is installed
+
+    return needs_local_spec(facts)
 
 
 def _check_against_model(p: str, m: MegatronConfig, f: ModelFacts, problems: list[str], warnings: list[str]) -> None:

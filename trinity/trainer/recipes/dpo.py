@@ -44,10 +44,14 @@ def sequence_logps(logits: torch.Tensor, rows: TokenRows, vocab_size: int) -> to
 
     from trinity.algorithms.logprob import vocab_parallel_log_probs
 
-    labels = rows.labels.to(rows.device, non_blocking=True).t()
-    loss_mask = rows.loss_mask.to(rows.device, non_blocking=True).t()
+    from trinity.distributed.context_parallel import cp_group, local_rows, sum_over_ranks
+
+    # context parallelism: the logits are this CP rank's chunks of the rows; a row's sum adds every
+    # rank's part (DPO's loss is nonlinear in it), each rank keeping its own part's gradient
+    labels, loss_mask = (t.t() for t in local_rows(rows.labels.to(rows.device, non_blocking=True),
+                                                   rows.loss_mask.to(rows.device, non_blocking=True)))
     logp = vocab_parallel_log_probs(logits, labels, group=ps.get_tensor_model_parallel_group(), vocab_size=vocab_size)
-    return (logp.float() * loss_mask).sum(0)
+    return sum_over_ranks((logp.float() * loss_mask).sum(0), cp_group())
 
 
 @dataclass(frozen=True)
@@ -145,9 +149,11 @@ class DPORecipe(Recipe):
                                 for b in self.data.next_global_batch()])
         actor.advance_schedule()
         result = actor.train_batch(micro, DPOLoss(self.ctx.facts.vocab_size, self.cfg.algorithm.dpo), denom=pairs)
-        # The sums exist on the last pipeline stage; count each DP replica once (TP rank 0).
+        # The sums exist on the last pipeline stage; count each DP replica once (TP rank 0; CP rank 0: every
+        # CP rank computes the whole pairs' loss).
         local = torch.zeros(len(METRICS), dtype=torch.float64, device=device)
-        if ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0:
+        if (ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0
+                and ps.get_context_parallel_rank() == 0):
             for o in result.outputs:
                 local += torch.stack([o[k].double() for k in METRICS]).to(device)
         local = collectives.all_reduce(local)

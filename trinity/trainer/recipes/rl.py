@@ -171,10 +171,22 @@ class SequenceParallelOff:
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
                  generator: torch.Generator | None = None) -> Rollout:
+        from trinity.distributed import context_parallel as cpx
         from trinity.distributed.sequence_parallel import sequence_parallel_disabled
 
-        with sequence_parallel_disabled(self.chunks):
-            return self.engine.generate(prompts, params, generator)
+        # context parallelism: each CP rank decodes the replica's prompts whole (same seed); CP rank 0's
+        # rollout is then every CP rank's
+        with sequence_parallel_disabled(self.chunks), cpx.context_parallel_disabled(self.chunks):
+            ro = self.engine.generate(prompts, params, generator)
+        group = cpx.cp_group()
+        if group is None:
+            return ro
+        import dataclasses
+
+        tokens, prompt_mask, response_mask, logprobs = cpx.same_on_cp_ranks(
+            [ro.tokens, ro.prompt_mask, ro.response_mask, ro.logprobs], group)
+        return dataclasses.replace(ro, tokens=tokens, prompt_mask=prompt_mask, response_mask=response_mask,
+                                   logprobs=logprobs)
 
 
 @dataclass(frozen=True)
@@ -267,6 +279,8 @@ class RLRecipe(Recipe):
         # sequence parallel splits a row over the TP ranks; at PP>1 one shape per schedule call
         tp = ps.get_tensor_model_parallel_world_size()
         multiple = tp if cfg.actor_rollout_ref.actor.megatron.sequence_parallel and tp > 1 else 1
+        cp = ps.get_context_parallel_world_size()
+        multiple *= 2 * cp if cp > 1 else 1  # context parallelism: two equal chunks per CP rank
         same = ps.get_pipeline_model_parallel_world_size() > 1
         return {
             role.value: F.Batching(cfg.trainer.micro_batch_size, rl_token_budget(cfg, role),

@@ -38,13 +38,47 @@ def forward_output(model: torch.nn.Module, tokens: torch.Tensor, key_mask: torch
     from trinity.models.build import packed_attention, unwrap
     from trinity.models.logprobs import stage_output
 
+    from trinity.distributed.context_parallel import cp_group, local_rows
+
     # Sequence parallel splits the sequence over the TP ranks: pad at the right with masked positions
     # and strip them from the last stage's (gathered) output; other stages pass their shard on as is.
+    # Context parallelism: the rows padded to 2·CP chunks, this CP rank's two chunks go in and come out
+    # (`cp_response`: the per-token results of every rank, whole).
     s = tokens.shape[1]
     tokens, key_mask = pad_to_multiple(tokens, key_mask, sp_multiple(model))
     pos = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
-    out = stage_output(model, tokens, pos, **packed_attention(model, key_mask.long() - 1, tokens.device))
+    attention = packed_attention(model, key_mask.long() - 1, tokens.device)
+    if cp_group() is not None:
+        return stage_output(model, *local_rows(tokens, pos), **attention)
+    out = stage_output(model, tokens, pos, **attention)
     return out[:s] if tokens.shape[1] != s and unwrap(model).post_process else out
+
+
+def _next_tokens(tokens: torch.Tensor, length: int) -> torch.Tensor:
+    """[B, length]: position k's target, the token at k + 1 (0 past the row's end)."""
+    nxt = tokens[:, 1:]
+    return torch.nn.functional.pad(nxt, (0, length - nxt.shape[1]), value=0)
+
+
+def cp_logprobs(logits: torch.Tensor, tokens: torch.Tensor, vocab_size: int, *,
+                with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Context parallelism: (log p(next token), entropy or None) [B, S'] fp32 at every position of the
+    padded rows, from this CP rank's logits [S' / CP, B, V / TP] (`forward_output`); every CP rank's part,
+    gathered (differentiable: each rank's own part, trinity.distributed.context_parallel.gather_sequence).
+    Per-token results are small beside the logits, which never leave their rank."""
+    from megatron.core import parallel_state as ps
+
+    from trinity.algorithms.logprob import vocab_parallel_log_probs, vocab_parallel_log_probs_and_entropy
+    from trinity.distributed.context_parallel import local_rows, whole_rows
+
+    group = ps.get_tensor_model_parallel_group() if ps.get_tensor_model_parallel_world_size() > 1 else None
+    length = logits.shape[0] * ps.get_context_parallel_world_size()
+    (targets,) = local_rows(_next_tokens(tokens, length))
+    targets = targets.t()  # [S' / CP, B]
+    if with_entropy:
+        logp, entropy = vocab_parallel_log_probs_and_entropy(logits, targets, group=group, vocab_size=vocab_size)
+        return whole_rows(logp.t()), whole_rows(entropy.t())
+    return whole_rows(vocab_parallel_log_probs(logits, targets, group=group, vocab_size=vocab_size).t()), None
 
 
 def response_slice(rollout: Rollout) -> slice:
@@ -60,6 +94,10 @@ def response_logprobs(
 
     from trinity.algorithms.logprob import vocab_parallel_log_probs, vocab_parallel_log_probs_and_entropy
 
+    if ps.get_context_parallel_world_size() > 1:
+        logp, entropy = cp_logprobs(logits, rollout.tokens, vocab_size, with_entropy=with_entropy)
+        cut = response_slice(rollout)
+        return logp[:, cut], None if entropy is None else entropy[:, cut]
     group = ps.get_tensor_model_parallel_group() if ps.get_tensor_model_parallel_world_size() > 1 else None
     shard = logits[response_slice(rollout)]  # [R, B, V / TP], contiguous
     targets = rollout.responses.t()
@@ -71,8 +109,10 @@ def response_logprobs(
 
 def response_values(output: torch.Tensor, rollout: Rollout) -> torch.Tensor:
     """Critic values [B, R] fp32 at the response tokens' positions (see module doc), from [S, B, 1]."""
+    from trinity.distributed.context_parallel import whole_rows
+
     p, r = rollout.prompt_len, rollout.response_len
-    return output[p : p + r, :, 0].t().float()
+    return whole_rows(output[:, :, 0].t())[:, p : p + r].float()  # context parallelism: every rank's part
 
 
 @dataclass(frozen=True)
@@ -224,10 +264,13 @@ def pack_rollout(rollout: Rollout, budget: int, *, multiple: int = 1, same_lengt
 def packed_forward(model: torch.nn.Module, part: PackedMicro) -> torch.Tensor:
     """The model's output over one packed row ([S, 1, vocab / TP] logits or [S, 1, 1] values on the
     last stage): each sequence attends only to itself (flash varlen on CUDA with our spec)."""
+    from trinity.distributed.context_parallel import local_rows
     from trinity.models.build import packed_attention
     from trinity.models.logprobs import stage_output
 
-    return stage_output(model, part.tokens, part.position_ids, **packed_attention(model, part.doc_ids, part.tokens.device))
+    # context parallelism: this CP rank's chunks of the row (a multiple of 2·CP long, `Batching.multiple`)
+    return stage_output(model, *local_rows(part.tokens, part.position_ids),
+                        **packed_attention(model, part.doc_ids, part.tokens.device))
 
 
 def _scatter(values: torch.Tensor, part: PackedMicro) -> torch.Tensor:
@@ -244,6 +287,9 @@ def packed_response_logprobs(
 
     from trinity.algorithms.logprob import vocab_parallel_log_probs, vocab_parallel_log_probs_and_entropy
 
+    if ps.get_context_parallel_world_size() > 1:  # this CP rank's chunks in, the whole row's results out
+        logp, entropy = cp_logprobs(logits, part.tokens, vocab_size, with_entropy=with_entropy)
+        return _scatter(logp[0, part.pos], part), None if entropy is None else _scatter(entropy[0, part.pos], part)
     group = ps.get_tensor_model_parallel_group() if ps.get_tensor_model_parallel_world_size() > 1 else None
     # Over the whole row, then the response positions picked from the [S] result: gathering the response
     # positions' logits first would copy up to all of them ([N, V / TP], GBs at a 150k vocabulary); the
@@ -257,7 +303,9 @@ def packed_response_logprobs(
 
 def packed_response_values(output: torch.Tensor, part: PackedMicro) -> torch.Tensor:
     """`response_values` of a packed row: [b, R] fp32."""
-    return _scatter(output[part.pos + 1, 0, 0].float(), part)
+    from trinity.distributed.context_parallel import whole_rows
+
+    return _scatter(whole_rows(output[:, 0, 0].unsqueeze(0))[0, part.pos + 1].float(), part)
 
 
 @dataclass

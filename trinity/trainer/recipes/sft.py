@@ -3,7 +3,10 @@
 Loss normalisation: the loss of a step is the sum of the per-token cross-entropy over the trained
 (response) tokens of the whole global batch, divided by their number. Each micro batch's loss is
 scaled so that megatron's own divisions (by the number of micro batches, and DDP's average over
-data-parallel ranks) cancel, which makes every TP/PP/DP layout compute the same loss and gradients.
+data-parallel ranks) cancel, which makes every TP/PP/DP layout compute the same loss and gradients. With context parallelism each
+CP rank computes its own chunks' token sum (`TokenRows`): megatron's schedule multiplies a loss by CP and
+DDP averages the gradients over DP x CP, so the two cancel and the ranks' shares add up to the batch's
+loss; the logged loss sums every rank's share (`train_step`).
 """
 
 from __future__ import annotations
@@ -46,8 +49,11 @@ class TokenRows:
         from trinity.models.build import packed_attention
         from trinity.models.logprobs import stage_output
 
-        tokens = self.tokens.to(self.device, non_blocking=True)
-        position_ids = self.position_ids.to(self.device, non_blocking=True)
+        from trinity.distributed.context_parallel import local_rows
+
+        # context parallelism: this CP rank's two chunks of every row; attention gets the whole rows' documents
+        tokens, position_ids = local_rows(self.tokens.to(self.device, non_blocking=True),
+                                          self.position_ids.to(self.device, non_blocking=True))
         return stage_output(chunk, tokens, position_ids, **packed_attention(chunk, self.doc_ids, self.device))
 
 
@@ -68,9 +74,13 @@ class SFTLoss:
 
         from trinity.algorithms.logprob import vocab_parallel_log_probs
 
-        # the last stage's logits come as [s, b, vocab / tp]: labels follow them
-        labels = rows.labels.to(rows.device, non_blocking=True).t()
-        loss_mask = rows.loss_mask.to(rows.device, non_blocking=True).t()
+        from trinity.distributed.context_parallel import local_rows
+
+        # the last stage's logits come as [s, b, vocab / tp]: labels follow them. With context parallelism
+        # the logits are this CP rank's chunks of the rows, and so are the labels (shifted on the whole
+        # rows by the loaders): each rank's token sum is its own share of the batch's
+        labels, loss_mask = (t.t() for t in local_rows(rows.labels.to(rows.device, non_blocking=True),
+                                                       rows.loss_mask.to(rows.device, non_blocking=True)))
         logp = vocab_parallel_log_probs(
             logits, labels, group=ps.get_tensor_model_parallel_group(), vocab_size=self.vocab_size
         )
@@ -158,7 +168,8 @@ def train_step(actor: RoleEngine, micro_batches: list[TokenRows], *, loss_tokens
 
     actor.advance_schedule()  # step k trains with the schedule's lr at k (warm-up starts above 0)
     result = actor.train_batch(micro_batches, SFTLoss(vocab_size), denom=max(loss_tokens, 1))
-    # The loss exists on the last pipeline stage; count each DP replica once (TP rank 0).
+    # The loss exists on the last pipeline stage; count each DP replica once (TP rank 0), each CP rank's
+    # share of it (its own tokens) once.
     local = torch.zeros(1, dtype=torch.float64, device=device)
     if ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0:
         local += sum(float(o["loss_sum"]) for o in result.outputs)
