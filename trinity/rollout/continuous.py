@@ -47,7 +47,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -60,6 +60,9 @@ from trinity.rollout.scheduler import ContinuousScheduler
 from trinity.rollout.slot_table import group_prompts
 from trinity.rollout.slots import SlotDecoder
 from trinity.rollout.types import Rollout, RolloutStats, SamplingParams
+
+if TYPE_CHECKING:
+    from trinity.rollout.partial import PartialGroup, PartialOutcome
 
 _CACHE_MULTIPLE = 64
 
@@ -171,3 +174,13 @@ class ActorRollout:
         self.stats = RolloutStats(time_buckets=self.time_buckets)
         return generate_continuous(self.model, prompts, params, vocab_size=self.vocab_size, pad_id=self.pad_id,
                                    budget=self.budget, generator=generator, stats=self.stats)
+
+    def generate_partial(self, carried: Sequence[PartialGroup], fresh: Callable[[], PartialGroup],
+                         params: SamplingParams, generator: torch.Generator | None = None, **kw: Any) -> PartialOutcome:
+        """A partial rollout (`trinity.rollout.partial.generate_partial`; `kw`: its n, need, inflight,
+        version, longest_prompt)."""
+        from trinity.rollout.partial import generate_partial
+
+        self.stats = RolloutStats(time_buckets=self.time_buckets)
+        return generate_partial(self.model, carried, fresh, params, vocab_size=self.vocab_size, pad_id=self.pad_id,
+                                budget=self.budget, generator=generator, stats=self.stats, **kw)

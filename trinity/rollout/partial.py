@@ -10,7 +10,8 @@ call:
   are unfinished (over-provisioning);
 - stops once `need` groups have all their n answers complete (a group is trained whole, in the step it
   completes: GRPO, RLOO and DAPO need its n answers);
-- returns those `need` groups (`PartialOutcome.trained`, in the order they completed) and every other
+- returns `need` complete groups (`PartialOutcome.trained`: the oldest first, then in the order they
+  completed) and every other
   group as carry-over state (`PartialOutcome.carry`): prompt, tokens so far, the behaviour log-prob and
   the policy version of each token.
 A carried answer is prefilled again in the next call (its prompt + its tokens so far) under the weights
@@ -94,8 +95,8 @@ def fresh_group(uid: int, source: int, prompt: Sequence[int], n: int) -> Partial
 
 @dataclass(frozen=True)
 class PartialOutcome:
-    """`trained`: `need` complete groups in the order they completed (those complete before the call first);
-    `carry`: every other group, by uid (complete ones wait for the next call)."""
+    """`trained`: `need` complete groups, the oldest first (by the version of their oldest token), then in
+    the order they completed; `carry`: every other group, by uid (complete ones wait for the next call)."""
 
     trained: list[PartialGroup]
     carry: list[PartialGroup]
@@ -137,7 +138,7 @@ def generate_partial(
     stats = stats if stats is not None else RolloutStats()
     groups: list[PartialGroup] = list(carried)
     waiting: list[PartialGroup] = []  # taken from `fresh()` but found no output rows: carried over
-    done_before = [g for g in groups if g.complete]
+    done_before = sorted((g for g in groups if g.complete), key=lambda g: version if g.oldest is None else g.oldest)
     if len(done_before) >= need:
         return PartialOutcome(done_before[:need], sorted(done_before[need:] + [g for g in groups if not g.complete],
                                                          key=lambda g: g.uid))
@@ -209,6 +210,7 @@ def generate_partial(
             top_up()
         used = len(row_of)
         out_len = sched.out_len[:used].cpu().tolist()
+        stats.tokens = sum(out_len)
         width = max(out_len + [1])
         out_tokens = sched.out_tokens[:used, :width].cpu().tolist()
         out_logp = sched.pipe.from_last(sched.out_logp[:used, :width].contiguous()).cpu().tolist()
@@ -222,7 +224,9 @@ def generate_partial(
         ended = len(toks) >= answer_limit(params, sample, response_length) or bool(toks and toks[-1] in eos)
         answers[gi][j] = Answer(toks, a.logprobs + tuple(out_logp[r][:k]), a.versions + (version,) * k, ended)
     now = [replace(g, answers=tuple(a)) for g, a in zip(live, answers)]
-    trained = done_before + [now[gi] for gi in completed]
+    # the oldest complete groups first (a complete group left waiting may outgrow max_staleness and be
+    # decoded again), then in the order they completed
+    trained = sorted(done_before + [now[gi] for gi in completed], key=lambda g: version if g.oldest is None else g.oldest)
     chosen = {id(g) for g in trained[:need]}
     rest = [g for g in done_before if id(g) not in chosen] + [g for g in now if id(g) not in chosen] + waiting
     return PartialOutcome(trained[:need], sorted(rest, key=lambda g: g.uid))

@@ -15,13 +15,14 @@ def check_partial(cfg: JobConfig, problems: list[str]) -> None:
         for name in non_default(partial, ["over_sampling_batch_size", "max_staleness", "rollout_is_threshold"]):
             problems.append(f"{P}.{name}: has no effect while {P}.enable is false; set enable: true or remove the key")
         return
-    if not cfg.is_rl:
+    if not cfg.spec.rollout:
         problems.append(f"{P}.enable: partial rollouts apply to RL algorithms, not {cfg.spec.name}; remove the block")
         return
-    if cfg.algorithm.filter_groups.enable:
+    if cfg.spec.name == "dapo":
         problems.append(
-            f"{P}.enable: cannot be combined with algorithm.filter_groups.enable (DAPO's dynamic sampling draws "
-            "whole batches again and drops groups, which the carried-over groups cannot follow); disable one of them")
+            f"{P}.enable: not available with dapo (its dynamic sampling draws whole batches again and drops groups, "
+            "which carried-over groups cannot follow); use grpo, rloo, reinforce_plus_plus, cispo or ppo, or disable "
+            "partial rollouts")
     lay = cfg.actor_rollout_ref.actor.megatron
     if lay.pipeline_model_parallel_size > 1:
         problems.append(
