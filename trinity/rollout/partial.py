@@ -9,7 +9,8 @@ call:
   fills the free slots with new prompts from `fresh()` in data order, while fewer than `inflight` groups
   are unfinished (over-provisioning);
 - stops once `need` groups have all their n answers complete (a group is trained whole, in the step it
-  completes: GRPO, RLOO and DAPO need its n answers);
+  completes: GRPO, RLOO and DAPO need its n answers) and the due groups (carried ones that could not be
+  carried once more within `max_staleness`) are complete too;
 - returns `need` complete groups (`PartialOutcome.trained`: the oldest first, then in the order they
   completed) and every other
   group as carry-over state (`PartialOutcome.carry`): prompt, tokens so far, the behaviour log-prob and
@@ -119,6 +120,7 @@ def generate_partial(
     need: int,
     inflight: int,
     version: int,
+    max_staleness: int | None = None,
     longest_prompt: int,
     vocab_size: int,
     pad_id: int,
@@ -131,7 +133,10 @@ def generate_partial(
 ) -> PartialOutcome:
     """One partial rollout (module doc). `n`: answers per group; `fresh()`: the next prompt's group (no answers yet) in data order;
     `need`: the complete groups to return; `inflight`: unfinished groups at most (new prompts are admitted
-    while fewer are); `version`: the policy version of the tokens sampled now; `longest_prompt`: bound of
+    while fewer are); `version`: the policy version of the tokens sampled now; `max_staleness`: a carried
+    group whose oldest token is that many versions old is due: the call also waits for it to complete
+    (carried once more it would be too old, and decoding it again from scratch would drop the long
+    answers again and again); `longest_prompt`: bound of
     every fresh prompt's length; `generator`: seeds the draws (the same seed at every call keeps carried
     answers' draws those of one uninterrupted decode); `response_length(sample)` (benchmarks): that sample
     also ends after so many tokens."""
@@ -139,7 +144,11 @@ def generate_partial(
     groups: list[PartialGroup] = list(carried)
     waiting: list[PartialGroup] = []  # taken from `fresh()` but found no output rows: carried over
     done_before = sorted((g for g in groups if g.complete), key=lambda g: version if g.oldest is None else g.oldest)
-    if len(done_before) >= need:
+
+    def is_due(g: PartialGroup) -> bool:
+        return max_staleness is not None and g.oldest is not None and version - g.oldest >= max_staleness
+
+    if len(done_before) >= need and not any(is_due(g) for g in groups if not g.complete):
         return PartialOutcome(done_before[:need], sorted(done_before[need:] + [g for g in groups if not g.complete],
                                                          key=lambda g: g.uid))
     max_new = params.max_new_tokens
@@ -199,7 +208,8 @@ def generate_partial(
             add(g)
         top_up()
         completed: list[int] = []  # live groups in the order they completed
-        while len(done_before) + len(completed) < need:
+        due = [gi for gi, g in enumerate(live) if is_due(g)]
+        while len(done_before) + len(completed) < need or any(remaining[gi] > 0 for gi in due):
             if sched.finished:  # nothing to decode and no output rows left for a new prompt
                 break
             for r in sched.step():

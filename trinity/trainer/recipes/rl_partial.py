@@ -6,7 +6,10 @@ Per step t (the policy version of the tokens sampled in it is t):
    sampled is restarted: its answers are dropped and decoded again from its prompt (the prompt keeps
    its place in the data order and its group stays whole; `rollout/restarted_groups`);
 2. the rollout (`generate_partial`) runs the carried groups and new prompts from this rank's stream until
-   data.train_batch_size / DP groups are complete; those are scored and trained this step;
+   data.train_batch_size / DP groups are complete and the due groups (those `max_staleness` versions
+   old, which could not be carried again) are complete too; the oldest complete groups are scored and
+   trained this step. A group is restarted by step 1 only when more groups were due than a step trains,
+   so long answers are not dropped again and again;
 3. every other group is carried over to step t + 1.
 A rank takes its new prompts one by one from its share of each batch (`PromptData.next_indices`), in the
 data order; since ranks finish at different times, each rank's position in the data is its own: it is
@@ -68,7 +71,8 @@ class PartialStream:
             carried.append(g)
         gen = torch.Generator(device=device).manual_seed(self.seed)
         out = engine.generate_partial(carried, self.fresh, params, gen, n=self.n, need=self.need,
-                                      inflight=self.inflight, version=step, longest_prompt=self.longest_prompt)
+                                      inflight=self.inflight, version=step, max_staleness=self.max_staleness,
+                                      longest_prompt=self.longest_prompt)
         if len(out.trained) != self.need:
             raise RuntimeError(f"partial rollout: {len(out.trained)} complete groups, {self.need} needed")
         self.carry = out.carry
