@@ -7,7 +7,8 @@ live rows each and cost as much as a full batch step (reading the weights). Here
 call:
 - starts with the carried-over groups (answers in progress, or complete and waiting to be trained) and
   fills the free slots with new prompts from `fresh()` in data order, while fewer than `inflight` groups
-  are unfinished (over-provisioning);
+  are unfinished and, with `max_staleness` s, fewer than (s + 1) x need groups are started and not
+  trained (over-provisioning: a group started now is trained within s steps, the oldest first);
 - stops once `need` groups have all their n answers complete (a group is trained whole, in the step it
   completes: GRPO, RLOO and DAPO need its n answers) and the due groups (carried ones that could not be
   carried once more within `max_staleness`) are complete too;
@@ -196,9 +197,16 @@ def generate_partial(
         def unfinished() -> int:
             return sum(1 for k in remaining if k > 0)
 
+        def room() -> bool:
+            """Another group may start: fewer than `inflight` unfinished, and (with `max_staleness`) fewer
+            than (max_staleness + 1) x need started and not trained, so that every started group is among
+            the oldest `need` of a step within max_staleness steps (trained oldest first, none restarted)."""
+            started = len(done_before) + len(live) + len(waiting)
+            return unfinished() < inflight and (max_staleness is None or started < (max_staleness + 1) * need)
+
         def top_up() -> None:
-            """New prompts into the free slots, while fewer than `inflight` groups are unfinished."""
-            while unfinished() < inflight and (len(table.free) >= table.n_waiting + n or unfinished() == 0):
+            """New prompts into the free slots while there is `room`."""
+            while room() and (len(table.free) >= table.n_waiting + n or unfinished() == 0):
                 g = waiting.pop(0) if waiting else fresh()
                 if not add(g):
                     waiting.insert(0, g)
