@@ -38,7 +38,7 @@ def _call(model, carried, fresh, *, need, inflight, version, lengths=None, slots
     params = SamplingParams(temperature=1.0, max_new_tokens=NEW)
     return generate_partial(gpt, carried, fresh, params, n=N, need=need, inflight=inflight, version=version,
                             longest_prompt=8, vocab_size=facts.vocab_size, pad_id=0,
-                            budget=KVBudget(max_num_seqs=slots), generator=torch.Generator().manual_seed(7),
+                            budget=KVBudget(max_num_seqs=slots), generator=torch.Generator().manual_seed(version), seed=7,
                             response_length=lengths)
 
 

@@ -110,11 +110,13 @@ def open_engine(
     budget: KVBudget = KVBudget(), generator: torch.Generator | None = None, cuda_graphs: bool = True,
     response_lengths: Sequence[int] | None = None, stats: RolloutStats | None = None,
     kernels: DecodeKernels = DecodeKernels(), shared_prompts: bool = True, keyed: bool = False,
+    seed: int | None = None,
 ) -> Iterator[ContinuousScheduler]:
     """A `ContinuousScheduler` over a slot pool for `rows` output rows whose prompts (what is prefilled)
     are at most `longest_prompt` tokens, with the model in eval mode until the block ends (then the pool
     is freed). `shared_prompts`: some prompts have several samples (their keys are read once);
-    `keyed`: the torch sampler draws per row by its key too (`Sampler(keyed=True)`)."""
+    `keyed`: the torch sampler draws per row by its key too (`Sampler(keyed=True)`); `seed`: the keyed
+    draws' seed (else drawn from `generator`)."""
     from trinity.models.build import unwrap
 
     gpts = [unwrap(m) for m in (model if isinstance(model, (list, tuple)) else [model])]
@@ -128,7 +130,7 @@ def open_engine(
     buckets = decode_buckets(gpts, slots, device, tuned=kernels.tuned_buckets)
     stats.bucket_note = buckets.note
     pipe = Pipeline(gpts, device, param.dtype)
-    sampler = Sampler(params, generator, device, vocab_size, fused=kernels.fused_sampler, keyed=keyed)
+    sampler = Sampler(params, generator, device, vocab_size, fused=kernels.fused_sampler, keyed=keyed, seed=seed)
     # one decoder per model chunk; `dec` (chunk 0) holds the slot state all of them read; tail_key: what
     # the sampling captured with a step compiles for (SlotDecoder warms a shape up once per process)
     tail_key = (sampler.label, params.temperature, vocab_size, max_new, rows, len(set(params.eos_token_ids)))

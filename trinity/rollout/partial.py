@@ -127,6 +127,7 @@ def generate_partial(
     pad_id: int,
     budget: KVBudget = KVBudget(),
     generator: torch.Generator | None = None,
+    seed: int | None = None,
     cuda_graphs: bool = True,
     kernels: DecodeKernels = DecodeKernels(),
     response_length: Callable[[int], int] | None = None,
@@ -138,8 +139,9 @@ def generate_partial(
     group whose oldest token is that many versions old is due: the call also waits for it to complete
     (carried once more it would be too old, and decoding it again from scratch would drop the long
     answers again and again); `longest_prompt`: bound of
-    every fresh prompt's length; `generator`: seeds the draws (the same seed at every call keeps carried
-    answers' draws those of one uninterrupted decode); `response_length(sample)` (benchmarks): that sample
+    every fresh prompt's length; `seed`: names the draws with the samples' keys (the same seed at every
+    call keeps carried answers' draws those of one uninterrupted decode; None: drawn from `generator`);
+    `generator`: the torch sampler's where draws are not keyed (top-k / top-p on CUDA); `response_length(sample)` (benchmarks): that sample
     also ends after so many tokens."""
     stats = stats if stats is not None else RolloutStats()
     groups: list[PartialGroup] = list(carried)
@@ -164,7 +166,7 @@ def generate_partial(
 
     with open_engine(model, params, rows=rows, longest_prompt=longest, vocab_size=vocab_size, pad_id=pad_id,
                      budget=budget, generator=generator, cuda_graphs=cuda_graphs, stats=stats, kernels=kernels,
-                     shared_prompts=n > 1, keyed=True) as sched:
+                     shared_prompts=n > 1, keyed=True, seed=seed) as sched:
         table = sched.table
 
         def add(g: PartialGroup) -> bool:

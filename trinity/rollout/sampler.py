@@ -237,7 +237,7 @@ class Sampler:
     log-probs (the kernel's seed is TP rank 0's too)."""
 
     def __init__(self, params: SamplingParams, generator: torch.Generator | None, device: torch.device,
-                 vocab_size: int, *, fused: bool = True, keyed: bool = False) -> None:
+                 vocab_size: int, *, fused: bool = True, keyed: bool = False, seed: int | None = None) -> None:
         self.params, self.generator, self.vocab_size = params, generator, vocab_size
         self.fused = fused and available(device, params)
         greedy = params.temperature <= 0
@@ -246,8 +246,15 @@ class Sampler:
         # continued in a later rollout draws what one uninterrupted decode draws)
         self.keyed = keyed and not self.fused and not greedy and device.type == "cpu"
         wants_seed = (self.fused or self.keyed) and not greedy
-        seed = draw_seed(generator, device) if wants_seed else torch.zeros(1, dtype=torch.long, device=device)
-        self.seed = tp_broadcast(seed)
+        # `seed`: the kernel's (and keyed draws') seed, instead of one drawn from `generator` (partial rollouts
+        # keep one for every rollout while the torch ops' generator changes per rollout)
+        if not wants_seed:
+            first = torch.zeros(1, dtype=torch.long, device=device)
+        elif seed is not None:
+            first = torch.tensor([seed % 2**62], dtype=torch.long, device=device)
+        else:
+            first = draw_seed(generator, device)
+        self.seed = tp_broadcast(first)
 
     def __call__(self, logits: torch.Tensor, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(tokens [b], log p [b] fp32) from logits [b, >= vocab] (vocabulary padding ignored)."""

@@ -46,7 +46,7 @@ class PartialStream:
         self.inflight = (partial.over_sampling_batch_size or 2 * cfg.data.train_batch_size) // dp
         self.max_staleness = partial.max_staleness
         self.longest_prompt = cfg.data.max_prompt_length
-        self.seed = cfg.trainer.seed * 1_000_003 + dp_rank  # one seed for every step: carried draws unchanged
+        self.seed = cfg.trainer.seed * 1_000_003 + dp_rank  # keys every step's draws: carried draws unchanged
         self.buffer: list[int] = []  # the rest of this rank's share of the last batch drawn
         self.next_uid = 0
         self.carry: list[PartialGroup] = []
@@ -69,8 +69,10 @@ class PartialStream:
             if g.oldest is not None and step - g.oldest > self.max_staleness:
                 g, restarted = g.restarted(), restarted + 1
             carried.append(g)
-        gen = torch.Generator(device=device).manual_seed(self.seed)
-        out = engine.generate_partial(carried, self.fresh, params, gen, n=self.n, need=self.need,
+        # the draws are keyed by (seed, sample, token index): one seed for every step; the generator only
+        # feeds the torch sampler where it cannot key its draws (top-k / top-p on CUDA), a new one per step
+        gen = torch.Generator(device=device).manual_seed(self.seed * 1009 + step)
+        out = engine.generate_partial(carried, self.fresh, params, gen, seed=self.seed, n=self.n, need=self.need,
                                       inflight=self.inflight, version=step, max_staleness=self.max_staleness,
                                       longest_prompt=self.longest_prompt)
         if len(out.trained) != self.need:
