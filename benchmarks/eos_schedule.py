@@ -52,12 +52,36 @@ def schedule(kind: str | None) -> Callable[[int, int], list[int]] | None:
     return draw
 
 
+def per_sample(kind: str, max_new: int, block: int = 4096) -> Callable[[int], int]:
+    """Lengths for partial rollouts (trinity.rollout.partial), which name each answer by its sample id:
+    sample -> its length, drawn `block` samples at a time (seeded by the block) and so the same in every
+    rollout that continues it and on every rank."""
+    cache: dict[int, list[int]] = {}
+
+    def length(sample: int) -> int:
+        b = sample // block
+        if b not in cache:
+            cache[b] = draw_response_lengths(kind, block, max_new, seed=2000 + b)
+        return cache[b][sample % block]
+
+    return length
+
+
 def patch(continuous: ModuleType, kind: str | None) -> None:
     """Make `continuous.generate_continuous` (the module `trinity.rollout.continuous`) end rows after the
-    schedule's lengths when its caller passes none (the RL recipe's `ActorRollout`)."""
+    schedule's lengths when its caller passes none (the RL recipe's `ActorRollout`), and the partial
+    rollouts of `ActorRollout.generate_partial` end each answer after its sample's length (`per_sample`)."""
     draw = schedule(kind)
     if draw is None:
         return
+    assert kind is not None
+    partial = continuous.ActorRollout.generate_partial
+
+    def scheduled_partial(self: Any, carried: Any, fresh: Any, params: Any, generator: Any = None, **kw: Any) -> Any:
+        kw.setdefault("response_length", per_sample(kind, params.max_new_tokens))
+        return partial(self, carried, fresh, params, generator, **kw)
+
+    continuous.ActorRollout.generate_partial = scheduled_partial
     original = continuous.generate_continuous
 
     def scheduled(model: Any, prompts: Any, params: Any, **kw: Any) -> Any:

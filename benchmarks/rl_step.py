@@ -3,6 +3,8 @@
 
     python benchmarks/rl_step.py --shape 0.5b --gpus 1,2 --algos grpo,ppo --offload no,yes
     python benchmarks/rl_step.py --shape 1.5b --gpus 1 --algos grpo --offload no --lora-rank 0,16
+    python benchmarks/rl_step.py --shape 0.5b --gpus 1 --algos grpo --offload no --prompts 64 --n 8 \
+        --response-length 1024 --lengths lognormal --partial no,yes --steps 6   # partial rollouts
     python benchmarks/rl_step.py --shape 7b --gpus 4 --layout tp --algos grpo --offload yes --prompts 16 --n 8 \
         --response-length 3072 --lengths lognormal --steps 3                  # NeMo-RL's GRPO setting, 4 GPUs
 
@@ -18,6 +20,11 @@ token budgets): a fixed-length run with the real tokens of a lognormal one. A co
 each. tokens/s are real (response) tokens, and any `padding/...` metric the phases log is shown. "step
 tokens/s/GPU" counts every token of the step (prompts and responses, through rollout, ref and update) per
 GPU, as NeMo-RL's tables do; the phases' shares of the step follow the table.
+`--partial no,yes` runs each case without and with partial rollouts (`actor_rollout_ref.rollout.partial`:
+the rollout stops once the step's groups are complete and carries the unfinished answers over; with
+`--lengths` each answer's length is drawn per sample, so a carried answer keeps its length; docs/rl.md).
+The comparison the partial rollouts target: `--lengths lognormal --partial yes` against `--lengths fixed:N
+--partial no` with N the lognormal case's response length mean (the same real tokens a step).
 `--token-budget` sets the packed micro batches' tokens (`ppo_max_token_len_per_gpu`,
 `log_prob_max_token_len_per_gpu`; 0: the config's default): N for every role, or A/R for the actor's
 update and the forward-only passes (ref, critic); a comma list, one case each. On 2 GPUs the layout is DP=2 (`--layout tp` for TP=2). The decode floor is
@@ -47,7 +54,7 @@ PHASES = ("rollout", "reward", "ref", "old_logp", "values", "update_actor", "upd
 
 
 def job(model: Path, prompts: Path, out: Path, *, algo: str, gpus: int, layout: str, offload: bool, args,
-        lora: int = 0, budget: str = "0") -> dict:
+        lora: int = 0, budget: str = "0", partial: bool = False) -> dict:
     """`lora` > 0: LoRA adapters of that rank on every linear; the ref is then the actor with its adapters off
     (no ref block, no second model: docs/lora.md)."""
     par = {"tensor_model_parallel_size": 2} if gpus >= 2 and layout == "tp" else {}
@@ -80,6 +87,10 @@ def job(model: Path, prompts: Path, out: Path, *, algo: str, gpus: int, layout: 
             cfg["actor_rollout_ref"]["ref"]["log_prob_max_token_len_per_gpu"] = infer
         if algo == "ppo":
             cfg["critic"]["ppo_max_token_len_per_gpu"] = infer
+    if partial:
+        cfg["actor_rollout_ref"]["rollout"]["partial"] = {
+            "enable": True, "max_staleness": args.max_staleness,
+            **({"over_sampling_batch_size": args.over_sampling * gpus} if args.over_sampling else {})}
     if lora:
         cfg["actor_rollout_ref"]["actor"]["lora"] = {"rank": lora, "alpha": 2.0 * lora, "target_modules": ["all-linear"]}
         del cfg["actor_rollout_ref"]["ref"]
@@ -180,6 +191,10 @@ def main() -> None:
     ap.add_argument("--log-tail", type=int, default=0, help="print this many last lines of each job's output")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--lora-rank", default="0", help="comma list of actor LoRA ranks, one case each (0 = full training)")
+    ap.add_argument("--partial", default="no", help="comma list of no / yes, one case each: actor_rollout_ref.rollout.partial")
+    ap.add_argument("--over-sampling", type=int, default=0,
+                    help="partial rollouts: prompts in flight per GPU (over_sampling_batch_size / GPUs; 0: the default, 2 x --prompts)")
+    ap.add_argument("--max-staleness", type=int, default=1, help="partial rollouts: max_staleness")
     args = ap.parse_args()
 
     from trinity.testing.tiny_assets import write_prompt_dataset
@@ -197,14 +212,16 @@ def main() -> None:
         results = []
         for algo in args.algos.split(","):
             for gpus in (int(g) for g in args.gpus.split(",")):
-                for off, lora, lengths, budget in ((o, int(r), ln, tb) for o in args.offload.split(",")
-                                                   for r in args.lora_rank.split(",") for ln in args.lengths.split(",")
-                                                   for tb in args.token_budget.split(",")):
+                for off, lora, lengths, budget, part in ((o, int(r), ln, tb, p) for o in args.offload.split(",")
+                                                         for r in args.lora_rank.split(",") for ln in args.lengths.split(",")
+                                                         for tb in args.token_budget.split(",")
+                                                         for p in args.partial.split(",")):
                     name = (f"{algo}_{gpus}gpu_offload-{off}" + (f"_lora-{lora}" if lora else "")
                             + (f"_{lengths.replace(':', '')}" if "," in args.lengths else "")
-                            + (f"_budget-{budget.replace('/', '-')}" if budget != "0" else ""))
+                            + (f"_budget-{budget.replace('/', '-')}" if budget != "0" else "")
+                            + ("_partial" if part == "yes" else ""))
                     cfg = job(model, prompts, root / name, algo=algo, gpus=gpus, layout=args.layout,
-                              offload=off == "yes", args=args, lora=lora, budget=budget)
+                              offload=off == "yes", args=args, lora=lora, budget=budget, partial=part == "yes")
                     rows = run_case(cfg, root / f"{name}.yaml", args.timeout, args.log_tail, lengths)
                     med = summarize(rows)
                     # each step, so a median's spread shows (the update phase varies step to step)
@@ -228,6 +245,12 @@ def main() -> None:
                     results.append({"case": name, "algo": algo, "gpus": gpus, "offload": off, **med,
                                     "floor_tokens_per_s": floor_tok_s,
                                     "step_tokens_per_s_per_gpu": all_tokens / med["step_time_s"] / gpus})
+                    if part == "yes":  # what partial rollouts did (medians of the steady steps)
+                        print(f"{name}: partial rollouts: carried over {med.get('rollout/carried_over', 0):.0f} answers, "
+                              f"staleness mean {med.get('rollout/staleness_mean', 0):.3f}, restarted groups "
+                              f"{med.get('rollout/restarted_groups', 0):.0f}, IS weight mean {med.get('rollout/is_weight_mean', 0):.4f} "
+                              f"max {med.get('rollout/is_weight_max', 0):.3f}, clipped {med.get('rollout/is_clipped_fraction', 0):.4f}",
+                              flush=True)
                     print(f"{name}: step {med['step_time_s']:.2f} s, response length mean "
                           f"{med.get('response_length/mean', float('nan')):.0f} max {med.get('response_length/max', float('nan')):.0f}; "
                           f"rollout: {med.get('rollout/decode_steps', 0):.0f} decode steps, "

@@ -225,6 +225,17 @@ def kl_loss(
     return agg_loss(token_kl(logp, ref_logp.detach(), kind), response_mask, loss_agg_mode, denominator)
 
 
+def truncated_is_weights(old_logp: torch.Tensor, behaviour_logp: torch.Tensor, response_mask: torch.Tensor,
+                         cap: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-level truncated importance weights (TIS, verl's `rollout_is`): w = min(exp(old_logp -
+    behaviour_logp), cap) per response token, 0 on padding, detached; and the untruncated ratio (for the
+    metrics). `old_logp`: the policy the update starts from; `behaviour_logp`: the one that sampled the
+    token (partial rollouts: an older version for carried-over tokens)."""
+    mask = response_mask.float()
+    ratio = torch.exp(torch.clamp(old_logp.float() - behaviour_logp.float(), min=-20.0, max=20.0)).detach() * mask
+    return torch.clamp(ratio, max=cap), ratio
+
+
 def actor_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
@@ -235,11 +246,17 @@ def actor_loss(
     ref_logp: torch.Tensor | None = None,
     denominator: torch.Tensor | float | None = None,
     policy_loss: PolicyLossFn | None = None,
+    is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """pg_loss - entropy_coeff * entropy + kl_loss_coef * KL (when use_kl_loss), with the actor's
     settings; metrics (detached, verl's names) for logging. `policy_loss`: an algorithm's own (CISPO's),
-    else the one actor.policy_loss.loss_mode names."""
+    else the one actor.policy_loss.loss_mode names. `is_weights` (>= 0, detached; `truncated_is_weights`)
+    multiply each token's policy loss: they scale the advantages, which is the same since every policy
+    loss here is positively homogeneous in the advantage per token (PPO-clip and its dual clip, GSPO's
+    and CISPO's terms are A times a function of the ratio)."""
     mode = actor.loss_agg_mode
+    if is_weights is not None:
+        advantages = advantages * is_weights
     loss, pg = (policy_loss or POLICY_LOSSES[actor.policy_loss.loss_mode])(
         old_logp, logp, advantages, response_mask, actor.clip_ratio_low, actor.clip_ratio_high,
         actor.clip_ratio_c, mode, denominator,

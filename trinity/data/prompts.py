@@ -12,12 +12,18 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from trinity.data.loader import RowSampler, load_tokenizer
 from trinity.data.readers import Record, read_records
 from trinity.data.sft import has_chat_template, render_prompt, tokenize_texts
 from trinity.errors import UserError
+
+
+class RankState(Protocol):
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -84,6 +90,9 @@ class PromptData:
 
     def __init__(self, prompts: list[Prompt], sampler: RowSampler, truncated: int):
         self.prompts, self.sampler, self.truncated = prompts, sampler, truncated
+        # what a checkpoint saves per rank beside the data position rank 0 saves (partial rollouts: each
+        # rank's own position and carried groups; trinity.trainer.checkpoint)
+        self.rank_state: RankState | None = None
 
     @property
     def num_prompts(self) -> int:
@@ -94,8 +103,13 @@ class PromptData:
         return self.sampler.steps_per_epoch
 
     def next_batch(self) -> list[Prompt]:
+        return [self.prompts[i] for i in self.next_indices()]
+
+    def next_indices(self) -> list[int]:
+        """This rank's prompts of the next step, as indices into `prompts` (partial rollouts take them one
+        by one: trinity.trainer.recipes.rl_partial)."""
         (mine,) = self.sampler.rank_micro_batches(self.sampler.next_global_indices())
-        return [self.prompts[i] for i in mine]
+        return [int(i) for i in mine]
 
     def state_dict(self) -> dict[str, int]:
         return self.sampler.state_dict()

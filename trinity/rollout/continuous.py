@@ -45,8 +45,9 @@ its host-side bookkeeping `trinity.rollout.slot_table.SlotTable`.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -59,6 +60,9 @@ from trinity.rollout.scheduler import ContinuousScheduler
 from trinity.rollout.slot_table import group_prompts
 from trinity.rollout.slots import SlotDecoder
 from trinity.rollout.types import Rollout, RolloutStats, SamplingParams
+
+if TYPE_CHECKING:
+    from trinity.rollout.partial import PartialGroup, PartialOutcome
 
 _CACHE_MULTIPLE = 64
 
@@ -86,31 +90,52 @@ def generate_continuous(
     response_lengths: benchmark-only: row i also ends after response_lengths[i] tokens (a schedule of
     "EOS" positions for random-weight models that never emit one). kernels: the fast paths the decode
     steps may take (`trinity.rollout.kernels`; default: all, where they run)."""
+    plens = [len(p) for p in prompts]
+    if not prompts or min(plens) == 0:
+        raise ValueError("generate_continuous: every prompt needs at least one token")
+    # the rows grouped by prompt (a prompt's samples are prefilled once when admitted together)
+    groups = group_prompts(prompts)
+    with open_engine(model, params, rows=len(prompts), longest_prompt=max(plens), vocab_size=vocab_size,
+                     pad_id=pad_id, budget=budget, generator=generator, cuda_graphs=cuda_graphs,
+                     response_lengths=response_lengths, stats=stats, kernels=kernels,
+                     shared_prompts=any(len(g.rows) > 1 for g in groups)) as scheduler:
+        scheduler.add(groups)
+        scheduler.run()
+    return scheduler.finish(prompts)
+
+
+@contextmanager
+def open_engine(
+    model: Any, params: SamplingParams, *, rows: int, longest_prompt: int, vocab_size: int, pad_id: int,
+    budget: KVBudget = KVBudget(), generator: torch.Generator | None = None, cuda_graphs: bool = True,
+    response_lengths: Sequence[int] | None = None, stats: RolloutStats | None = None,
+    kernels: DecodeKernels = DecodeKernels(), shared_prompts: bool = True, keyed: bool = False,
+    seed: int | None = None,
+) -> Iterator[ContinuousScheduler]:
+    """A `ContinuousScheduler` over a slot pool for `rows` output rows whose prompts (what is prefilled)
+    are at most `longest_prompt` tokens, with the model in eval mode until the block ends (then the pool
+    is freed). `shared_prompts`: some prompts have several samples (their keys are read once);
+    `keyed`: the torch sampler draws per row by its key too (`Sampler(keyed=True)`); `seed`: the keyed
+    draws' seed (else drawn from `generator`)."""
     from trinity.models.build import unwrap
 
     gpts = [unwrap(m) for m in (model if isinstance(model, (list, tuple)) else [model])]
     param = next(gpts[0].parameters())
     device = param.device
     stats = stats if stats is not None else RolloutStats()
-    rows = len(prompts)
     max_new = params.max_new_tokens
-    plens = [len(p) for p in prompts]
-    if rows == 0 or min(plens) == 0:
-        raise ValueError("generate_continuous: every prompt needs at least one token")
-    cache_len = -(-(max(plens) + max_new) // _CACHE_MULTIPLE) * _CACHE_MULTIPLE
+    cache_len = -(-(longest_prompt + max_new) // _CACHE_MULTIPLE) * _CACHE_MULTIPLE
     slots = plan_slots(gpts, budget, rows, cache_len, device)
     # the batch buckets (CUDA: tuned by timing this stage's GEMMs, before the cache takes the memory)
     buckets = decode_buckets(gpts, slots, device, tuned=kernels.tuned_buckets)
     stats.bucket_note = buckets.note
     pipe = Pipeline(gpts, device, param.dtype)
-    sampler = Sampler(params, generator, device, vocab_size, fused=kernels.fused_sampler)
+    sampler = Sampler(params, generator, device, vocab_size, fused=kernels.fused_sampler, keyed=keyed, seed=seed)
     # one decoder per model chunk; `dec` (chunk 0) holds the slot state all of them read; tail_key: what
     # the sampling captured with a step compiles for (SlotDecoder warms a shape up once per process)
     tail_key = (sampler.label, params.temperature, vocab_size, max_new, rows, len(set(params.eos_token_ids)))
-    # the rows grouped by prompt (a prompt's samples are prefilled once when admitted together)
-    groups = group_prompts(prompts)
     # a prompt's samples read one copy of its keys
-    share = any(len(g.rows) > 1 for g in groups) and kernels.shared_prompt_keys
+    share = shared_prompts and kernels.shared_prompt_keys
     dec = SlotDecoder(gpts[0], slots, cache_len, cuda_graphs=cuda_graphs, tail_key=tail_key, share_prefix=share,
                       kernels=kernels)
     decs = [dec] + [SlotDecoder(g, slots, cache_len, cuda_graphs=cuda_graphs, state_from=dec, tail_key=tail_key,
@@ -123,17 +148,15 @@ def generate_continuous(
     stats.sampler, stats.graph_tail = sampler.label, graph_tail
     scheduler = ContinuousScheduler(decs, pipe, sampler, buckets, params, rows=rows, pad_id=pad_id, stats=stats,
                                     graph_tail=graph_tail, response_lengths=response_lengths)
-    scheduler.add(groups)
     was_training = [g.training for g in gpts]
     for g in gpts:
         g.eval()
     try:
-        scheduler.run()
+        yield scheduler
     finally:
         for g, training in zip(gpts, was_training):
             g.train(training)
         scheduler.close()
-    return scheduler.finish(prompts)
 
 
 @dataclass
@@ -153,3 +176,13 @@ class ActorRollout:
         self.stats = RolloutStats(time_buckets=self.time_buckets)
         return generate_continuous(self.model, prompts, params, vocab_size=self.vocab_size, pad_id=self.pad_id,
                                    budget=self.budget, generator=generator, stats=self.stats)
+
+    def generate_partial(self, carried: Sequence[PartialGroup], fresh: Callable[[], PartialGroup],
+                         params: SamplingParams, generator: torch.Generator | None = None, **kw: Any) -> PartialOutcome:
+        """A partial rollout (`trinity.rollout.partial.generate_partial`; `kw`: its n, need, inflight,
+        version, longest_prompt)."""
+        from trinity.rollout.partial import generate_partial
+
+        self.stats = RolloutStats(time_buckets=self.time_buckets)
+        return generate_partial(self.model, carried, fresh, params, vocab_size=self.vocab_size, pad_id=self.pad_id,
+                                budget=self.budget, generator=generator, stats=self.stats, **kw)

@@ -210,6 +210,17 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     return picked.to(logits.device)
 
 
+def keyed_sample(logits: torch.Tensor, params: SamplingParams, seed: int, keys: torch.Tensor) -> torch.Tensor:
+    """`sample` with row i drawn from a CPU generator seeded with seed + keys[i] (`Sampler(keyed=True)`)."""
+    filtered = _filter_logits(logits / params.temperature, params.top_k, params.top_p)
+    probs = filtered.softmax(-1).cpu()
+    out = torch.empty(probs.shape[0], dtype=torch.long)
+    for i, key in enumerate(keys.tolist()):
+        g = torch.Generator().manual_seed((seed + int(key)) % 2**63)
+        out[i] = torch.multinomial(probs[i], 1, generator=g)[0]
+    return out.to(logits.device)
+
+
 def draw_seed(generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
     """One seed [1] int64 on `device` from `generator` (torch's default one if None), drawn on the
     generator's device: a CUDA generator draws without a host sync."""
@@ -226,12 +237,24 @@ class Sampler:
     log-probs (the kernel's seed is TP rank 0's too)."""
 
     def __init__(self, params: SamplingParams, generator: torch.Generator | None, device: torch.device,
-                 vocab_size: int, *, fused: bool = True) -> None:
+                 vocab_size: int, *, fused: bool = True, keyed: bool = False, seed: int | None = None) -> None:
         self.params, self.generator, self.vocab_size = params, generator, vocab_size
         self.fused = fused and available(device, params)
         greedy = params.temperature <= 0
-        seed = draw_seed(generator, device) if self.fused and not greedy else torch.zeros(1, dtype=torch.long, device=device)
-        self.seed = tp_broadcast(seed)
+        # keyed: the torch ops on CPU draw each row from its own generator seeded by (seed, key), so that
+        # a row's draws ignore the batch it runs in, as the kernel's do (partial rollouts: an answer
+        # continued in a later rollout draws what one uninterrupted decode draws)
+        self.keyed = keyed and not self.fused and not greedy and device.type == "cpu"
+        wants_seed = (self.fused or self.keyed) and not greedy
+        # `seed`: the kernel's (and keyed draws') seed, instead of one drawn from `generator` (partial rollouts
+        # keep one for every rollout while the torch ops' generator changes per rollout)
+        if not wants_seed:
+            first = torch.zeros(1, dtype=torch.long, device=device)
+        elif seed is not None:
+            first = torch.tensor([seed % 2**62], dtype=torch.long, device=device)
+        else:
+            first = draw_seed(generator, device)
+        self.seed = tp_broadcast(first)
 
     def __call__(self, logits: torch.Tensor, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(tokens [b], log p [b] fp32) from logits [b, >= vocab] (vocabulary padding ignored)."""
@@ -239,7 +262,8 @@ class Sampler:
             nxt, logp = fused_sample(logits, self.vocab_size, self.params.temperature, self.seed, keys)
             return tp_broadcast(nxt), logp
         last = logits[:, : self.vocab_size].float()
-        nxt = tp_broadcast(sample(last, self.params, self.generator).contiguous())
+        picked = keyed_sample(last, self.params, int(self.seed), keys) if self.keyed else sample(last, self.params, self.generator)
+        nxt = tp_broadcast(picked.contiguous())
         return nxt, torch.log_softmax(last, -1).gather(-1, nxt.unsqueeze(-1)).squeeze(-1)
 
     @property

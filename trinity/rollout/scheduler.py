@@ -100,6 +100,8 @@ class ContinuousScheduler:
         self.out_logp = torch.zeros((rows + 1, max_new), dtype=torch.float32, device=device)
         self.out_len = torch.zeros(rows + 1, dtype=torch.long, device=device)
         self.limit = torch.full((rows + 1,), max_new, dtype=torch.long, device=device)
+        # what names a row's draws (`keys`): row x max_new unless `start_rows` names it otherwise
+        self.key_base = torch.arange(rows + 1, dtype=torch.long, device=device) * max_new
         if response_lengths is not None:
             self.limit[:rows] = torch.tensor([max(1, min(max_new, int(n))) for n in response_lengths], device=device)
         # per slot: its output row, tokens generated so far, whether its row has ended (the decoder's)
@@ -134,10 +136,20 @@ class ContinuousScheduler:
         self.done[idx] = self.done[idx] | (live & (ended | (n >= self.limit[r])))
         dec.tok[idx] = torch.where(live, nxt, dec.tok[idx])
 
+    def start_rows(self, rows: Sequence[int], keys: Sequence[int], limits: Sequence[int]) -> None:
+        """Before rows are added: row rows[i]'s first draw is named keys[i] (its next ones keys[i] + 1, ...)
+        and it ends after limits[i] tokens at most (partial rollouts: an answer continued from where it
+        stopped, named by its sample and the token's index in the whole answer)."""
+        if not rows:
+            return
+        r = torch.tensor(list(rows), dtype=torch.long, device=self.device)
+        self.key_base[r] = torch.tensor(list(keys), dtype=torch.long, device=self.device)
+        self.limit[r] = torch.minimum(self.limit[r], torch.tensor([max(1, int(n)) for n in limits], device=self.device))
+
     def keys(self, idx: torch.Tensor) -> torch.Tensor:
-        """What names the draw of slots `idx`' next tokens (trinity.rollout.sampler): output row x
-        max_new + the token's index in its response, whatever the slot or the wave."""
-        return self.row_of[idx] * self.max_new + self.count[idx]
+        """What names the draw of slots `idx`' next tokens (trinity.rollout.sampler): by default output
+        row x max_new + the token's index in its response, whatever the slot or the wave (`start_rows`)."""
+        return self.key_base[self.row_of[idx]] + self.count[idx]
 
     def sample_broadcast(self, logits: torch.Tensor | None, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         n = idx.numel()

@@ -11,7 +11,10 @@ algorithm, over a dict of role engines plus the data position.
     checkpoints/step_N/complete
 
 In the `extra` of every role's checkpoint (saved once by rank 0): step, data position, LR-schedule
-state of every trained role, world size. The frozen ref is not saved: it is the initial model,
+state of every trained role, world size. Where the data has a per-rank state (`data.rank_state`: partial
+rollouts' data position and carried-over answers, trinity.trainer.recipes.rl_partial), each rank's goes to
+checkpoints/step_N/rank_state/rank_<r>.pt (plain values and tensors, loaded with weights_only=True); it
+restores only at the same world size. The frozen ref is not saved: it is the initial model,
 reloaded from the job's weight source on resume.
 
 Protocol: everything is written into `step_N.tmp/` (a stale one from a killed run is cleared first);
@@ -42,6 +45,9 @@ from trinity.launch.run_folder import COMPLETE, CONFIG_FILE, STEP_DIR, complete_
 if TYPE_CHECKING:
     from trinity.trainer.engine import RoleEngine
     from trinity.trainer.recipes import TrainData
+
+
+RANK_STATE = "rank_state"
 
 
 def _rank() -> int:
@@ -161,12 +167,17 @@ class CheckpointManager:
 
                 write_adapter_folder(engine.modules, engine.lora, ModelFacts.from_hf_dir(self.hf_dir), self.hf_dir,
                                      tmp / ADAPTER_DIR)
+        rank_state = getattr(self.data, "rank_state", None)
         if self.is_rank0:
             (tmp / "rng").mkdir(exist_ok=True)
+            if rank_state is not None:
+                (tmp / RANK_STATE).mkdir(exist_ok=True)
             if self.config is not None:
                 (tmp / CONFIG_FILE).write_text(yaml.safe_dump(self.config, sort_keys=False), encoding="utf-8")
         _barrier()
         save_rng(tmp / "rng" / f"rank_{_rank()}.pt")
+        if rank_state is not None:
+            torch.save(rank_state.state_dict(), tmp / RANK_STATE / f"rank_{_rank()}.pt")
         _barrier()
         if self.is_rank0:
             _write_synced(tmp / COMPLETE, json.dumps({"step": step, "time": time.time()}) + "\n")
@@ -214,10 +225,30 @@ class CheckpointManager:
             self.data.load_state_dict(extra["data"])
         except KeyError as exc:
             raise UserError(f"trainer.resume: {path} is not a training checkpoint (no {exc} in it)") from None
+        rank_state = getattr(self.data, "rank_state", None)
+        if rank_state is not None:
+            _load_rank_state(path, extra, rank_state)
         rng_file = path / "rng" / f"rank_{_rank()}.pt"
         if int(extra.get("world_size", -1)) == _world() and rng_file.is_file():
             load_rng(rng_file)
         return step
+
+
+def _load_rank_state(path: Path, extra: dict[str, object], rank_state: Any) -> None:
+    """This rank's own data state (module doc) from `path`."""
+    file = path / RANK_STATE / f"rank_{_rank()}.pt"
+    if not file.is_file():
+        raise UserError(f"trainer.resume: {path} has no {RANK_STATE}/{file.name} (partial rollouts' data position "
+                        "and carried-over answers of this rank); it was written without "
+                        "actor_rollout_ref.rollout.partial.enable: resume with it off, or start over")
+    if int(str(extra.get("world_size", -1))) != _world():
+        raise UserError(f"trainer.resume: {path} was written by {extra.get('world_size')} ranks; partial rollouts' "
+                        f"per-rank state resumes only on the same number of ranks ({_world()} now)")
+    try:
+        state = torch.load(file, weights_only=True)
+    except (RuntimeError, EOFError, OSError, ValueError) as exc:
+        raise UserError(f"{file}: corrupt or truncated rank state ({type(exc).__name__})") from None
+    rank_state.load_state_dict(state)
 
 
 def _write_synced(path: Path, text: str) -> None:

@@ -16,6 +16,7 @@ from trinity.config.rules.batches import GROUP_ALGORITHMS, check_batches, check_
 from trinity.config.rules.data import check_data, check_vocabulary
 from trinity.config.rules.evaluation import check_evaluation
 from trinity.config.rules.megatron import check_megatron, transformer_config_fields
+from trinity.config.rules.partial import check_partial
 from trinity.config.rules.profile import check_profile
 from trinity.config.rules.roles import (
     SFT_OFFLOAD_REFUSALS,
@@ -69,6 +70,7 @@ def check_job(cfg: JobConfig, *, check_paths: bool = True) -> tuple[ModelFacts |
         if facts is not None:
             check_kv_budget(cfg, facts, problems)
     check_algorithm(cfg, problems)
+    check_partial(cfg, problems)
     check_lora(cfg, facts, problems, check_paths)
     check_lora_ref(cfg, problems)
     check_profile(cfg, problems)

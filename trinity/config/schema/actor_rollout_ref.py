@@ -170,6 +170,27 @@ class RefConfig(StrictModel):
     longest sequence (data.max_prompt_length + rollout.response_length)."""
 
 
+class PartialRolloutConfig(StrictModel):
+    """Partial rollouts (docs/rl.md "Partial rollouts"): a step's rollout ends once data.train_batch_size
+    prompt groups are complete; unfinished answers carry over to the next step and go on decoding under
+    the new weights, with a truncated importance-sampling correction in the update. Names follow slime
+    (`partial_rollout`, `over_sampling_batch_size`) and verl (`rollout_is_threshold`)."""
+
+    enable: bool = False
+    """Stop the rollout once data.train_batch_size groups (all rollout.n answers each) are complete, keep
+    admitting new prompts into free slots until then, and carry the unfinished answers over."""
+    over_sampling_batch_size: int | None = Field(default=None, ge=1)
+    """Prompts in flight at most (over all DP ranks, carried-over ones included; slime's name): the
+    rollout admits new prompts while fewer are in flight. Unset: 2 x data.train_batch_size. At least
+    data.train_batch_size."""
+    max_staleness: int = Field(default=1, ge=1)
+    """A group is trained at most this many policy versions (steps) after its oldest token was sampled;
+    a group that would be older is restarted from its prompt (its answers decoded again from scratch)."""
+    rollout_is_threshold: float = Field(default=2.0, gt=1)
+    """Cap of the token-level truncated importance weight min(pi_old / pi_behaviour, cap) that multiplies
+    each token's policy loss (verl's `algorithm.rollout_is_threshold`, TIS)."""
+
+
 class RolloutConfig(StrictModel):
     """Generation with the actor's own megatron-core model."""
 
@@ -193,6 +214,8 @@ class RolloutConfig(StrictModel):
     kv_cache_memory_gib: float | None = Field(default=None, gt=0)
     """KV-cache budget of the rollout in GiB per GPU (per process on CPU), instead of
     `gpu_memory_utilization`."""
+    partial: PartialRolloutConfig = Field(default_factory=PartialRolloutConfig)
+    """Partial rollouts: a step does not wait for its longest answer (off by default)."""
 
 
 class ActorRolloutRefConfig(StrictModel):

@@ -42,6 +42,8 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from trinity.data.prompts import Prompt, PromptData
+    from trinity.rollout.partial import PartialGroup, PartialOutcome
+    from trinity.trainer.recipes.rl_partial import PartialStream
 
 T = TypeVar("T")
 # A phase's tokens (`Phases.run`): the real ones, or (real, computed: padding included); ints or 0-d tensors.
@@ -188,6 +190,15 @@ class SequenceParallelOff:
         return dataclasses.replace(ro, tokens=tokens, prompt_mask=prompt_mask, response_mask=response_mask,
                                    logprobs=logprobs)
 
+    def generate_partial(self, carried: Sequence[PartialGroup], fresh: Callable[[], PartialGroup],
+                         params: SamplingParams, generator: torch.Generator | None = None,
+                         **kw: int) -> PartialOutcome:
+        """A partial rollout (trinity.rollout.partial) of the wrapped engine, sequence parallel off."""
+        from trinity.distributed.sequence_parallel import sequence_parallel_disabled
+
+        with sequence_parallel_disabled(self.chunks):
+            return self.engine.generate_partial(carried, fresh, params, generator, **kw)
+
 
 @dataclass(frozen=True)
 class Scored:
@@ -219,6 +230,7 @@ class RLRecipe(Recipe):
 
     data: PromptData
     rollout_engine: RolloutEngine
+    partial: PartialStream | None = None  # actor_rollout_ref.rollout.partial (trinity.trainer.recipes.rl_partial)
 
     def build_data(self) -> PromptData:
         from trinity.data.loader import load_tokenizer, pad_token_id
@@ -238,12 +250,18 @@ class RLRecipe(Recipe):
         if not cfg.data.train_files:
             raise UserError("data.train_files: RL needs at least one prompt file")
         self.seqs_per_update = cfg.actor_rollout_ref.actor.ppo_mini_batch_size * rollout.n // dp
-        return build_prompt_data(
+        data = build_prompt_data(
             cfg.data.train_files, self.tokenizer, batch_size=cfg.data.train_batch_size,
             max_prompt_length=cfg.data.max_prompt_length, seed=cfg.trainer.seed, dp_rank=dp_rank, dp_size=dp,
             shuffle=cfg.data.shuffle, prompt_key=cfg.data.prompt_key, messages_key=cfg.data.messages_key,
             answer_key=cfg.data.answer_key,
         )
+        if rollout.partial.enable:
+            from trinity.trainer.recipes.rl_partial import PartialStream
+
+            # each rank's data position and carried groups are its own: saved per rank with a checkpoint
+            self.partial = data.rank_state = PartialStream(cfg, data, dp_rank, dp)
+        return data
 
     def setup(self) -> None:
         from trinity.rollout.continuous import ActorRollout, KVBudget
@@ -333,12 +351,59 @@ class RLRecipe(Recipe):
 
     def sample(self, step: int, gen: torch.Generator) -> Sampled:
         """This step's scored rollout. DAPO's dynamic sampling overrides it."""
+        if self.partial is not None:
+            return self.sample_partial(step)
         prompts = self.data.next_batch()
         ro = self.generate(prompts, gen)
         n = self.cfg.actor_rollout_ref.rollout.n
         scored = self.score(prompts, ro)
         return Sampled(ro, scored.scores, [i for i in range(len(prompts)) for _ in range(n)], {},
                        scored.samples, scored.errors, int(scored.scores.numel()))
+
+    def sample_partial(self, step: int) -> Sampled:
+        """Partial rollouts (trinity.trainer.recipes.rl_partial): this step's complete groups, carried-over
+        answers continued; the rollout's log-probs are the behaviour policy's (older for carried tokens)."""
+        assert self.partial is not None
+        partial, n = self.partial, self.cfg.actor_rollout_ref.rollout.n
+
+        def run() -> tuple[list[Prompt], Rollout, torch.Tensor, dict[str, float]]:
+            with rollout_weights(self.actor, keep=self.cfg.actor_rollout_ref.actor.lora.rollout_weights):
+                return partial.rollout(self.rollout_engine, self.sampling, step, self.phases.device, self.pad_id)
+
+        def tokens(_: object) -> PhaseTokens:
+            return self.rollout_engine.stats.tokens, self.rollout_engine.stats.computed_tokens
+
+        prompts, ro, versions, counts = self.phases.run("rollout", {"actor": {"params": True}}, run, tokens=tokens)
+        stats = self.rollout_engine.stats
+        self.phases.metrics.update({"rollout/slots": stats.slots, "rollout/decode_steps": stats.decode_steps,
+                                    "rollout/graph_captures": stats.graph_captures,
+                                    "rollout/graph_capture_s": stats.capture_s})
+        scored = self.score(prompts, ro)
+        mask = ro.response_mask.bool()
+        age = (step - versions).double()[mask]
+        sums = torch.tensor([float(age.sum()), float(age.numel()), counts["carried_over"], counts["restarted_groups"]],
+                            dtype=torch.float64, device=ro.tokens.device)
+        sums = collectives.all_reduce(sums, group=_dp_info()[2])
+        metrics = {"rollout/carried_over": float(sums[2]), "rollout/restarted_groups": float(sums[3]),
+                   "rollout/staleness_mean": float(sums[0] / sums[1].clamp(min=1))}
+        return Sampled(ro, scored.scores, [i for i in range(len(prompts)) for _ in range(n)], metrics,
+                       scored.samples, scored.errors, int(scored.scores.numel()))
+
+    def is_metrics(self, old_logp: torch.Tensor, ro: Rollout) -> dict[str, float]:
+        """The truncated importance weights the update applied (partial rollouts), over all DP ranks."""
+        from trinity.algorithms.losses import truncated_is_weights
+
+        cap = self.cfg.actor_rollout_ref.rollout.partial.rollout_is_threshold
+        group = _dp_info()[2]
+        weights, ratio = truncated_is_weights(old_logp, ro.logprobs, ro.response_mask, cap)
+        m = ro.response_mask.bool()
+        s = torch.tensor([float(weights[m].sum()), float((ratio[m] > cap).sum()), float(m.sum())], dtype=torch.float64,
+                         device=ro.tokens.device)
+        s = collectives.all_reduce(s, group=group)
+        mx = collectives.all_reduce(weights[m].max().reshape(1) if m.any() else weights.new_zeros(1), "max", group=group)
+        count = float(s[2]) or 1.0
+        return {"rollout/is_weight_mean": float(s[0]) / count, "rollout/is_weight_max": float(mx),
+                "rollout/is_clipped_fraction": float(s[1]) / count}
 
     def generate(self, prompts: list[Prompt], gen: torch.Generator) -> Rollout:
         n = self.cfg.actor_rollout_ref.rollout.n
@@ -418,7 +483,9 @@ class RLRecipe(Recipe):
             def update_actor() -> ActorUpdate:
                 u = actor_update(actor, exp, cfg.actor_rollout_ref.actor, self.vocab_size,
                                  seqs_per_update=self.seqs_per_update, micro=bat["actor"].reset(),
-                                 policy_loss=cfg.spec.load_policy_loss())
+                                 policy_loss=cfg.spec.load_policy_loss(),
+                                 rollout_is_threshold=(cfg.actor_rollout_ref.rollout.partial.rollout_is_threshold
+                                                       if self.partial is not None else None))
                 return replace(u, metrics=_from_last_stage(u.metrics))
 
             updated = ph.run("update_actor", {"actor": full}, update_actor, bat["actor"].counts)
@@ -439,6 +506,8 @@ class RLRecipe(Recipe):
             "actor/lr": actor.lr(), "actor/warmup": warmup,
         })
         out.update(_logprob_gap(ro.logprobs, old_logp, mask))
+        if self.partial is not None and not warmup:
+            out.update(self.is_metrics(old_logp, ro))
         if ref_logp is not None:
             from trinity.algorithms.kl import token_kl
 

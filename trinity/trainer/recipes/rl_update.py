@@ -23,7 +23,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from trinity.algorithms.losses import LossAggMode, PolicyLossFn, actor_loss, global_agg_denominator, value_loss
+from trinity.algorithms.losses import (
+    LossAggMode,
+    PolicyLossFn,
+    actor_loss,
+    global_agg_denominator,
+    truncated_is_weights,
+    value_loss,
+)
 from trinity.distributed import collectives
 from trinity.rollout.types import Rollout
 from trinity.trainer.engine import Denominator, LossFn, RoleEngine
@@ -118,6 +125,7 @@ class ActorLoss:
     actor_cfg: ActorConfig
     vocab_size: int
     policy_loss: PolicyLossFn | None = None
+    rollout_is_threshold: float | None = None  # partial rollouts: TIS against the rollout's log-probs
     on_policy: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
     def __call__(self, micro: ExperienceMicro, output: torch.Tensor, *, denom: Denominator,
@@ -128,9 +136,14 @@ class ActorLoss:
         if old_logp is None:  # on-policy: this forward runs the weights that generated the rollout
             old_logp = logp.detach()
             self.on_policy.append((exp.rows, old_logp))
+        weights = None
+        if self.rollout_is_threshold is not None:
+            weights, _ = truncated_is_weights(old_logp, exp.rollout.logprobs, exp.rollout.response_mask,
+                                              self.rollout_is_threshold)
         loss, metrics = actor_loss(
             logp, old_logp, exp.advantages, exp.rollout.response_mask, self.actor_cfg,
             entropy=entropy, ref_logp=exp.ref_logp, denominator=denom, policy_loss=self.policy_loss,
+            is_weights=weights,
         )
         return loss * scale, {k: v.float() for k, v in metrics.items()} | {"actor/loss": loss.detach()}
 
@@ -206,13 +219,15 @@ def update(
 
 
 def actor_update(engine: RoleEngine, exp: Experience, actor_cfg: ActorConfig, vocab_size: int, *, seqs_per_update: int,
-                 micro: int | Batching, policy_loss: PolicyLossFn | None = None) -> ActorUpdate:
+                 micro: int | Batching, policy_loss: PolicyLossFn | None = None,
+                 rollout_is_threshold: float | None = None) -> ActorUpdate:
     """The actor's updates of one step. With `exp.old_logp` None (on-policy: one epoch, one mini-batch),
     the update's forward gives the old log-probs, returned on every stage. `policy_loss`: the algorithm's
-    own (AlgorithmSpec.policy_loss), else actor.policy_loss.loss_mode's."""
+    own (AlgorithmSpec.policy_loss), else actor.policy_loss.loss_mode's. `rollout_is_threshold` (partial
+    rollouts): each token's policy loss times min(exp(old_logp - rollout log-prob), threshold)."""
     if exp.old_logp is None and (actor_cfg.ppo_epochs != 1 or seqs_per_update < exp.size):
         raise ValueError("old log-probs from the update's forward need one epoch over one mini-batch")
-    loss = ActorLoss(actor_cfg, vocab_size, policy_loss)
+    loss = ActorLoss(actor_cfg, vocab_size, policy_loss, rollout_is_threshold)
     metrics = update(engine, exp, seqs_per_update=seqs_per_update, epochs=actor_cfg.ppo_epochs, micro=micro,
                      loss=loss, mode=actor_cfg.loss_agg_mode, prefix="actor")
     old_logp = exp.old_logp if exp.old_logp is not None else _assemble(loss.on_policy, exp)
