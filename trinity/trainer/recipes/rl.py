@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from trinity.data.prompts import Prompt, PromptData
+    from trinity.trainer.recipes.workflow import TaskData, WorkflowSampling
 
 T = TypeVar("T")
 # A phase's tokens (`Phases.run`): the real ones, or (real, computed: padding included); ints or 0-d tensors.
@@ -202,10 +203,11 @@ class RLRecipe(Recipe):
     """Every RL algorithm. Subclasses add a critic (`update_critic(...)`, PPO) or replace `sample(...)`
     (DAPO)."""
 
-    data: PromptData
+    data: PromptData | TaskData
     rollout_engine: RolloutEngine
+    workflow: WorkflowSampling | None = None  # a `workflow:` job's sampling (recipes/workflow.py)
 
-    def build_data(self) -> PromptData:
+    def build_data(self) -> PromptData | TaskData:
         from trinity.data.loader import load_tokenizer, pad_token_id
         from trinity.data.prompts import build_prompt_data
         from trinity.rewards.process import GuardedReward
@@ -223,6 +225,11 @@ class RLRecipe(Recipe):
         if not cfg.data.train_files:
             raise UserError("data.train_files: RL needs at least one prompt file")
         self.seqs_per_update = cfg.actor_rollout_ref.actor.ppo_mini_batch_size * rollout.n // dp
+        if cfg.workflow is not None:  # the one place a workflow job's sampling is chosen
+            from trinity.trainer.recipes.workflow import WorkflowSampling
+
+            self.workflow = WorkflowSampling.build(self, dp_rank, dp)
+            return self.workflow.data
         return build_prompt_data(
             cfg.data.train_files, self.tokenizer, batch_size=cfg.data.train_batch_size,
             max_prompt_length=cfg.data.max_prompt_length, seed=cfg.trainer.seed, dp_rank=dp_rank, dp_size=dp,
@@ -316,6 +323,8 @@ class RLRecipe(Recipe):
 
     def sample(self, step: int, gen: torch.Generator) -> Sampled:
         """This step's scored rollout. DAPO's dynamic sampling overrides it."""
+        if self.workflow is not None:
+            return self.workflow.sample(step, gen)
         prompts = self.data.next_batch()
         ro = self.generate(prompts, gen)
         n = self.cfg.actor_rollout_ref.rollout.n
@@ -457,7 +466,8 @@ class RLRecipe(Recipe):
 
         algo = self.cfg.algorithm
         mask = ro.response_mask
-        last = (mask.sum(-1) - 1).clamp(min=0)
+        # the last counted token: a multi-turn response's mask has holes (tool and user tokens)
+        last = (mask * torch.arange(1, mask.shape[1] + 1, device=mask.device)).argmax(-1)
         token_rewards = torch.zeros(tuple(mask.shape), dtype=torch.float32, device=mask.device)
         token_rewards[torch.arange(mask.shape[0]), last] = scores * (mask.sum(-1) > 0)
         extra: dict[str, float] = {}
