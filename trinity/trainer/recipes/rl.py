@@ -140,6 +140,16 @@ def _logprob_gap(rollout_logp: torch.Tensor, logp: torch.Tensor, mask: torch.Ten
     return {"rollout/logprob_diff_mean": float(s[0] / s[1]), "rollout/logprob_diff_max": float(mx)}
 
 
+def last_token_rewards(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[B, R] float32: each row's score on its last counted token (mask 1), 0 elsewhere and on rows with
+    none. The last one, not position mask.sum() - 1: a multi-turn response's mask has holes (the tool and
+    user tokens between assistant turns)."""
+    last = (mask * torch.arange(1, mask.shape[1] + 1, device=mask.device)).argmax(-1)
+    token_rewards = torch.zeros(tuple(mask.shape), dtype=torch.float32, device=mask.device)
+    token_rewards[torch.arange(mask.shape[0], device=mask.device), last] = scores.float() * (mask.sum(-1) > 0)
+    return token_rewards
+
+
 def _masked_stats(prefix: str, x: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
     sel = x[mask.bool()]
     if sel.numel() == 0:
@@ -466,10 +476,7 @@ class RLRecipe(Recipe):
 
         algo = self.cfg.algorithm
         mask = ro.response_mask
-        # the last counted token: a multi-turn response's mask has holes (tool and user tokens)
-        last = (mask * torch.arange(1, mask.shape[1] + 1, device=mask.device)).argmax(-1)
-        token_rewards = torch.zeros(tuple(mask.shape), dtype=torch.float32, device=mask.device)
-        token_rewards[torch.arange(mask.shape[0]), last] = scores * (mask.sum(-1) > 0)
+        token_rewards = last_token_rewards(scores, mask)
         extra: dict[str, float] = {}
         if algo.use_kl_in_reward:
             assert ref_logp is not None and old_logp is not None
