@@ -161,3 +161,29 @@ def test_episodes_become_rows_prompt_then_masked_response(tokenizer):
 
 async def _raises(task, session):
     raise RuntimeError("environment down")
+
+
+def test_grpo_rloo_and_gae_on_conversation_rows(tokenizer):
+    """The group baseline is over a task's conversations; every assistant token of a conversation (both
+    turns, across the hole between them) gets its advantage, the tool's and user's tokens none."""
+    from trinity.algorithms.advantages import gae_advantages, grpo_outcome_advantages, rloo_outcome_advantages
+
+    call = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "12+7"}}\n</tool_call>'
+    a, b = run_workflow(calculator_workflow, [{"prompt": "12+7=", "answer": "19"}],
+                        ScriptedBackend(tokenizer, [call, "20", "19"]), tokenizer, n=2)
+    (c,) = run_workflow(guess_number_workflow, [{"secret": 5, "low": 1, "high": 9}],
+                        ScriptedBackend(tokenizer, ["3", "5"]), tokenizer)
+    built = episode_rows([a, b, c], [0, 0, 1], pad_id=tokenizer.pad_token_id)
+    mask = built.rollout.response_mask.float()
+    rewards = last_token_rewards(built.scores, built.rollout.response_mask)
+    per_row = {
+        "grpo": torch.tensor([2 ** -0.5, -(2 ** -0.5), 0.875]),  # (score - mean) / std; a group of one keeps its score
+        "rloo": torch.tensor([1.0, -1.0, 0.875]),  # score - the mean of the others
+    }
+    grpo, _ = grpo_outcome_advantages(rewards.sum(-1), built.groups, mask)
+    rloo, _ = rloo_outcome_advantages(rewards.sum(-1), built.groups, mask)
+    for name, adv in (("grpo", grpo), ("rloo", rloo)):
+        assert torch.allclose(adv, per_row[name].unsqueeze(-1) * mask, atol=1e-5), name
+    # PPO's GAE (gamma = lam = 1, values 0): the outcome reaches every assistant token before it, across holes
+    gae, _ = gae_advantages(rewards, torch.zeros_like(mask), mask, whiten=False)
+    assert torch.equal(gae, built.scores.unsqueeze(-1) * mask)
