@@ -95,6 +95,7 @@ def test_the_example_configs_validate(path, tmp_path):
     if path.endswith(".md"):  # the YAML block of docs/workflows.md's `trinity run` section
         (text,) = re.findall(r"```yaml\n(# trinity run.*?)```", text, flags=re.DOTALL)
     job = yaml.safe_load(text)
+    job["model"]["path"] = str(HF_CONFIGS / "qwen2_5_0_5b")  # a config-only model folder; the data files unchecked
     cfg = load_config(_write(tmp_path, job), check_paths=False).config
     assert cfg.workflow is not None and cfg.is_rl
 
