@@ -138,9 +138,16 @@ def test_episodes_become_rows_prompt_then_masked_response(tokenizer):
     assert (a.reward, b.reward, c.reward, d.reward) == (1.0, 0.0, 1.0 - 1 / 8, 0.0)
     built = episode_rows([a, b, c, d], [0, 0, 1, 1], pad_id=tokenizer.pad_token_id)
     ro = built.rollout
-    assert built.groups == [0, 0, 1] and built.episode == [0, 1, 2]
-    assert built.scores.tolist() == [1.0, 0.0, 0.875]
+    # d gives an empty row, a group of its own (outside task 1's baseline) that trains nothing
+    assert built.groups == [0, 0, 1, -4] and built.episode == [0, 1, 2, 3]
+    assert built.scores.tolist() == [1.0, 0.0, 0.875, 0.0]
     P = ro.prompt_len
+    assert ro.prompt_mask[3].tolist() == [0] * (P - 1) + [1] and ro.response_mask[3].sum() == 0
+    # padded to 6 rows (another data-parallel rank has more): two more empty rows scored 0
+    padded = episode_rows([a, b, c, d], [0, 0, 1, 1], pad_id=tokenizer.pad_token_id, rows=6)
+    assert padded.groups == [0, 0, 1, -4, -5, -6] and padded.episode == [0, 1, 2, 3, -1, -1]
+    assert padded.scores.tolist() == [1.0, 0.0, 0.875, 0.0, 0.0, 0.0]
+    assert torch.equal(padded.rollout.tokens[:4], ro.tokens) and padded.rollout.response_mask[3:].sum() == 0
     for row, ep in enumerate((a, b, c)):
         (seq,) = ep.sequences
         first = seq.loss_mask.index(1)

@@ -11,7 +11,8 @@ training rows of the usual `Rollout` shape:
 - the score is the episode's reward (its per-turn rewards summed where it gives only those), on the row's
   last assistant token (`RLRecipe.experience`); group ids are the task's, so GRPO's and RLOO's baseline is
   over a task's n conversations. A conversation split into several sequences (`template_mismatch:
-  segment`) gives several rows of its task's group, each with the episode's score.
+  segment`) gives several rows of its task's group, each with the episode's score; an episode that ended
+  before its first turn one empty row (`episode_rows`).
 
 `RLRecipe` picks this in one place (`build_data`); `sample` delegates here.
 """
@@ -34,7 +35,7 @@ from trinity.trainer.samples import Sample
 if TYPE_CHECKING:
     from trinity.data.loader import RowSampler
     from trinity.trainer.recipes.rl import RLRecipe, Sampled
-    from trinity.workflows.types import Episode, Task
+    from trinity.workflows.types import Episode, Task, TrainingSequence
 
 END_REASONS = ("finished", "max_turns", "context_limit", "timeout", "error")
 
@@ -93,7 +94,7 @@ def episode_score(episode: Episode) -> float:
 @dataclass(frozen=True)
 class EpisodeRows:
     """Episodes as RL rows: `rollout` (one row per training sequence), `scores` [rows], `groups` (the
-    task of each row) and `episode` (the episode of each row)."""
+    task of each row) and `episode` (the episode of each row, -1 for padding)."""
 
     rollout: Rollout
     scores: torch.Tensor
@@ -102,34 +103,45 @@ class EpisodeRows:
 
 
 def episode_rows(episodes: Sequence[Episode], groups: Sequence[int], pad_id: int,
-                 device: torch.device | str = "cpu") -> EpisodeRows:
+                 device: torch.device | str = "cpu", rows: int | None = None) -> EpisodeRows:
     """Every training sequence of `episodes` as a row `[prompt (left-padded) | response (right-padded)]`:
     the prompt is the sequence up to its first assistant token, the response the rest, with its loss mask
-    and behaviour log-probs. `groups[k]`: the group id of episode k."""
-    seqs = [(k, s) for k, ep in enumerate(episodes) for s in ep.sequences]
-    if not seqs:
-        raise UserError("workflow: no episode of this step produced an assistant turn (every one ended before its "
-                        "first turn: see workflow/end_* and the first error above); check the workflow and "
-                        "workflow.context_tokens")
-    firsts = [s.loss_mask.index(1) for _, s in seqs]
-    P = max(firsts)
-    R = max(len(s.tokens) - f for (_, s), f in zip(seqs, firsts))
-    B = len(seqs)
+    and behaviour log-probs. `groups[k]`: the group id of episode k (ids >= 0).
+
+    An episode without a sequence (it ended before its first turn) gives one empty row (a pad token as its
+    prompt, no response token) scored as the episode, so that every episode counts in the step's reward;
+    then, up to `rows`, empty rows scored 0 (data-parallel ranks must all have as many rows: each rank makes
+    the same number of optimizer steps). An empty row is a group of its own (ids -1, -2, ...), outside every
+    task's baseline, and trains nothing (its mask is 0)."""
+    items: list[tuple[int, TrainingSequence | None]] = []
+    for k, ep in enumerate(episodes):
+        items += [(k, s) for s in ep.sequences] or [(k, None)]
+    items += [(-1, None)] * max(0, (rows or 0) - len(items))
+    firsts = [s.loss_mask.index(1) if s is not None else 1 for _, s in items]
+    P = max(firsts, default=1)
+    R = max([len(s.tokens) - f for (_, s), f in zip(items, firsts) if s is not None], default=1)
+    B = len(items)
     tokens = torch.full((B, P + R), pad_id, dtype=torch.long)
     prompt_mask = torch.zeros(B, P, dtype=torch.long)
     response_mask = torch.zeros(B, R, dtype=torch.long)
     logprobs = torch.zeros(B, R, dtype=torch.float32)
-    for i, ((_, s), f) in enumerate(zip(seqs, firsts)):
+    row_groups: list[int] = []
+    for i, ((k, s), f) in enumerate(zip(items, firsts)):
+        prompt_mask[i, P - f:] = 1
+        if s is None:  # an empty row: one pad token of prompt (a row needs one), nothing to train
+            row_groups.append(-1 - i)
+            continue
+        row_groups.append(groups[k])
         ids, mask, logp = s.tensors()
         n = len(s.tokens) - f
         tokens[i, P - f: P] = ids[:f]
-        prompt_mask[i, P - f:] = 1
         tokens[i, P: P + n] = ids[f:]
         response_mask[i, :n] = mask[f:]
         logprobs[i, :n] = logp[f:]
     ro = Rollout(tokens.to(device), prompt_mask.to(device), response_mask.to(device), logprobs.to(device))
-    scores = torch.tensor([episode_score(episodes[k]) for k, _ in seqs], dtype=torch.float32, device=device)
-    return EpisodeRows(ro, scores, [groups[k] for k, _ in seqs], [k for k, _ in seqs])
+    scores = torch.tensor([episode_score(episodes[k]) if k >= 0 else 0.0 for k, _ in items], dtype=torch.float32,
+                          device=device)
+    return EpisodeRows(ro, scores, row_groups, [k for k, _ in items])
 
 
 def episode_sample(episode: Episode, source: str) -> Sample:
@@ -194,7 +206,8 @@ class WorkflowSampling:
 
     def sample(self, step: int, gen: torch.Generator) -> Sampled:
         from trinity.trainer.recipes.lora_ref import rollout_weights
-        from trinity.trainer.recipes.rl import Sampled, _dp_stats
+        from trinity.distributed import collectives
+        from trinity.trainer.recipes.rl import Sampled, _dp_info, _dp_stats
         from trinity.workflows.runner import WorkflowError
 
         recipe = self.recipe
@@ -212,7 +225,14 @@ class WorkflowSampling:
             "rollout", {"actor": {"params": True}}, run,
             tokens=lambda r: sum(len(t.output_ids) for ep in r[0] for t in ep.turns))
         device = recipe.phases.device
-        built = episode_rows(episodes, [i for i in range(len(rows)) for _ in range(n)], recipe.pad_id, device)
+        groups = [i for i in range(len(rows)) for _ in range(n)]
+        built = episode_rows(episodes, groups, recipe.pad_id, device)
+        _, dp, dp_group = _dp_info()
+        if dp > 1:  # as many rows on every rank (a conversation may give several)
+            most = int(collectives.all_reduce(torch.tensor([built.rollout.tokens.shape[0]], device=device), "max",
+                                              group=dp_group).item())
+            if most > built.rollout.tokens.shape[0]:
+                built = episode_rows(episodes, groups, recipe.pad_id, device, rows=most)
         metrics: Metrics = {"workflow/engine_calls": calls, "workflow/wave_size_mean": sum(waves) / max(len(waves), 1),
                             "workflow/sequences": built.rollout.tokens.shape[0]}
         metrics["workflow/turns_mean"], _ = _dp_stats(torch.tensor([float(len(e.turns)) for e in episodes], device=device))
