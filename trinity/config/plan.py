@@ -264,6 +264,14 @@ def describe_reward(cfg: JobConfig) -> str:
     from trinity.rewards.loader import reward_code_file
 
     r = cfg.reward
+    if cfg.workflow is not None:  # the workflow scores its episodes: its code is what runs
+        from trinity.config.schema.workflow import BUILTIN_WORKFLOWS
+
+        fn = cfg.workflow.function
+        if fn in BUILTIN_WORKFLOWS:
+            return f"workflow {fn} (built-in: {BUILTIN_WORKFLOWS[fn]}) scores its episodes"
+        return (f"workflow {fn} scores its episodes: it runs code from module {fn.partition(':')[0]} with this job's "
+                "rights; read it before running a config you did not write")
     code = reward_code_file(r.function)
     if code is None:
         extra = f", extractor {r.extractor}" if r.function in ("math_exact_match", "math_verify") else ""

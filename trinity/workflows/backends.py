@@ -1,4 +1,5 @@
-"""Chat backends: the actor's own megatron-core model through today's rollout engines, and a scripted one.
+"""Chat backends: the actor's own megatron-core model through today's rollout engines, a `RolloutEngine`
+(what the RL recipe generates with: `EngineBackend`), and a scripted one.
 
 `RolloutBackend` calls `trinity.rollout.continuous.generate_continuous` (or the reference generator the
 tests compare engines with, `trinity.rollout.reference.reference_generate`) once per distinct sampling setting of a wave: those take one
@@ -15,7 +16,7 @@ from typing import Literal, Sequence
 import torch
 
 from trinity.rollout.kv_budget import KVBudget
-from trinity.rollout.types import Rollout, SamplingParams
+from trinity.rollout.types import Rollout, RolloutEngine, SamplingParams
 from trinity.workflows.types import ChatTokenizer, TokenRequest, TokenResult
 
 
@@ -67,6 +68,34 @@ class RolloutBackend:
             self.calls += 1
             for i, result in zip(rows, _results(rollout, params.eos_token_ids)):
                 results[i] = result
+        return [r for r in results if r is not None]
+
+
+@dataclass
+class EngineBackend:
+    """A `RolloutEngine` behind the sessions (the RL recipe's: sequence parallel off, its KV budget), one
+    engine call per distinct sampling setting of a wave. Each call's prompts go in a canonical order (by
+    their token ids, ties in arrival order), so that which draws of `generator` a turn gets does not
+    depend on which episode asked first (a tool's thread finishing sooner or later)."""
+
+    engine: RolloutEngine
+    generator: torch.Generator | None = None
+    calls: int = 0  # engine calls made
+    tokens: int = 0  # tokens sampled
+
+    def generate(self, requests: Sequence[TokenRequest]) -> list[TokenResult]:
+        if self.generator is not None and self.generator.device.type == "cuda":
+            torch.cuda.set_device(self.generator.device)  # the batcher's worker thread starts on cuda:0
+        groups: dict[SamplingParams, list[int]] = {}
+        for i in sorted(range(len(requests)), key=lambda i: requests[i].prompt_ids):
+            groups.setdefault(requests[i].sampling, []).append(i)
+        results: list[TokenResult | None] = [None] * len(requests)
+        for params, rows in groups.items():
+            rollout = self.engine.generate([list(requests[i].prompt_ids) for i in rows], params, self.generator)
+            self.calls += 1
+            for i, result in zip(rows, _results(rollout, params.eos_token_ids)):
+                results[i] = result
+                self.tokens += len(result.token_ids)
         return [r for r in results if r is not None]
 
 

@@ -15,7 +15,8 @@ import operator
 import re
 from typing import Callable
 
-from trinity.workflows.session import EpisodeLimit, Session
+from trinity.workflows.session import EpisodeLimit, Reply, Session
+from trinity.workflows.tool_calls import TOOL_CALL_PARSERS
 from trinity.workflows.types import JSON, Episode, Task
 
 MAX_CHARS = 200
@@ -118,15 +119,31 @@ def final_number(text: str) -> str | None:
     return found[-1] if found else None
 
 
-async def calculator_workflow(task: Task, session: Session, *, max_new_tokens: int | None = None) -> Episode:
+TOOL_PROMPT = ("You can use a calculator: write <tool_call>{\"name\": \"calculator\", \"arguments\": "
+               "{\"expression\": \"(12+7)*3\"}}</tool_call> and its result comes back.")
+
+
+async def calculator_workflow(task: Task, session: Session, *, max_new_tokens: int | None = None,
+                              tools_in_prompt: bool = False) -> Episode:
     """Task {"prompt": "12+7=", "answer": "19"} (`trinity.testing.tiny_assets.arithmetic_problem`): the model
     may call the calculator, each result comes back as a tool message, and the first reply without a tool
-    call is the answer: reward 1 when its last number is the answer, else 0."""
+    call is the answer: reward 1 when its last number is the answer, else 0.
+
+    The tool goes to the chat template as `tools=` (Qwen2.5, Qwen3 render it; a template that does not
+    is refused, `ToolsNotSupported`); `tools_in_prompt`: described in the user message instead
+    (`TOOL_PROMPT`, for templates without tools: the tiny assets', SmolLM2's), the reply parsed in Qwen's
+    `<tool_call>` format all the same."""
+    native = not tools_in_prompt
+    hint = "" if native else " " + TOOL_PROMPT
     messages = [{"role": "user", "content": f"Compute {task['prompt']} Use the calculator tool if it helps, "
-                                            "then answer with the number."}]
+                                            f"then answer with the number.{hint}"}]
     try:
         while True:
-            reply = await session.chat(messages, tools=[CALCULATOR_TOOL], max_new_tokens=max_new_tokens)
+            reply = await session.chat(messages, tools=[CALCULATOR_TOOL] if native else None,
+                                       max_new_tokens=max_new_tokens)
+            if not native:
+                parsed = TOOL_CALL_PARSERS["qwen"].parse(reply.text)
+                reply = Reply(reply.message, reply.finish, parsed.calls, parsed.errors)
             messages.append(reply.message)
             if not reply.tool_calls and not reply.tool_errors:
                 correct = final_number(reply.text) == str(task["answer"])

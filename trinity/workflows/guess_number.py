@@ -46,3 +46,21 @@ async def guess_number_workflow(task: Task, session: Session, *, max_new_tokens:
             messages += [reply.message, {"role": "user", "content": feedback(guess, secret)}]
     except EpisodeLimit as e:
         return session.finish(reward=0.0, turn_rewards=turn_rewards, end=e.reason)
+
+
+def write_tasks(path: str, n: int, seed: int = 0, low: int = 1, high: int = 100) -> None:
+    """n tasks {"secret", "low", "high"} as jsonl (a workflow job's data.train_files)."""
+    import json
+    import random
+
+    rng = random.Random(seed)
+    with open(path, "w") as f:
+        for _ in range(n):
+            f.write(json.dumps({"secret": rng.randint(low, high), "low": low, "high": high}) + "\n")
+
+
+if __name__ == "__main__":  # python -m trinity.workflows.guess_number tasks.jsonl [n] [high]
+    import sys
+
+    write_tasks(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 256,
+                high=int(sys.argv[3]) if len(sys.argv) > 3 else 100)

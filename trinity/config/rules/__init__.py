@@ -5,7 +5,7 @@ all problems at once. Rules that megatron-core would otherwise hit minutes into 
 heads, layers, experts, recompute) are mirrored here from its asserts. One module per concern:
 `roles`, `megatron` (a role's parallel layout and model options), `batches` (sizes and lengths),
 `algorithms` (what the algorithm's spec owns and adds, LoRA, reward), `data`, `profile`, `schedule`
-(warm-ups), `evaluation`; `check_job` runs them in order. What depends on the algorithm is asked of its
+(warm-ups), `evaluation`, `workflow`; `check_job` runs them in order. What depends on the algorithm is asked of its
 spec (`cfg.spec`, trinity.algorithms.registry).
 """
 
@@ -26,6 +26,7 @@ from trinity.config.rules.roles import (
     check_strategy,
 )
 from trinity.config.rules.schedule import check_warmups
+from trinity.config.rules.workflow import check_workflow
 from trinity.config.schema import JobConfig
 from trinity.errors import UserError
 from trinity.models.facts import ModelFacts, refuse_custom_code
@@ -66,7 +67,8 @@ def check_job(cfg: JobConfig, *, check_paths: bool = True) -> tuple[ModelFacts |
         if check_paths:
             check_vocabulary(cfg, facts, problems)
     if cfg.is_rl:
-        check_reward(cfg, problems, check_paths)
+        if cfg.workflow is None:  # a workflow scores its own episodes (check_workflow)
+            check_reward(cfg, problems, check_paths)
         if facts is not None:
             check_kv_budget(cfg, facts, problems)
     check_algorithm(cfg, problems)
@@ -76,4 +78,5 @@ def check_job(cfg: JobConfig, *, check_paths: bool = True) -> tuple[ModelFacts |
     check_profile(cfg, problems)
     check_warmups(cfg, problems, warnings)
     check_evaluation(cfg, problems, check_paths)
+    check_workflow(cfg, problems, check_paths)
     return facts, problems, warnings

@@ -18,6 +18,7 @@ from trinity.config.schema.data import DataConfig
 from trinity.config.schema.model import ModelConfig
 from trinity.config.schema.reward import RewardConfig, RewardModelConfig
 from trinity.config.schema.trainer import TrainerConfig
+from trinity.config.schema.workflow import WorkflowConfig
 
 
 class JobConfig(StrictModel):
@@ -41,6 +42,9 @@ class JobConfig(StrictModel):
     """RL reward function."""
     reward_model: RewardModelConfig = Field(default_factory=RewardModelConfig)
     """dapo: overlong reward shaping (verl's reward_model.overlong_buffer)."""
+    workflow: WorkflowConfig | None = None
+    """RL: a multi-turn, tool-using workflow run per task instead of one response per prompt; it scores its
+    own episodes (no `reward:`). docs/workflows.md."""
 
     @property
     def spec(self) -> AlgorithmSpec:
@@ -73,6 +77,13 @@ class JobConfig(StrictModel):
         for key, value in spec.defaults if spec is not None else ():
             data = _set_unset(data, key.split("."), value)
         return data
+
+    @property
+    def workflow_context_tokens(self) -> int:
+        """The context limit of a workflow's conversations: workflow.context_tokens, else the RL sequence
+        length (data.max_prompt_length + rollout.response_length)."""
+        explicit = self.workflow.context_tokens if self.workflow is not None else None
+        return explicit or self.data.max_prompt_length + self.actor_rollout_ref.rollout.response_length
 
     @property
     def needs_ref(self) -> bool:

@@ -1,6 +1,5 @@
-"""The `workflow:` block: a Python function run per task (multi-turn, tool-using RL; docs/workflows.md).
-
-Not part of the job config yet: `trinity run` does not run workflows.
+"""The `workflow:` block of a job (`JobConfig.workflow`): a Python function run per task (multi-turn,
+tool-using RL; docs/workflows.md); trinity.config.rules.workflow holds its cross-field rules.
 """
 
 from __future__ import annotations
@@ -72,8 +71,10 @@ class WorkflowConfig(StrictModel):
     """Variables of the chat template itself, e.g. `{enable_thinking: false}` for Qwen3."""
     max_turns: int = Field(default=Limits.max_turns, gt=0)
     """Assistant turns per episode; one more ends it with `max_turns`."""
-    context_tokens: int = Field(default=Limits.context_tokens, gt=0)
-    """Tokens of a conversation; a turn whose prompt reaches it ends the episode with `context_limit`."""
+    context_tokens: int | None = Field(default=None, gt=0)
+    """Tokens of a conversation; a turn whose prompt reaches it ends the episode with `context_limit`.
+    Unset: data.max_prompt_length + actor_rollout_ref.rollout.response_length, the RL sequence length that
+    the token budgets, the KV cache and the model's positions are checked against (at most that)."""
     turn_timeout_s: float = Field(default=Limits.turn_timeout_s, gt=0)
     """Seconds a turn may wait for the engine, or a tool call may run."""
     episode_timeout_s: float = Field(default=Limits.episode_timeout_s, gt=0)
@@ -93,7 +94,10 @@ class WorkflowConfig(StrictModel):
         raise ValueError(f"{value!r} is neither a built-in workflow ({', '.join(sorted(BUILTIN_WORKFLOWS))}) nor "
                          "module.path:function")
 
-    def limits(self) -> Limits:
-        return Limits(max_turns=self.max_turns, context_tokens=self.context_tokens,
+    def limits(self, sequence_tokens: int = Limits.context_tokens) -> Limits:
+        """The runner's limits; `sequence_tokens`: the context limit where `context_tokens` is unset (a job's
+        RL sequence length, `JobConfig.workflow_context_tokens`)."""
+        context = self.context_tokens if self.context_tokens is not None else sequence_tokens
+        return Limits(max_turns=self.max_turns, context_tokens=context,
                       turn_timeout_s=self.turn_timeout_s, episode_timeout_s=self.episode_timeout_s,
                       on_error=self.on_error, template_mismatch=self.template_mismatch)

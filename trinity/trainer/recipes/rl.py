@@ -44,6 +44,7 @@ if TYPE_CHECKING:
     from trinity.data.prompts import Prompt, PromptData
     from trinity.rollout.partial import PartialGroup, PartialOutcome
     from trinity.trainer.recipes.rl_partial import PartialStream
+    from trinity.trainer.recipes.workflow import TaskData, WorkflowSampling
 
 T = TypeVar("T")
 # A phase's tokens (`Phases.run`): the real ones, or (real, computed: padding included); ints or 0-d tensors.
@@ -144,6 +145,16 @@ def _logprob_gap(rollout_logp: torch.Tensor, logp: torch.Tensor, mask: torch.Ten
     return {"rollout/logprob_diff_mean": float(s[0] / s[1]), "rollout/logprob_diff_max": float(mx)}
 
 
+def last_token_rewards(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[B, R] float32: each row's score on its last counted token (mask 1), 0 elsewhere and on rows with
+    none. The last one, not position mask.sum() - 1: a multi-turn response's mask has holes (the tool and
+    user tokens between assistant turns)."""
+    last = (mask * torch.arange(1, mask.shape[1] + 1, device=mask.device)).argmax(-1)
+    token_rewards = torch.zeros(tuple(mask.shape), dtype=torch.float32, device=mask.device)
+    token_rewards[torch.arange(mask.shape[0], device=mask.device), last] = scores.float() * (mask.sum(-1) > 0)
+    return token_rewards
+
+
 def _masked_stats(prefix: str, x: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
     sel = x[mask.bool()]
     if sel.numel() == 0:
@@ -228,11 +239,12 @@ class RLRecipe(Recipe):
     """Every RL algorithm. Subclasses add a critic (`update_critic(...)`, PPO) or replace `sample(...)`
     (DAPO)."""
 
-    data: PromptData
+    data: PromptData | TaskData
     rollout_engine: RolloutEngine
     partial: PartialStream | None = None  # actor_rollout_ref.rollout.partial (trinity.trainer.recipes.rl_partial)
+    workflow: WorkflowSampling | None = None  # a `workflow:` job's sampling (recipes/workflow.py)
 
-    def build_data(self) -> PromptData:
+    def build_data(self) -> PromptData | TaskData:
         from trinity.data.loader import load_tokenizer, pad_token_id
         from trinity.data.prompts import build_prompt_data
         from trinity.rewards.process import GuardedReward
@@ -250,6 +262,11 @@ class RLRecipe(Recipe):
         if not cfg.data.train_files:
             raise UserError("data.train_files: RL needs at least one prompt file")
         self.seqs_per_update = cfg.actor_rollout_ref.actor.ppo_mini_batch_size * rollout.n // dp
+        if cfg.workflow is not None:  # the one place a workflow job's sampling is chosen
+            from trinity.trainer.recipes.workflow import WorkflowSampling
+
+            self.workflow = WorkflowSampling.build(self, dp_rank, dp)
+            return self.workflow.data
         data = build_prompt_data(
             cfg.data.train_files, self.tokenizer, batch_size=cfg.data.train_batch_size,
             max_prompt_length=cfg.data.max_prompt_length, seed=cfg.trainer.seed, dp_rank=dp_rank, dp_size=dp,
@@ -351,6 +368,8 @@ class RLRecipe(Recipe):
 
     def sample(self, step: int, gen: torch.Generator) -> Sampled:
         """This step's scored rollout. DAPO's dynamic sampling overrides it."""
+        if self.workflow is not None:
+            return self.workflow.sample(step, gen)
         if self.partial is not None:
             return self.sample_partial(step)
         prompts = self.data.next_batch()
@@ -543,9 +562,7 @@ class RLRecipe(Recipe):
 
         algo = self.cfg.algorithm
         mask = ro.response_mask
-        last = (mask.sum(-1) - 1).clamp(min=0)
-        token_rewards = torch.zeros(tuple(mask.shape), dtype=torch.float32, device=mask.device)
-        token_rewards[torch.arange(mask.shape[0]), last] = scores * (mask.sum(-1) > 0)
+        token_rewards = last_token_rewards(scores, mask)
         extra: dict[str, float] = {}
         if algo.use_kl_in_reward:
             assert ref_logp is not None and old_logp is not None
