@@ -92,6 +92,7 @@ def assert_same_step(a: dict, b: dict, keys: tuple[str, ...]) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.multiproc  # its last run resumes at CP=2 (two ranks)
 def test_grpo_runs_checkpoints_and_resumes_exactly(assets, tmp_path):
     out = tmp_path / "grpo"
     cfg = job(assets, out, "grpo", 3)

@@ -146,6 +146,7 @@ def _worker(rank: int, port: int, model_dir: str, out: str) -> None:
 
 
 @pytest.mark.multiproc
+@pytest.mark.slow  # two spawned ranks building two models: ~25 s on 2 idle cores
 def test_cp2_recipes_equal_cp1(tmp_path, monkeypatch):
     from trinity.distributed import collectives
     from trinity.testing.tiny_models import make_tiny_hf_model
