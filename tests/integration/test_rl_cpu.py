@@ -92,6 +92,7 @@ def assert_same_step(a: dict, b: dict, keys: tuple[str, ...]) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.multiproc  # its last run resumes at CP=2 (two ranks)
 def test_grpo_runs_checkpoints_and_resumes_exactly(assets, tmp_path):
     out = tmp_path / "grpo"
     cfg = job(assets, out, "grpo", 3)
@@ -134,6 +135,21 @@ def test_grpo_runs_checkpoints_and_resumes_exactly(assets, tmp_path):
     assert [r["step"] for r in again] == [1, 2, 3]
     assert again[:2] == first[:2]
     assert_same_step(first[2], again[2], RESUME_KEYS)
+
+    # context parallelism: step 3 once more from the same checkpoint at CP=2 (two ranks, DP=1): checkpoints
+    # do not depend on CP, and ring attention, the row split and the gathered log-probs give CP=1's metrics
+    cp = dict(cfg, cluster={**cfg["cluster"], "nproc_per_node": 2}, trainer={**cfg["trainer"], "profile_step": None})
+    cp["actor_rollout_ref"] = {role: ({**v, "megatron": {**v["megatron"], "context_parallel_size": 2}}
+                                      if role in ("actor", "ref") else v)
+                               for role, v in cfg["actor_rollout_ref"].items()}
+    on_cp2 = resume_at_step_2(cp, out, tmp_path / "c.yaml")
+    assert [r["step"] for r in on_cp2] == [1, 2, 3]
+    # fp32 in another summation order (a loss near 0 differs by rounding alone); the rows the update computes
+    # are padded to 2·CP chunks (padding_fraction/update_actor differs by design)
+    a, b = first[2], on_cp2[2]
+    for key in (*RESUME_KEYS, "actor/entropy", "actor/kl_loss", "actor/ref_kl", "actor/ppo_kl", "actor/loss",
+                "reward/std", "advantages/max", "response_length/mean", "rollout/decode_steps"):
+        assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), (key, a[key], b[key])
 
 
 @pytest.mark.slow

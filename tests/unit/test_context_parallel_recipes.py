@@ -6,7 +6,8 @@ over DP x CP) equal CP=1's:
 - RL: response log-probs and entropies of padded rollout rows (padded on the fly to 2·CP chunks) and of
   packed rows (`pack_rollout`), gathered whole on every CP rank;
 - DPO: `sequence_logps`, summed over the CP group.
-The end-to-end SFT run at CP=2 is tests/integration/test_sft_cpu.py::test_layouts_give_the_same_losses[cp2]."""
+GRPO at CP=2 through `trinity run` (resumed from a CP=1 checkpoint): tests/integration/test_rl_cpu.py::
+test_grpo_runs_checkpoints_and_resumes_exactly; SFT and GRPO on GPUs: tests/gpu/test_context_parallel_gpu.py."""
 
 from __future__ import annotations
 
@@ -145,6 +146,7 @@ def _worker(rank: int, port: int, model_dir: str, out: str) -> None:
 
 
 @pytest.mark.multiproc
+@pytest.mark.slow  # two spawned ranks building two models: ~25 s on 2 idle cores
 def test_cp2_recipes_equal_cp1(tmp_path, monkeypatch):
     from trinity.distributed import collectives
     from trinity.testing.tiny_models import make_tiny_hf_model

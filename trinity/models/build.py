@@ -267,9 +267,10 @@ def packed_attention(model: torch.nn.Module, doc_ids: torch.Tensor, device: torc
     if cp > 1:  # ring attention: the whole rows' document ids (each rank finds any block's ids in them)
         from trinity.models.ring_attention import ring_document_params
 
-        if not doc_ids.is_cuda and _one_document_rows(doc_ids):
+        if _one_document_rows(doc_ids):
             # unpacked rows: causal attention is their document mask (trailing padding is read by no loss),
-            # and without a mask the ring runs torch's flash kernel per block
+            # and without a mask the ring runs torch's flash kernel per block (ids on the GPU, DPO's: one
+            # small copy per micro batch, against a forward long enough to need CP)
             return {"attention_mask": None}
 
         return {"attention_mask": None, "packed_seq_params": ring_document_params(doc_ids, device=device)}
