@@ -85,3 +85,27 @@ def test_a_call_returns_need_whole_groups_and_carries_the_rest(model):
     assert int((versions >= 0).sum()) == sum(lengths)
     for g in out.carry:
         assert PartialGroup.from_state(g.state()) == g
+
+
+def _call_s(model, carried, fresh, *, need, version):
+    gpt, facts = model
+    params = SamplingParams(temperature=1.0, max_new_tokens=NEW)
+    return generate_partial(gpt, carried, fresh, params, n=N, need=need, inflight=4 * need, version=version,
+                            max_staleness=1, longest_prompt=8, vocab_size=facts.vocab_size, pad_id=0,
+                            budget=KVBudget(max_num_seqs=256), seed=7, response_length=_lengths)
+
+
+def test_with_max_staleness_no_group_outlives_it(model):
+    """With max_staleness 1 a call starts at most 2 x need groups (carried ones included) and waits for the
+    carried ones (due): over several calls every trained token is at most one version old, no group is
+    left to grow older, and the carried state never exceeds one step's batch."""
+    fresh, carry, need, running = _stream(), [], 2, 0
+    for version in range(4):
+        out = _call_s(model, carry, fresh, need=need, version=version)
+        assert len(out.trained) == need and all(g.complete for g in out.trained)
+        assert all(version - v <= 1 for g in out.trained for a in g.answers for v in a.versions)
+        assert len(out.carry) <= need  # started and untrained: at most (1 + 1) x need before the batch left
+        assert all(g.oldest is None or g.oldest == version for g in out.carry)  # every older one was trained
+        running += sum(1 for g in out.carry for a in g.answers if a.tokens and not a.ended)
+        carry = out.carry
+    assert running  # answers were carried half-done

@@ -231,6 +231,7 @@ def generate_partial(
         used = len(row_of)
         out_len = sched.out_len[:used].cpu().tolist()
         stats.tokens = sum(out_len)
+        stats.rows = used  # the rows decoded (`computed_tokens` counts each one's first token)
         width = max(out_len + [1])
         out_tokens = sched.out_tokens[:used, :width].cpu().tolist()
         out_logp = sched.pipe.from_last(sched.out_logp[:used, :width].contiguous()).cpu().tolist()
