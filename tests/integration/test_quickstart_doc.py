@@ -281,15 +281,19 @@ for config, *overrides in [line.split() for line in sys.argv[1:]]:
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_documented_commands_print_no_third_party_noise(tmp_path: Path):
-    """`trinity --help`, `trinity tiny-assets`, `trinity validate` on the example configs and the docs'
-    Python snippets (docs/pretraining.md's indexed-dataset builder, docs/real-model.md's evaluation,
-    docs/quickstart.md's and docs/lora.md's loading in transformers / PEFT, on the tiny assets) print no
-    third-party warning, progress bar or stray blank line. `trinity run` and
-    `trinity convert` are checked where they run anyway: the quickstart's commands (above) and the TP=2
-    run of tests/integration/test_sft_cpu.py."""
+    """`trinity --help`, `trinity validate` on the example configs and the docs' Python snippets
+    (docs/pretraining.md's indexed-dataset builder, docs/real-model.md's evaluation, docs/quickstart.md's
+    and docs/lora.md's loading in transformers / PEFT, on the tiny assets) print no third-party warning,
+    progress bar or stray blank line. `trinity tiny-assets`, `trinity run` and `trinity convert` are
+    checked where they run anyway: the quickstart's commands (test_quickstart_doc_commands_run, whose
+    first block is `trinity tiny-assets quickstart_assets`) and the TP=2 run of
+    tests/integration/test_sft_cpu.py; the assets here are made in this process (what the command
+    calls), not by a second CLI process (~8 s of imports)."""
+    from trinity.testing.tiny_assets import make_quickstart_assets
+
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)}
     outputs = {"trinity --help": (_run(["trinity", "--help"], tmp_path, env), True)}
-    outputs["trinity tiny-assets"] = (_run(["trinity", "tiny-assets", "quickstart_assets"], tmp_path, env), False)
+    make_quickstart_assets(tmp_path / "quickstart_assets")
     shutil.copytree(REPO / "configs", tmp_path / "configs")
     fixtures = REPO / "tests" / "fixtures"
     cpu = [f"configs/{name}" for name in ("quickstart.yaml", "grpo_tiny_cpu.yaml", "lora_sft_cpu.yaml")]
