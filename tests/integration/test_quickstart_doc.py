@@ -3,7 +3,8 @@ what the doc shows is what the commands print.
 
 - Each ```bash block runs as one `bash -euo pipefail` script (so heredocs work and a failing line fails
   the block), with the environment a reader has: tests/conftest.py's OMP_NUM_THREADS=1 is removed,
-  since the doc sets no such variable (the workers choose their threads themselves). Skipped: `pip
+  since the doc sets no such variable (the workers choose their threads themselves, from the cores
+  they may run on: under pytest-xdist, this worker's share of them, `worker_cores`). Skipped: `pip
   install` lines (the test environment is installed already) and the test suite itself (`python -m
   pytest`, which would run this test again); the test asserts the doc has both.
 - A ```text block whose first line is `$ <command>` runs that command and shows its output.
@@ -54,6 +55,29 @@ VOLATILE_BEFORE = re.compile(r"(reward|len|pg_loss|ref_kl|steps|reward/mean|rewa
 # docs/quickstart.md states both margins in its prose.
 SFT_LOSS_RATIO = 0.3
 REWARD_GAIN = 0.5  # measured +0.84, +0.84, +0.86 with trainer.seed 1234, 7, 42
+
+
+def worker_cores() -> set[int]:
+    """The cores a reader's machine would have for this test: this process's cores, split evenly over
+    pytest-xdist's workers (at least one each), this worker taking its own slice. Under `-n 2` on 2 cores
+    the doc's commands run on one core, as on a 1-core machine: their workers choose 1 torch thread
+    (trinity.distributed.parallel.cpu_threads_per_rank reads the affinity mask), instead of 2 threads
+    that the other worker's tests keep descheduling (tiny steps 30-100x slower). Alone (`-n 0`) they
+    get every core, as on the machine the doc was captured on. The runs' numbers do not depend on the
+    thread count (the doc says so, and this test compares them)."""
+    cores = sorted(os.sched_getaffinity(0))
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:])
+    share = max(1, len(cores) // max(1, workers))
+    start = (worker * share) % len(cores)
+    return set(cores[start:start + share])
+
+
+def reader_shell(script: str, cores: set[int]) -> list[str]:
+    """`bash -euo pipefail -c script` on `cores` (the affinity mask its children inherit)."""
+    return [sys.executable, "-c", "import os, sys; os.sched_setaffinity(0, set(map(int, sys.argv[1].split(',')))); "
+            "os.execvp('bash', ['bash', '-euo', 'pipefail', '-c', sys.argv[2]])",
+            ",".join(map(str, sorted(cores))), script]
 
 
 def fences(text: str) -> list[tuple[str, str]]:
@@ -159,6 +183,7 @@ def test_quickstart_doc_commands_run(tmp_path: Path):
     assert sum(kind == "bash" and runnable(body).strip() != "" for kind, body in blocks) >= 6, (
         "docs/quickstart.md: expected the quickstart's command blocks"
     )
+    cores = worker_cores()
     out_lines: list[str] = []
     cursor, ran_sft, shown = 0, False, 0
     for kind, body in blocks:
@@ -168,7 +193,7 @@ def test_quickstart_doc_commands_run(tmp_path: Path):
             if not script.strip():
                 continue
             proc = subprocess.run(
-                ["bash", "-euo", "pipefail", "-c", script], cwd=tmp_path, env=env,
+                reader_shell(script, cores), cwd=tmp_path, env=env,
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=BLOCK_TIMEOUT_S,
             )
             tail = "\n".join(proc.stdout.splitlines()[-40:])
@@ -256,15 +281,19 @@ for config, *overrides in [line.split() for line in sys.argv[1:]]:
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_documented_commands_print_no_third_party_noise(tmp_path: Path):
-    """`trinity --help`, `trinity tiny-assets`, `trinity validate` on the example configs and the docs'
-    Python snippets (docs/pretraining.md's indexed-dataset builder, docs/real-model.md's evaluation,
-    docs/quickstart.md's and docs/lora.md's loading in transformers / PEFT, on the tiny assets) print no
-    third-party warning, progress bar or stray blank line. `trinity run` and
-    `trinity convert` are checked where they run anyway: the quickstart's commands (above) and the TP=2
-    run of tests/integration/test_sft_cpu.py."""
+    """`trinity --help`, `trinity validate` on the example configs and the docs' Python snippets
+    (docs/pretraining.md's indexed-dataset builder, docs/real-model.md's evaluation, docs/quickstart.md's
+    and docs/lora.md's loading in transformers / PEFT, on the tiny assets) print no third-party warning,
+    progress bar or stray blank line. `trinity tiny-assets`, `trinity run` and `trinity convert` are
+    checked where they run anyway: the quickstart's commands (test_quickstart_doc_commands_run, whose
+    first block is `trinity tiny-assets quickstart_assets`) and the TP=2 run of
+    tests/integration/test_sft_cpu.py; the assets here are made in this process (what the command
+    calls), not by a second CLI process (~8 s of imports)."""
+    from trinity.testing.tiny_assets import make_quickstart_assets
+
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)}
     outputs = {"trinity --help": (_run(["trinity", "--help"], tmp_path, env), True)}
-    outputs["trinity tiny-assets"] = (_run(["trinity", "tiny-assets", "quickstart_assets"], tmp_path, env), False)
+    make_quickstart_assets(tmp_path / "quickstart_assets")
     shutil.copytree(REPO / "configs", tmp_path / "configs")
     fixtures = REPO / "tests" / "fixtures"
     cpu = [f"configs/{name}" for name in ("quickstart.yaml", "grpo_tiny_cpu.yaml", "lora_sft_cpu.yaml")]

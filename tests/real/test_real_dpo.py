@@ -34,8 +34,11 @@ def _pairs(path: Path, n: int, seed: int = 0) -> Path:
 def test_dpo_preference_accuracy_rises(real_assets, tmp_path):
     cfg = yaml.safe_load((REPO / "configs" / "dpo_tiny_cpu.yaml").read_text())
     cfg["model"]["path"] = str(real_assets / "model")
-    # 8 pairs, one global batch: every step sees the same training pairs, whose accuracy is measured
-    cfg["data"].update(train_files=[str(_pairs(tmp_path / "pairs.jsonl", 8))], seq_length=64, shuffle=False)
+    # 8 pairs, one global batch: every step sees the same training pairs, whose accuracy is measured.
+    # seq_length 48: the pairs are 46-47 tokens (the template's system prompt, the question, 1-2 digits and
+    # the end of turn), and every row is padded to seq_length: 64 trained and referenced 25% padding
+    pairs = _pairs(tmp_path / "pairs.jsonl", 8)
+    cfg["data"].update(train_files=[str(pairs)], seq_length=48, shuffle=False)
     # 2 steps: measured accuracies 0, 0.75 (then 0.875, 0.875) and margins 0, 0.27 (then 0.54, 0.84); each
     # step of the 135M model is ~15-40 s of CI time, so the test stops at the first update's effect
     cfg["trainer"].update(output_dir=str(tmp_path / "run"), total_steps=2, global_batch_size=8,
@@ -45,6 +48,8 @@ def test_dpo_preference_accuracy_rises(real_assets, tmp_path):
     proc = trinity_run(cfg, tmp_path / "dpo.yaml", timeout=800, reuse_conversion=True)
     assert proc.returncode == 0, proc.stdout[-3000:]
 
+    # every pair whole: none cut to seq_length
+    assert "0 truncated, 0 dropped" in proc.stdout, proc.stdout[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if "rewards/accuracies" in r]
     assert [r["step"] for r in rows] == [1, 2]
