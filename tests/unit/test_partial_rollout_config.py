@@ -39,6 +39,12 @@ def test_what_cannot_take_effect_is_refused(write_job, small_job):
     assert any(p.startswith(f"{P}.over_sampling_batch_size: 4 is below data.train_batch_size (8)") for p in probs), probs
     probs = problems_of(write_job(rl(small_job, actor_rollout_ref__rollout__partial={"max_staleness": 0})))
     assert any(p.startswith(f"{P}.max_staleness:") for p in probs), probs
+    on = {"enable": True}
+    cp = rl(small_job, actor_rollout_ref__rollout__partial=on, cluster__nproc_per_node=2,
+            actor_rollout_ref__actor__megatron={"context_parallel_size": 2})
+    assert any(p.startswith(f"{P}.enable: not supported with context parallelism") for p in problems_of(write_job(cp)))
+    wf = rl(small_job, actor_rollout_ref__rollout__partial=on, workflow={"function": "guess_number"})
+    assert any(p.startswith(f"{P}.enable: not available with a workflow") for p in problems_of(write_job(wf)))
     sft = with_keys(small_job, actor_rollout_ref__rollout__partial={"enable": True})
     assert any(p.startswith(f"{P}.enable: partial rollouts apply to RL algorithms") for p in problems_of(write_job(sft)))
 

@@ -29,6 +29,15 @@ def check_partial(cfg: JobConfig, problems: list[str]) -> None:
             f"{P}.enable: not supported with pipeline parallelism (actor_rollout_ref.actor.megatron."
             f"pipeline_model_parallel_size = {lay.pipeline_model_parallel_size}); use pipeline_model_parallel_size 1 "
             "or disable partial rollouts")
+    if lay.context_parallel_size > 1:
+        problems.append(
+            f"{P}.enable: not supported with context parallelism (actor_rollout_ref.actor.megatron."
+            f"context_parallel_size = {lay.context_parallel_size}); use context_parallel_size 1 or disable partial "
+            "rollouts")
+    if cfg.workflow is not None:
+        problems.append(
+            f"{P}.enable: not available with a workflow (workflow.function): an episode's turns are generated one "
+            "after another, not carried over between steps; remove the workflow or disable partial rollouts")
     layout, world = lay.layout(), cfg.cluster.world_size
     dp = layout.dp(world) if world % layout.model_parallel_size == 0 else None  # else the layout rule reports it
     batch = cfg.data.train_batch_size
