@@ -89,7 +89,8 @@ def test_a_users_workflow_is_found_without_running_it(write_job, tmp_path, monke
     assert not marker.exists()  # validation parsed the file, never ran it
 
 
-@pytest.mark.parametrize("path", ["configs/grpo_calculator_tiny_cpu.yaml", "docs/workflows.md"])
+@pytest.mark.parametrize("path", ["configs/grpo_calculator_tiny_cpu.yaml", "configs/smollm2_guess_number_cpu.yaml",
+                                  "docs/workflows.md"])
 def test_the_example_configs_validate(path, tmp_path):
     text = (REPO / path).read_text()
     if path.endswith(".md"):  # the YAML block of docs/workflows.md's `trinity run` section
