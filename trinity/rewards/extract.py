@@ -50,6 +50,15 @@ EXTRACTORS: dict[str, Callable[[str, str], str | None]] = {
 }
 
 
+def extractor(name: str) -> Callable[[str, str], str | None]:
+    """`reward.extractor`'s function; an unknown name is the user's error, naming the key and the choices."""
+    from trinity.errors import UserError
+
+    if name not in EXTRACTORS:
+        raise UserError(f"reward.extractor: unknown extractor {name!r}; known: {', '.join(EXTRACTORS)}")
+    return EXTRACTORS[name]
+
+
 def normalize_answer(text: str) -> str:
     """Canonical form for comparison: numbers as reduced fractions ("19.0" -> "19", "1.5" -> "3/2"),
     anything else with whitespace collapsed. Currency, thousands commas, a trailing period and

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from trinity.errors import UserError
-from trinity.rewards.extract import EXTRACTORS, extract_after_marker, normalize_answer
+from trinity.rewards.extract import extractor, extract_after_marker, normalize_answer
 
 if TYPE_CHECKING:
     from trinity.config.schema import RewardConfig
@@ -46,11 +46,10 @@ class MathExactMatch:
     marker: str = "####"
 
     def __post_init__(self) -> None:
-        if self.extractor not in EXTRACTORS:
-            raise UserError(f"reward.extractor: unknown extractor {self.extractor!r}; known: {', '.join(EXTRACTORS)}")
+        extractor(self.extractor)
 
     def __call__(self, prompts: list[str], responses: list[str], answers: list[str | None]) -> list[float]:
-        extract = EXTRACTORS[self.extractor]
+        extract = extractor(self.extractor)
         scores = []
         for i, (response, answer) in enumerate(zip(responses, answers, strict=True)):
             if answer is None:

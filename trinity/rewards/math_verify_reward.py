@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from trinity.errors import UserError
-from trinity.rewards.extract import EXTRACTORS, extract_after_marker, extract_boxed, extract_last_number
+from trinity.rewards.extract import extractor, extract_after_marker, extract_boxed, extract_last_number
 
 TIMEOUT_S = 5
 
@@ -57,8 +57,7 @@ class MathVerifyReward:
     marker: str = "####"
 
     def __post_init__(self) -> None:
-        if self.extractor not in EXTRACTORS:
-            raise UserError(f"reward.extractor: unknown extractor {self.extractor!r}; known: {', '.join(EXTRACTORS)}")
+        extractor(self.extractor)
         _import()  # a missing package fails when the job starts, not at the first reward
 
     def __call__(self, prompts: list[str], responses: list[str], answers: list[str | None]) -> list[float]:
