@@ -194,11 +194,9 @@ class SequenceParallelOff:
         group = cpx.cp_group()
         if group is None:
             return ro
-        import dataclasses
-
         tokens, prompt_mask, response_mask, logprobs = cpx.same_on_cp_ranks(
             [ro.tokens, ro.prompt_mask, ro.response_mask, ro.logprobs], group)
-        return dataclasses.replace(ro, tokens=tokens, prompt_mask=prompt_mask, response_mask=response_mask,
+        return replace(ro, tokens=tokens, prompt_mask=prompt_mask, response_mask=response_mask,
                                    logprobs=logprobs)
 
     def generate_partial(self, carried: Sequence[PartialGroup], fresh: Callable[[], PartialGroup],
@@ -393,10 +391,7 @@ class RLRecipe(Recipe):
             return self.rollout_engine.stats.tokens, self.rollout_engine.stats.computed_tokens
 
         prompts, ro, versions, counts = self.phases.run("rollout", {"actor": {"params": True}}, run, tokens=tokens)
-        stats = self.rollout_engine.stats
-        self.phases.metrics.update({"rollout/slots": stats.slots, "rollout/decode_steps": stats.decode_steps,
-                                    "rollout/graph_captures": stats.graph_captures,
-                                    "rollout/graph_capture_s": stats.capture_s})
+        self.phases.metrics.update(self.engine_metrics())
         scored = self.score(prompts, ro)
         mask = ro.response_mask.bool()
         age = (step - versions).double()[mask]
@@ -437,11 +432,14 @@ class RLRecipe(Recipe):
             return r.response_mask.sum(), self.rollout_engine.stats.computed_tokens
 
         ro = self.phases.run("rollout", {"actor": {"params": True}}, run, tokens=tokens)
-        stats = self.rollout_engine.stats  # the engine's shape of this rollout: slots (KV budget), steps, graph captures
-        self.phases.metrics.update({"rollout/slots": stats.slots, "rollout/decode_steps": stats.decode_steps,
-                                    "rollout/graph_captures": stats.graph_captures,
-                                    "rollout/graph_capture_s": stats.capture_s})
+        self.phases.metrics.update(self.engine_metrics())
         return ro
+
+    def engine_metrics(self) -> dict[str, float]:
+        """The engine's shape of its last rollout: slots (KV budget), decode steps, graph captures."""
+        stats = self.rollout_engine.stats
+        return {"rollout/slots": stats.slots, "rollout/decode_steps": stats.decode_steps,
+                "rollout/graph_captures": stats.graph_captures, "rollout/graph_capture_s": stats.capture_s}
 
     def score(self, prompts: list[Prompt], ro: Rollout) -> Scored:
         n = self.cfg.actor_rollout_ref.rollout.n
