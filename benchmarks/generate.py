@@ -99,10 +99,11 @@ def bucket_table(stats, call_s: float, engine: str, weight_bytes: int, kv_per_to
 
 
 def hf_config(shape: str, dtype: torch.dtype):
-    """The HF Qwen2 config of a benchmark shape (the 7B shape unties its embeddings, as Qwen2.5-7B does)."""
+    """The HF Qwen2 config of a benchmark shape (the 7B shape unties its embeddings, as Qwen2.5-7B does;
+    32768 positions as Qwen2.5's configs give, so that long-sequence runs validate)."""
     from transformers import Qwen2Config
 
-    cfg = Qwen2Config(**SHAPES[shape], max_position_embeddings=4096, tie_word_embeddings=shape != "7b", torch_dtype=dtype)
+    cfg = Qwen2Config(**SHAPES[shape], max_position_embeddings=32768, tie_word_embeddings=shape != "7b", torch_dtype=dtype)
     cfg.architectures = ["Qwen2ForCausalLM"]
     return cfg
 
