@@ -53,6 +53,17 @@ REPO = Path(__file__).resolve().parents[1]
 PHASES = ("rollout", "reward", "ref", "old_logp", "values", "update_actor", "update_critic")
 
 
+def _bandwidth(device: str) -> float:
+    """generate.bandwidth, on CUDA in a child process: measured here, its CUDA context and cached 2 GiB
+    stayed on GPU 0 for the whole benchmark (2.5 GiB that rank 0 of every job lacked; a 7B update ran out
+    of memory beside it)."""
+    if device != "cuda":
+        return bandwidth(torch.device(device))
+    code = "import sys, torch; sys.path.insert(0, sys.argv[1]); from generate import bandwidth; print(bandwidth(torch.device('cuda')))"
+    out = subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent)], check=True, capture_output=True, text=True)
+    return float(out.stdout.split()[-1])
+
+
 def job(model: Path, prompts: Path, out: Path, *, algo: str, gpus: int, layout: str, offload: bool, args,
         lora: int = 0, budget: str = "0", partial: bool = False) -> dict:
     """`lora` > 0: LoRA adapters of that rank on every linear; the ref is then the actor with its adapters off
@@ -203,7 +214,7 @@ def main() -> None:
         root = Path(tmp)
         model = make_job_model(args.shape, root, args.device)
         prompts = write_prompt_dataset(root / "prompts.jsonl", 512, seed=0)
-        bw = bandwidth(torch.device(args.device))
+        bw = _bandwidth(args.device)
         weight_bytes = sum(f.stat().st_size for f in model.glob("*.safetensors"))
         floor_ms = weight_bytes / bw * 1e3  # one decode step reads every weight once
         print(f"lengths {args.lengths}; token budgets {args.token_budget}; shape {args.shape}: {weight_bytes / 2**30:.2f} GiB bf16 weights, copy bandwidth {bw / 1e9:.0f} GB/s, "

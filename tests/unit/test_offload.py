@@ -31,13 +31,19 @@ def _state(facts, path, distributed: bool):
     return RoleEngine(Role.actor, chunks, m, OptimConfig(lr=1e-3, weight_decay=0.0), dtype=torch.float32, total_steps=10)
 
 
-def _steps(facts, path, offload: bool, distributed: bool = True, n: int = 3) -> list[float]:
-    """n GRPO-like steps (rollout, old log-probs, actor update) with every part offloaded between phases."""
+def _steps(facts, path, offload: bool, distributed: bool = True, n: int = 3, watch=None) -> list[float]:
+    """n GRPO-like steps (rollout, old log-probs, actor update of 2 optimizer steps) with every part
+    offloaded between phases, as the RL recipes' phases move them (the update phase asks for params and
+    grads; the engine brings the optimizer states back for each optimizer step). `watch(state, off)`: a
+    hook before the steps."""
     from trinity.trainer.recipes.rl_update import Experience, actor_update
     from trinity.trainer.recipes.rollout_forward import infer_logprobs
 
     state = _state(facts, path, distributed)
     off = RoleOffloader(state.model, state.optimizer, param_offload=offload, grad_offload=offload, optimizer_offload=offload)
+    state.offloader = off
+    if watch is not None:
+        watch(state, off)
     cfg = ActorConfig(ppo_mini_batch_size=2)
     losses = []
     for step in range(n):
@@ -48,7 +54,7 @@ def _steps(facts, path, offload: bool, distributed: bool = True, n: int = 3) -> 
         off.need(params=True)
         old = infer_logprobs(state.model, ro, facts.vocab_size, 2)
         adv = torch.linspace(-1, 1, 4).unsqueeze(1) * ro.response_mask
-        off.need(params=True, grads=True, optim=True)
+        off.need(params=True, grads=True)
         state.scheduler.step(1)
         m = actor_update(state, Experience(ro, old, adv, adv), cfg, facts.vocab_size, seqs_per_update=2, micro=1).metrics
         losses.append(m["actor/pg_loss"])
@@ -62,6 +68,39 @@ def test_losses_identical_with_and_without_offload(facts_path, distributed):
     plain = _steps(facts, path, offload=False, distributed=distributed)
     moved = _steps(facts, path, offload=True, distributed=distributed)
     assert plain == moved and len(plain) == 3 and any(x != 0 for x in plain)
+
+
+def test_optimizer_states_are_on_the_device_only_for_each_optimizer_step(facts_path):
+    # A 7B GRPO update at DP=4 ran out of memory with its Adam states (21 GiB) on the GPU beside the
+    # micro batches' activations: they now come back only for the step, and go right after it.
+    facts, path = facts_path
+    forward, step, after = [], [], []
+
+    def watch(state, off):
+        state.chunks[0].register_forward_hook(lambda *_: forward.append(off.device_bytes()["optim"]) if torch.is_grad_enabled() else None)
+        inner = state._step
+
+        def stepped(code):
+            step.append(off.device_bytes()["optim"])
+            result = inner(code)
+            return result
+
+        state._step = stepped
+        train = state.train_batch
+
+        def train_batch(*a, **k):
+            result = train(*a, **k)
+            after.append(off.device_bytes()["optim"])
+            return result
+
+        state.train_batch = train_batch
+
+    losses = _steps(facts, path, offload=True, watch=watch)
+    assert len(step) == 6 and len(after) == 6 and forward  # 3 updates of 2 optimizer steps
+    # Adam's moments exist from the first step on: on the device for every later step, never in a forward
+    assert step[0] == 0 and all(b > 0 for b in step[1:]), step
+    assert set(forward) == {0} and set(after) == {0}, (forward, after)
+    assert losses == _steps(facts, path, offload=False)
 
 
 def test_offload_frees_storages_and_keeps_host_copies(facts_path):

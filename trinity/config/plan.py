@@ -41,7 +41,11 @@ class MemoryEstimate:
 
     @property
     def active(self) -> int:
-        """While this role runs (trains, or runs forward if frozen)."""
+        """While this role runs (trains, or runs forward if frozen). With `optimizer_offload` the optimizer
+        states are on the GPU only for the optimizer step, after the micro batches' activations and logits
+        are freed (trinity.trainer.engine.offload.RoleOffloader.optimizer_step)."""
+        if "optimizer_offload" in self.offloaded:
+            return self.weights + self.grads + max(self.optimizer, self.activations + self.logits)
         return self.weights + self.grads + self.optimizer + self.activations + self.logits
 
     @property

@@ -232,7 +232,8 @@ class RoleEngine:
             micro_batch_size=b,
             forward_only=False,
         )
-        norm, skipped = self._step(loss_code(losses, self.device))
+        with self.offloader.optimizer_step():
+            norm, skipped = self._step(loss_code(losses, self.device))
         return StepResult(list(outputs)[:real], norm, skipped)
 
     def _step(self, code: torch.Tensor) -> tuple[float, bool]:

@@ -17,7 +17,9 @@ class PPORecipe(RLRecipe):
         cfg, critic = self.cfg, self.critic
         assert isinstance(critic, RoleEngine), "PPO's roles include the critic"
         critic.advance_schedule()
-        full = {"params": True, "grads": True, "optim": True}
+        # no optimizer states: the engine brings them back for each optimizer step itself, once the
+        # activations are freed (RoleOffloader.optimizer_step)
+        full = {"params": True, "grads": True}
         batching = self.batching["critic"].reset()
         return self.phases.run("update_critic", {"critic": full}, lambda: _from_last_stage(critic_update(
             critic, exp, cfg.critic, cfg.actor_rollout_ref.actor.loss_agg_mode,

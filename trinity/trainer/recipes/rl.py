@@ -492,7 +492,9 @@ class RLRecipe(Recipe):
 
         exp, extra = self.experience(ro, scores, groups, old_logp, ref_logp, values)
         out: Metrics = {"step": step}
-        full = {"params": True, "grads": True, "optim": True}
+        # no optimizer states: the engine brings them back for each optimizer step itself, once the
+        # activations are freed (RoleOffloader.optimizer_step)
+        full = {"params": True, "grads": True}
         if not warmup:
             # A step's updates share one LR (verl steps the schedule once per RL step).
             actor.advance_schedule()
