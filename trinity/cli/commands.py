@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import yaml
 
 from trinity.config.loader import LoadedConfig, load_config
-from trinity.config.plan import build_plan, render_plan
+from trinity.config.plan import JobPlan, build_plan, render_plan
 from trinity.config.schema import JobConfig
 from trinity.errors import ConfigError, UserError
 
@@ -38,7 +38,20 @@ def validate(config: Path, overrides: list[str], *, json_out: bool = False) -> i
         print(json.dumps({"ok": False, "problems": problems}, indent=2))
         return exc.exit_code
     print(json.dumps(plan.to_dict(), indent=2) if json_out else render_plan(plan))
+    if not json_out:
+        _warn_gpu_memory(loaded.config, plan)
     return 0
+
+
+def _warn_gpu_memory(cfg: JobConfig, plan: JobPlan) -> None:
+    """A CUDA job whose estimated peak does not fit this machine's GPUs (trinity.launch.gpu_memory)."""
+    if cfg.cluster.device != "cuda":
+        return
+    from trinity.launch.gpu_memory import memory_warning, visible_gpu_memory
+
+    warning = memory_warning(plan.peak_per_gpu, visible_gpu_memory())
+    if warning is not None:
+        print(f"warning: {warning}")
 
 
 def schema() -> str:
@@ -76,7 +89,9 @@ def _run(config: Path, overrides: list[str], *, dry_run: bool, debug: bool, forc
     if done is not None:
         print(done, flush=True)
         return 0
-    print(render_plan(build_plan(cfg, loaded.facts, loaded.warnings)))
+    plan = build_plan(cfg, loaded.facts, loaded.warnings)
+    print(render_plan(plan))
+    _warn_gpu_memory(cfg, plan)
     check_ownership(out, force=force)
     resolved = out / "resolved_config.yaml"
     cmd = launch_command(cfg, resolved)
