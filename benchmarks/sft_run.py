@@ -70,6 +70,11 @@ def write_documents(path: Path, n: int, seed: int, seq: int, whole_rows: bool = 
 
 
 def main() -> None:
+    import signal
+
+    # an outer `timeout` sends SIGTERM: end as an exception, so that the running case prints its log and
+    # stops its job
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", choices=sorted(SHAPES), default="0.5b")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
@@ -200,15 +205,24 @@ def run_steps_only(cfg: dict, path: Path, timeout: int, steps: int) -> list[dict
     with log.open("w") as out:
         proc = subprocess.Popen([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1],
                                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + timeout
+        start = time.monotonic()
+        deadline = start + timeout
         rows: list[dict] = []
         try:
             while time.monotonic() < deadline and proc.poll() is None:
                 if metrics.exists():
+                    seen = len(rows)
                     rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+                    for r in rows[seen:]:  # where a case cut off by a device call's limit got to
+                        print(f"  [{time.monotonic() - start:4.0f} s] {path.stem}: step {r.get('step')} "
+                              f"{r.get('step_time_s', 0):.2f} s", flush=True)
                     if len(rows) >= steps:
                         break
                 time.sleep(1)
+        except BaseException:  # SIGTERM (an outer `timeout`) or Ctrl-C: say how far the job got
+            print(f"case {path.stem} stopped after {time.monotonic() - start:.0f} s; its log ends:\n"
+                  + log.read_text()[-3000:], flush=True)
+            raise
         finally:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGTERM)
