@@ -143,5 +143,5 @@ def test_demo_lines(tiny):
         "  conversation after the task: ['50', 'Lower.', '25', 'Higher.', '37']",
         "  one sequence of 271 tokens, 9 of them trained"]
     lines = calculator_lines(model, tokenizer)
-    assert lines[0] == "calculator: 4 episodes, 1 engine calls"  # the four first turns in one wave
+    assert lines[0] == "calculator: 4 episodes, their turns in 1 running batch"  # one open engine
     assert all(" finished, reward 0.0, 1 turns, sequences of [" in line for line in lines[1:]), lines
