@@ -4,10 +4,11 @@ batch, or the static reference engine the tests compare it with), and a scripted
 `RolloutBackend` with `engine="continuous"` streams (`open`): one open continuous engine
 (`trinity.rollout.continuous.open_engine`, keyed draws) whose rows are the running batch's turns
 (`trinity.workflows.stream.SchedulerStream`); the RL recipe's workflow sampling runs it over the actor's
-model chunks. With `engine="reference"` it answers a step's turns in one `reference_generate` call per
-distinct sampling setting (`generate`). `ScriptedBackend` answers from a list of texts (a fixed policy:
-tests of the conversation bookkeeping that need exact assistant text a random model never writes, e.g. a
-Qwen3 <think> block); the batcher runs both through `trinity.workflows.stream.Batched`.
+model chunks. With `engine="reference"` it answers each step's new turns in one `reference_generate` call
+(`generate`, through `trinity.workflows.stream.BatchStream`). `ScriptedBackend` answers from a list of texts
+(a fixed policy: tests of the conversation bookkeeping that need exact assistant text a random model never
+writes, e.g. a Qwen3 <think> block); it cannot stream, so the runner wraps it in
+`trinity.workflows.stream.Batched`.
 """
 
 from __future__ import annotations
