@@ -105,6 +105,7 @@ def test_a_timed_out_turn_frees_its_row_and_the_batch_goes_on(tiny):  # noqa: F8
     assert len(result.token_ids) == 3 and result.finish == "length"
     assert took < 1.0, took
     assert stats.turns == 2
+    assert not [t for t in threading.enumerate() if t.name == "trinity-engine"]  # close() left no thread
 
 
 class _Failing(RolloutBackend):

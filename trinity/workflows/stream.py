@@ -72,6 +72,10 @@ class SchedulerStream:
         rows, keys, limits = [], [], []
         by_prompt: dict[tuple[int, ...], list[int]] = {}  # identical prompts share one prefill
         for ticket, req in items:
+            if len(req.prompt_ids) + req.sampling.max_new_tokens > self.max_new:
+                raise ValueError(f"a turn of {len(req.prompt_ids)} prompt tokens and up to {req.sampling.max_new_tokens} "
+                                 f"new ones does not fit the engine's {self.max_new} tokens a row; give the backend "
+                                 "context_tokens at least the sessions' Limits.context_tokens")
             r = self.free.pop(0)
             self.ticket_of[r], self.row_of[ticket] = ticket, r
             rows.append(r)
