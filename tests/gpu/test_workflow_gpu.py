@@ -39,3 +39,47 @@ def test_guess_number_grpo_at_dp2(tmp_path):
         assert r["rollout/logprob_diff_mean"] < 0.05, r
     note(f"  workflow dp2: turns {[round(r['workflow/turns_mean'], 2) for r in rows]}; reward "
          f"{[round(r['reward/mean'], 3) for r in rows]}; logprob gap {[round(r['rollout/logprob_diff_mean'], 4) for r in rows]}")
+
+
+def test_a_short_turn_returns_while_a_long_one_decodes_on_cuda(qwen2_small_cuda):
+    """The running batch on CUDA (one GPU, bf16, CUDA graphs): a 4-token turn sent 0.5 s after a 1024-token
+    one joins the running batch and comes back while the long one still decodes; the long one then gets all
+    its tokens, and close() leaves no engine thread."""
+    import asyncio
+    import threading
+
+    from trinity.config.megatron import MegatronConfig
+    from trinity.convert.builtin import load_hf_weights
+    from trinity.models.build import build_model
+    from trinity.rollout.types import SamplingParams
+    from trinity.workflows.backends import RolloutBackend
+    from trinity.workflows.batcher import RunningBatcher
+    from trinity.workflows.types import TokenRequest
+
+    facts, path = qwen2_small_cuda
+    chunks = build_model(facts, MegatronConfig(), device="cuda", dtype=torch.bfloat16)
+    load_hf_weights(chunks, path, facts)
+    backend = RolloutBackend(chunks[0], vocab_size=facts.vocab_size, pad_id=0, context_tokens=1536,
+                             generator=torch.Generator(device="cuda").manual_seed(0))
+    never = (-1,)  # no stop id: each turn runs to its limit
+
+    async def main():
+        batcher = RunningBatcher(backend, episodes=2)
+        try:
+            long = asyncio.ensure_future(batcher.generate(
+                TokenRequest(tuple(range(10, 74)), SamplingParams(temperature=1.0, max_new_tokens=1024,
+                                                                  eos_token_ids=never), 0, 0)))
+            await asyncio.sleep(0.5)
+            short = await batcher.generate(
+                TokenRequest(tuple(range(100, 120)), SamplingParams(temperature=1.0, max_new_tokens=4,
+                                                                    eos_token_ids=never), 1, 0))
+            long_pending = not long.done()
+            return short, long_pending, await long, batcher
+        finally:
+            batcher.close()
+
+    short, long_pending, long, batcher = asyncio.run(main())
+    assert len(short.token_ids) == 4 and len(long.token_ids) == 1024
+    assert long_pending
+    assert batcher.stats.joined == 1 and batcher.stats.engines == 1
+    assert not [t for t in threading.enumerate() if t.name == "trinity-engine"]

@@ -126,7 +126,7 @@ def test_concurrent_episodes_equal_sequential_ones_at_greedy(tiny):
     kw = dict(limits=Limits(max_turns=3), sampling=SamplingParams(temperature=0.0, max_new_tokens=5))
     backend = _backend(model, tokenizer)
     together = run_workflow(guess_number_workflow, tasks, backend, tokenizer, **kw)
-    assert backend.calls == 3  # one engine call per wave: every episode's turn k in one call
+    assert backend.calls == 1  # one open engine: every turn of every episode joined its running batch
     alone = [run_workflow(guess_number_workflow, [t], _backend(model, tokenizer), tokenizer, **kw)[0] for t in tasks]
     for a, b in zip(together, alone):
         assert a.messages == b.messages and a.sequences[0].tokens == b.sequences[0].tokens
@@ -143,5 +143,5 @@ def test_demo_lines(tiny):
         "  conversation after the task: ['50', 'Lower.', '25', 'Higher.', '37']",
         "  one sequence of 271 tokens, 9 of them trained"]
     lines = calculator_lines(model, tokenizer)
-    assert lines[0] == "calculator: 4 episodes, 1 engine calls"  # the four first turns in one wave
+    assert lines[0] == "calculator: 4 episodes, their turns in 1 running batch"  # one open engine
     assert all(" finished, reward 0.0, 1 turns, sequences of [" in line for line in lines[1:]), lines

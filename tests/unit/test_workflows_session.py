@@ -301,8 +301,8 @@ def test_a_tool_past_the_turn_timeout_ends_the_episode(tokenizer):
     assert (ep.end, ep.reward, ep.error, len(ep.turns)) == ("timeout", 0.0, "tool 'calculator' ran over 0.3 s", 1)
 
 
-def test_an_episode_busy_with_its_environment_does_not_hold_the_wave_back(tokenizer):
-    """Both first turns go in one engine call; then episode 1 spends 0.3 s in its environment, and episode 0's
+def test_an_episode_busy_with_its_environment_does_not_hold_the_batch_back(tokenizer):
+    """Both first turns go in one engine step; then episode 1 spends 0.3 s in its environment, and episode 0's
     second turn goes alone after the batcher's window (10 ms) instead of waiting for it."""
     tok = _with_template(tokenizer, QWEN2_5)
     sizes, at = [], []

@@ -1,22 +1,27 @@
-"""Chat backends: the actor's own megatron-core model through today's rollout engines, a `RolloutEngine`
-(what the RL recipe generates with: `EngineBackend`), and a scripted one.
+"""Chat backends: the actor's own megatron-core model (`RolloutBackend`: the continuous engine as a running
+batch, or the static reference engine the tests compare it with), and a scripted one.
 
-`RolloutBackend` calls `trinity.rollout.continuous.generate_continuous` (or the reference generator the
-tests compare engines with, `trinity.rollout.reference.reference_generate`) once per distinct sampling setting of a wave: those take one
-`SamplingParams` per call. `ScriptedBackend` answers from a list of texts (a fixed policy: tests of the
-conversation bookkeeping that need exact assistant text a random model never writes, e.g. a Qwen3 <think>
-block).
+`RolloutBackend` with `engine="continuous"` streams (`open`): one open continuous engine
+(`trinity.rollout.continuous.open_engine`, keyed draws) whose rows are the running batch's turns
+(`trinity.workflows.stream.SchedulerStream`); the RL recipe's workflow sampling runs it over the actor's
+model chunks. With `engine="reference"` it answers each step's new turns in one `reference_generate` call
+(`generate`, through `trinity.workflows.stream.BatchStream`). `ScriptedBackend` answers from a list of texts
+(a fixed policy: tests of the conversation bookkeeping that need exact assistant text a random model never
+writes, e.g. a Qwen3 <think> block); it cannot stream, so the runner wraps it in
+`trinity.workflows.stream.Batched`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Literal, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+from typing import Iterator, Literal, Sequence
 
 import torch
 
 from trinity.rollout.kv_budget import KVBudget
-from trinity.rollout.types import Rollout, RolloutEngine, SamplingParams
+from trinity.rollout.types import Rollout, SamplingParams
+from trinity.workflows.stream import BatchStream, SchedulerStream, TurnStream
 from trinity.workflows.types import ChatTokenizer, TokenRequest, TokenResult
 
 
@@ -32,8 +37,10 @@ def _results(rollout: Rollout, eos: Sequence[int]) -> list[TokenResult]:
 
 @dataclass
 class RolloutBackend:
-    """A megatron GPTModel (or the rank's model chunks) behind a session, on every rank of its
-    model-parallel group alike (the engines' own contract)."""
+    """A megatron GPTModel (or the rank's model chunks) behind the sessions, on one rank (workflows run
+    without model parallelism). `context_tokens`: the most tokens of a turn's prompt and response together
+    (the sessions' `Limits.context_tokens`): the KV cache of a slot. `calls`: engines opened (continuous) or
+    engine calls made (reference)."""
 
     model: torch.nn.Module | list[torch.nn.Module]  # a GPTModel (or DDP wrapper), or the rank's VPP chunks
     vocab_size: int  # the tokenizer's: padded vocabulary columns are never sampled
@@ -41,18 +48,47 @@ class RolloutBackend:
     engine: Literal["continuous", "reference"] = "continuous"
     budget: KVBudget = field(default_factory=KVBudget)
     generator: torch.Generator | None = None
-    calls: int = 0  # engine calls made
+    context_tokens: int = 4096
+    calls: int = 0
+    seed: int | None = None  # the keyed draws' seed, drawn from `generator` when the first engine opens
 
     def _chunks(self) -> list[torch.nn.Module]:
         return list(self.model) if isinstance(self.model, (list, tuple)) else [self.model]
 
-    def generate(self, requests: Sequence[TokenRequest]) -> list[TokenResult]:
-        from trinity.rollout.continuous import generate_continuous
-        from trinity.rollout.reference import reference_generate
-
+    def _set_device(self) -> torch.device:
         device = next(self._chunks()[0].parameters()).device
         if device.type == "cuda":  # the engine runs in the batcher's worker thread, whose device is cuda:0
             torch.cuda.set_device(device)
+        return device
+
+    @contextmanager
+    def open(self, sampling: SamplingParams, rows: int) -> Iterator[TurnStream]:
+        """The running batch (`trinity.workflows.stream.StreamBackend`); the reference engine: one call per
+        step."""
+        if self.engine == "reference":
+            yield BatchStream(self)
+            return
+        from trinity.rollout.continuous import open_engine
+        from trinity.rollout.sampler import draw_seed
+
+        device = self._set_device()
+        if self.seed is None:
+            self.seed = int(draw_seed(self.generator, device))
+        # every turn's prompt plus its max_new_tokens fits context_tokens (the session's limit): the engine's
+        # token bound, each row limited to its own turn's max_new_tokens
+        params = replace(sampling, max_new_tokens=self.context_tokens)
+        self.calls += 1
+        with open_engine(self.model, params, rows=rows, longest_prompt=0, vocab_size=self.vocab_size,
+                         pad_id=self.pad_id, budget=self.budget, generator=self.generator, keyed=True,
+                         seed=self.seed) as sched:
+            yield SchedulerStream(sched, self.context_tokens, sampling.eos_token_ids)
+
+    def generate(self, requests: Sequence[TokenRequest]) -> list[TokenResult]:
+        """One call per distinct sampling setting, in the requests' order."""
+        from trinity.rollout.continuous import generate_continuous
+        from trinity.rollout.reference import reference_generate
+
+        self._set_device()
         groups: dict[SamplingParams, list[int]] = {}
         for i, r in enumerate(requests):
             groups.setdefault(r.sampling, []).append(i)
@@ -68,34 +104,6 @@ class RolloutBackend:
             self.calls += 1
             for i, result in zip(rows, _results(rollout, params.eos_token_ids)):
                 results[i] = result
-        return [r for r in results if r is not None]
-
-
-@dataclass
-class EngineBackend:
-    """A `RolloutEngine` behind the sessions (the RL recipe's: sequence parallel off, its KV budget), one
-    engine call per distinct sampling setting of a wave. Each call's prompts go in a canonical order (by
-    their token ids, ties in arrival order), so that which draws of `generator` a turn gets does not
-    depend on which episode asked first (a tool's thread finishing sooner or later)."""
-
-    engine: RolloutEngine
-    generator: torch.Generator | None = None
-    calls: int = 0  # engine calls made
-    tokens: int = 0  # tokens sampled
-
-    def generate(self, requests: Sequence[TokenRequest]) -> list[TokenResult]:
-        if self.generator is not None and self.generator.device.type == "cuda":
-            torch.cuda.set_device(self.generator.device)  # the batcher's worker thread starts on cuda:0
-        groups: dict[SamplingParams, list[int]] = {}
-        for i in sorted(range(len(requests)), key=lambda i: requests[i].prompt_ids):
-            groups.setdefault(requests[i].sampling, []).append(i)
-        results: list[TokenResult | None] = [None] * len(requests)
-        for params, rows in groups.items():
-            rollout = self.engine.generate([list(requests[i].prompt_ids) for i in rows], params, self.generator)
-            self.calls += 1
-            for i, result in zip(rows, _results(rollout, params.eos_token_ids)):
-                results[i] = result
-                self.tokens += len(result.token_ids)
         return [r for r in results if r is not None]
 
 

@@ -36,7 +36,7 @@ def calculator_lines(model: torch.nn.Module, tokenizer: ChatTokenizer) -> list[s
     tasks = [{"prompt": "12+7=", "answer": "19"}, {"prompt": "3-8=", "answer": "-5"}]
     episodes = run_workflow(calculator_workflow, tasks, backend, tokenizer, n=2, limits=Limits(max_turns=3),
                             sampling=SamplingParams(temperature=1.0, max_new_tokens=16))
-    lines = [f"calculator: {len(episodes)} episodes, {backend.calls} engine calls"]
+    lines = [f"calculator: {len(episodes)} episodes, their turns in {backend.calls} running batch"]
     for ep in episodes:
         trained = sum(sum(s.loss_mask) for s in ep.sequences)
         lines.append(f"  {ep.task['prompt']} {ep.end}, reward {ep.reward}, {len(ep.turns)} turns, sequences of "

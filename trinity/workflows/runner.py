@@ -1,6 +1,6 @@
-"""Run a workflow over tasks, all episodes at once in one event loop, their turns batched per wave.
+"""Run a workflow over tasks, all episodes at once in one event loop, their turns in one running batch.
 
-Each episode: a `Session` over the shared `WaveBatcher`, the workflow coroutine under `episode_timeout_s`,
+Each episode: a `Session` over the shared `RunningBatcher`, the workflow coroutine under `episode_timeout_s`,
 then the outcome:
 - the workflow returns an `Episode` with a finite reward (or per-turn rewards): kept;
 - an `EpisodeLimit` it did not catch (`max_turns`, `context_limit`): the episode so far, scored 0;
@@ -19,9 +19,10 @@ from typing import Mapping, Sequence
 
 from trinity.config.schema.workflow import Limits
 from trinity.rollout.types import SamplingParams
-from trinity.workflows.batcher import EngineError, WaveBatcher
+from trinity.workflows.batcher import EngineError, RunningBatcher
 from trinity.workflows.registry import Workflow
 from trinity.workflows.session import EpisodeLimit, Session, TurnTimeout
+from trinity.workflows.stream import StreamBackend, streaming
 from trinity.workflows.tool_calls import ToolsNotSupported
 from trinity.workflows.transcript import TemplateMismatch
 from trinity.workflows.types import (
@@ -53,12 +54,14 @@ def _problem(episode: object) -> str | None:
     return f"returned a reward that is not a finite number: {bad[0]!r}" if bad else None
 
 
-async def run_episode(workflow: Workflow, task: Task, batcher: WaveBatcher, tokenizer: ChatTokenizer, *,
-                      limits: Limits = Limits(), sampling: SamplingParams = SamplingParams(),
+async def run_episode(workflow: Workflow, task: Task, batcher: RunningBatcher, tokenizer: ChatTokenizer, *,
+                      episode: int = 0, limits: Limits = Limits(), sampling: SamplingParams = SamplingParams(),
                       args: Mapping[str, JSON] | None = None, label: str = "task",
                       template_args: Mapping[str, JSON] | None = None) -> Episode:
-    """One episode; `template_args`: the chat template's own variables (Qwen3's `enable_thinking`)."""
-    session = Session(task, tokenizer, batcher, limits=limits, sampling=sampling, template_args=template_args)
+    """Episode number `episode` of the batcher's; `template_args`: the chat template's own variables (Qwen3's
+    `enable_thinking`)."""
+    session = Session(task, tokenizer, batcher, limits=limits, sampling=sampling, template_args=template_args,
+                      episode=episode)
     name = getattr(workflow, "__qualname__", repr(workflow))
     kwargs = dict(args or {})
     try:  # wrong args are the setup's mistake, not an episode's: never scored away
@@ -71,9 +74,8 @@ async def run_episode(workflow: Workflow, task: Task, batcher: WaveBatcher, toke
             raise WorkflowError(f"workflow {name}, {label}: {end}: {message}")
         return session.finish(reward=0.0, end=end, error=message)
 
-    batcher.join()
     try:
-        episode = await asyncio.wait_for(workflow(task, session, **kwargs), limits.episode_timeout_s)
+        result = await asyncio.wait_for(workflow(task, session, **kwargs), limits.episode_timeout_s)
     except EpisodeLimit as e:
         return session.finish(reward=0.0, end=e.reason)
     except TurnTimeout as e:
@@ -83,19 +85,21 @@ async def run_episode(workflow: Workflow, task: Task, batcher: WaveBatcher, toke
     except Exception as e:
         return failed("error", f"{type(e).__name__}: {e}", setup=isinstance(e, _SETUP_ERRORS))
     finally:
-        batcher.leave()
-    problem = _problem(episode)
-    return failed("error", problem) if problem else episode
+        batcher.leave(episode)
+    problem = _problem(result)
+    return failed("error", problem) if problem else result
 
 
-async def run_episodes(workflow: Workflow, tasks: Sequence[Task], backend: ChatBackend, tokenizer: ChatTokenizer, *,
+async def run_episodes(workflow: Workflow, tasks: Sequence[Task], backend: ChatBackend | StreamBackend,
+                       tokenizer: ChatTokenizer, *,
                        n: int = 1, limits: Limits = Limits(), sampling: SamplingParams = SamplingParams(),
                        args: Mapping[str, JSON] | None = None, window_s: float = 0.01,
                        template_args: Mapping[str, JSON] | None = None) -> list[Episode]:
-    """n episodes per task (task-major order), all concurrent."""
-    batcher = WaveBatcher(backend, window_s=window_s)
-    jobs = [run_episode(workflow, task, batcher, tokenizer, limits=limits, sampling=sampling, args=args,
-                        label=f"task {i} sample {k}", template_args=template_args)
+    """n episodes per task (task-major order), all concurrent; `window_s`: how long the engine waits for an
+    episode it has just answered (`RunningBatcher`)."""
+    batcher = RunningBatcher(streaming(backend), episodes=len(tasks) * n, window_s=window_s)
+    jobs = [run_episode(workflow, task, batcher, tokenizer, episode=i * n + k, limits=limits, sampling=sampling,
+                        args=args, label=f"task {i} sample {k}", template_args=template_args)
             for i, task in enumerate(tasks) for k in range(n)]
     try:
         return list(await asyncio.gather(*jobs))
@@ -103,10 +107,10 @@ async def run_episodes(workflow: Workflow, tasks: Sequence[Task], backend: ChatB
         batcher.close()
 
 
-def run_workflow(workflow: Workflow, tasks: Sequence[Task], backend: ChatBackend, tokenizer: ChatTokenizer, *,
-                 n: int = 1, limits: Limits = Limits(), sampling: SamplingParams = SamplingParams(),
-                 args: Mapping[str, JSON] | None = None,
-                 template_args: Mapping[str, JSON] | None = None) -> list[Episode]:
+def run_workflow(workflow: Workflow, tasks: Sequence[Task], backend: ChatBackend | StreamBackend,
+                 tokenizer: ChatTokenizer, *, n: int = 1, limits: Limits = Limits(),
+                 sampling: SamplingParams = SamplingParams(), args: Mapping[str, JSON] | None = None,
+                 window_s: float = 0.01, template_args: Mapping[str, JSON] | None = None) -> list[Episode]:
     """`run_episodes` from synchronous code (its own event loop)."""
     return asyncio.run(run_episodes(workflow, tasks, backend, tokenizer, n=n, limits=limits, sampling=sampling,
-                                    args=args, template_args=template_args))
+                                    args=args, window_s=window_s, template_args=template_args))

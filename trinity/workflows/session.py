@@ -78,8 +78,10 @@ def chat_stop_ids(tokenizer: ChatTokenizer) -> tuple[int, ...]:
 class Session:
     def __init__(self, task: Task, tokenizer: ChatTokenizer, engine: Engine, *, limits: Limits = Limits(),
                  sampling: SamplingParams = SamplingParams(), stop_ids: Sequence[int] | None = None,
-                 tool_format: str | None = None, template_args: Mapping[str, JSON] | None = None) -> None:
+                 tool_format: str | None = None, template_args: Mapping[str, JSON] | None = None,
+                 episode: int = 0) -> None:
         self.task = task
+        self.episode = episode  # its number in the run: names its turns' draws (`TokenRequest`)
         self.tokenizer = tokenizer
         self.engine = engine
         self.limits = limits
@@ -124,8 +126,8 @@ class Session:
             top_p=base.top_p if top_p is None else top_p, top_k=base.top_k if top_k is None else top_k,
             max_new_tokens=min(room, base.max_new_tokens if max_new_tokens is None else max_new_tokens))
         try:
-            result = await asyncio.wait_for(self.engine.generate(TokenRequest(prompt.ids, params)),
-                                            self.limits.turn_timeout_s)
+            request = TokenRequest(prompt.ids, params, self.episode, len(self.turns))
+            result = await asyncio.wait_for(self.engine.generate(request), self.limits.turn_timeout_s)
         except TimeoutError:
             raise TurnTimeout(f"turn {len(self.turns) + 1} waited over {self.limits.turn_timeout_s} s") from None
         ids = result.token_ids

@@ -40,10 +40,14 @@ class ChatTokenizer(Protocol):
 
 @dataclass(frozen=True)
 class TokenRequest:
-    """One turn's generation: the prompt's token ids and how to sample (its stop ids in `eos_token_ids`)."""
+    """One turn's generation: the prompt's token ids and how to sample (its stop ids in `eos_token_ids`);
+    `episode` and `turn` (the episode's number in its run and the turn's index in it) name the turn's random
+    draws, whatever else runs beside it."""
 
     prompt_ids: tuple[int, ...]
     sampling: SamplingParams
+    episode: int = 0
+    turn: int = 0
 
 
 @dataclass(frozen=True)

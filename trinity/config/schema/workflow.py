@@ -34,7 +34,7 @@ class Limits:
     """Tokens of a conversation (prompt and responses): a turn whose prompt reaches it ends the episode with
     `context_limit`; a turn generates at most the tokens left below it."""
     turn_timeout_s: float = 60.0
-    """Seconds one turn may wait for the engine (its wave included) or one tool call may run."""
+    """Seconds one turn may wait for the engine (its decoding included) or one tool call may run."""
     episode_timeout_s: float = 600.0
     """Seconds a whole episode may take."""
     on_error: OnError = "fail"

@@ -1,6 +1,6 @@
 """The RL step's sampling phase when the job has a `workflow:` block (docs/workflows.md): each task (a data
 row) runs `rollout.n` episodes of the workflow, all concurrently through the recipe's rollout engine
-(trinity.workflows.runner: their turns batched per wave), and each episode's conversation becomes
+(trinity.workflows.runner: their turns in one running batch of the continuous engine), and each episode's conversation becomes
 training rows of the usual `Rollout` shape:
 
 - the row's "prompt" is the conversation up to the first assistant token, its "response" everything after
@@ -35,6 +35,7 @@ from trinity.trainer.samples import Sample
 if TYPE_CHECKING:
     from trinity.data.loader import RowSampler
     from trinity.trainer.recipes.rl import RLRecipe, Sampled
+    from trinity.workflows.batcher import BatchStats
     from trinity.workflows.types import Episode, Task, TrainingSequence
 
 END_REASONS = ("finished", "max_turns", "context_limit", "timeout", "error")
@@ -169,8 +170,8 @@ class WorkflowSampling:
         except (ImportError, ValueError) as e:
             raise UserError(f"workflow.function: {e}") from e
         self.limits = self.cfg.limits(cfg.workflow_context_tokens)
-        # A wave waits for every live episode (deterministic batches, so a step's draws do not depend on
-        # timing) unless one keeps it waiting this long (a tool or environment step running).
+        # The engine waits for the episodes it has just answered (deterministic steps, so a step's draws do
+        # not depend on timing) unless one keeps it waiting this long (a tool or environment step running).
         self.window_s = min(1.0, self.limits.turn_timeout_s / 2)
 
     @classmethod
@@ -182,27 +183,36 @@ class WorkflowSampling:
                                dp_rank=dp_rank, dp_size=dp_size, shuffle=cfg.data.shuffle)
         return cls(recipe, data)
 
-    def run_episodes(self, tasks: Sequence[Task], gen: torch.Generator) -> tuple[list[Episode], int, list[int]]:
-        """(episodes, task-major, rollout.n per task; engine calls; requests per wave)."""
-        from trinity.workflows.backends import EngineBackend
-        from trinity.workflows.batcher import WaveBatcher
+    def run_episodes(self, tasks: Sequence[Task], gen: torch.Generator) -> tuple[list[Episode], BatchStats]:
+        """(episodes, task-major, rollout.n per task; what the running batch did). The actor's model chunks
+        decode through one open continuous engine (workflow jobs run without model parallelism, so sequence
+        parallelism is off), its KV slots sized to the context limit."""
+        from trinity.rollout.kv_budget import KVBudget
+        from trinity.workflows.backends import RolloutBackend
+        from trinity.workflows.batcher import RunningBatcher
         from trinity.workflows.runner import run_episode
 
-        backend = EngineBackend(self.recipe.rollout_engine, gen)
-        n = self.recipe.cfg.actor_rollout_ref.rollout.n
-        batcher = WaveBatcher(backend, window_s=self.window_s)
+        recipe = self.recipe
+        chunks = list(recipe.actor.model)
+        backend = RolloutBackend(chunks if len(chunks) > 1 else chunks[0], recipe.vocab_size, recipe.pad_id,
+                                 budget=KVBudget.from_config(recipe.cfg.actor_rollout_ref.rollout), generator=gen,
+                                 context_tokens=self.limits.context_tokens)
+        n = recipe.cfg.actor_rollout_ref.rollout.n
 
         async def run_all() -> list[Episode]:
-            jobs = [run_episode(self.workflow, task, batcher, self.recipe.tokenizer, limits=self.limits,
-                                sampling=self.recipe.sampling, args=self.cfg.args, label=f"task {i} sample {k}",
+            batcher = RunningBatcher(backend, episodes=len(tasks) * n, window_s=self.window_s)
+            jobs = [run_episode(self.workflow, task, batcher, recipe.tokenizer, episode=i * n + k, limits=self.limits,
+                                sampling=recipe.sampling, args=self.cfg.args, label=f"task {i} sample {k}",
                                 template_args=self.cfg.template_args)
                     for i, task in enumerate(tasks) for k in range(n)]
             try:
                 return list(await asyncio.gather(*jobs))
             finally:
                 batcher.close()
+                stats.append(batcher.stats)
 
-        return asyncio.run(run_all()), backend.calls, batcher.wave_sizes
+        stats: list[BatchStats] = []
+        return asyncio.run(run_all()), stats[0]
 
     def sample(self, step: int, gen: torch.Generator) -> Sampled:
         from trinity.trainer.recipes.lora_ref import rollout_weights
@@ -214,14 +224,14 @@ class WorkflowSampling:
         n = recipe.cfg.actor_rollout_ref.rollout.n
         rows = self.data.next_batch()
 
-        def run() -> tuple[list[Episode], int, list[int]]:
+        def run() -> tuple[list[Episode], BatchStats]:
             with rollout_weights(recipe.actor, keep=recipe.cfg.actor_rollout_ref.actor.lora.rollout_weights):
                 try:
                     return self.run_episodes([r.task for r in rows], gen)
                 except WorkflowError as e:
                     raise UserError(f"workflow.function: {e}") from e
 
-        episodes, calls, waves = recipe.phases.run(
+        episodes, batch = recipe.phases.run(
             "rollout", {"actor": {"params": True}}, run,
             tokens=lambda r: sum(len(t.output_ids) for ep in r[0] for t in ep.turns))
         device = recipe.phases.device
@@ -233,7 +243,8 @@ class WorkflowSampling:
                                               group=dp_group).item())
             if most > built.rollout.tokens.shape[0]:
                 built = episode_rows(episodes, groups, recipe.pad_id, device, rows=most)
-        metrics: Metrics = {"workflow/engine_calls": calls, "workflow/wave_size_mean": sum(waves) / max(len(waves), 1),
+        metrics: Metrics = {"workflow/live_rows_mean": batch.live_rows_mean,
+                            "workflow/turns_joined": batch.joined / max(batch.turns, 1),
                             "workflow/sequences": built.rollout.tokens.shape[0]}
         metrics["workflow/turns_mean"], _ = _dp_stats(torch.tensor([float(len(e.turns)) for e in episodes], device=device))
         for reason in END_REASONS:
