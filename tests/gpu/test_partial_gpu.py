@@ -4,10 +4,11 @@ each, the same steps (so the same trained samples: data.train_batch_size groups 
 
 The policy is measured by evaluation, not by the trained batches' reward: with partial rollouts most trained
 answers were written (in part) by the previous step's policy, so `reward/mean` of a step lags the policy by
-about one update on a task whose reward moves ~0.1 a step. Every 2 steps each job answers 32 held-out
-arithmetic prompts greedily (`data.val_files`, `val/reward_mean`); the mean of its last 3 evaluations
-(steps 8, 10, 12) with partial rollouts is not below the one without, within the noise over the seeds.
-The trained reward must rise in both.
+about one update on a task whose reward moves ~0.1 a step. Every 2 steps each job samples 4 answers at
+temperature 1 to each of 32 held-out arithmetic prompts (`data.val_files`, `rollout.val_kwargs`,
+`val/reward_mean`: greedy answers are all digits after a few steps either way, which compares nothing); the
+mean of its last 3 evaluations (steps 8, 10, 12) with partial rollouts is not below the one without,
+within the noise over the seeds. The trained reward must rise in both.
 
 A random model rarely samples its one EOS: 40 of the ~260 tokens end an answer here (a copy of the model
 with a generation_config.json that names them), so that answers end at different lengths and partial
@@ -87,6 +88,7 @@ def test_partial_rollouts_learn_as_much_per_sample(assets, tmp_path):
                          trainer={"seed": seed, "val_interval": VAL_EVERY, "val_before_train": False})
             cfg["data"]["val_files"] = [str(assets["val"])]
             cfg["actor_rollout_ref"]["rollout"]["response_length"] = 32
+            cfg["actor_rollout_ref"]["rollout"]["val_kwargs"] = {"do_sample": True, "temperature": 1.0, "n": 4}
             if partial:
                 cfg["actor_rollout_ref"]["rollout"]["partial"] = {"enable": True}
             jobs[name] = cfg

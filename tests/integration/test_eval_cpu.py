@@ -139,3 +139,37 @@ def test_grpo_val_reward_samples_and_trackers(tiny, tmp_path, monkeypatch):
         data = log.read_bytes()
         assert b"val_interval" in data and b'"grpo"' in data  # the job config
         assert b"val/reward_mean" in data and b"reward/mean" in data  # the metrics
+
+
+def test_grpo_val_kwargs_sample_n_responses_per_prompt_from_the_seed(tiny, tmp_path):
+    # verl's rollout.val_kwargs: 3 sampled responses per val prompt at temperature 1; every evaluation draws
+    # from trainer.seed afresh, so with an update too small to move an fp32 weight (lr 1e-12: Adam's step is
+    # far below an fp32 ulp of the weights) the evaluations before and after it are the same
+    out = tmp_path / "grpo_val_sampled"
+    cfg = {
+        "algorithm": {"name": "grpo"},
+        "model": {"path": str(tiny["model"])},
+        "data": {"train_files": [str(tiny["prompts"])], "val_files": [str(tiny["val_prompts"])],
+                 "max_prompt_length": 32, "train_batch_size": 4},
+        "cluster": {"device": "cpu", "nproc_per_node": 1},
+        "trainer": {"total_steps": 1, "micro_batch_size": 4, "output_dir": str(out), "export_hf": False,
+                    "save_last": False, "log_samples": 1},
+        "actor_rollout_ref": {
+            "actor": {"ppo_mini_batch_size": 4, "optim": {"lr": 1e-12, "weight_decay": 0.0}},
+            "rollout": {"n": 2, "response_length": 6,
+                        "val_kwargs": {"do_sample": True, "temperature": 1.0, "n": 3, "top_k": -1}},
+        },
+        "reward": {"function": "trinity.rewards.arithmetic_reward:closeness"},
+    }
+    proc = trinity_run(cfg, tmp_path / "job.yaml", timeout=240, reuse_conversion=True)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    val = [r for r in rows(out) if "val/reward_mean" in r]
+    assert [r["step"] for r in val] == [0, 1] and val[0] == {**val[1], "step": 0}
+    samples = [json.loads(x) for x in (out / "samples" / "val_step_0.jsonl").read_text().splitlines()]
+    assert len(samples) == 6 * 3
+    by_prompt: dict[str, list[str]] = {}
+    for s in samples:
+        by_prompt.setdefault(s["prompt"], []).append(s["response"])
+    assert len(by_prompt) == 6 and all(len(r) == 3 for r in by_prompt.values())
+    assert sum(len(set(r)) > 1 for r in by_prompt.values()) >= 5  # sampled, not greedy copies
+    assert abs(sum(s["reward"] for s in samples) / len(samples) - val[0]["val/reward_mean"]) < 1e-6

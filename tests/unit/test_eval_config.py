@@ -44,6 +44,29 @@ def test_val_interval_needs_val_files(write_job, small_job):
                for p in problems_of(write_job(job)))
 
 
+def test_val_kwargs_take_verl_names_and_are_refused_where_they_cannot_act(write_job, small_job):
+    key = "actor_rollout_ref.rollout.val_kwargs"
+    job = rl(small_job)
+    job["data"]["val_files"] = job["data"]["train_files"]
+    # verl's own block, as its configs write it (top_k -1 = off), and rollout.top_k -1 likewise
+    job["actor_rollout_ref"] = {"rollout": {"top_k": -1, "val_kwargs": {
+        "top_k": -1, "top_p": 0.9, "temperature": 0.6, "n": 4, "do_sample": True}}}
+    ro = load_config(write_job(job)).config.actor_rollout_ref.rollout
+    assert ro.top_k == 0 and (ro.val_kwargs.top_k, ro.val_kwargs.n, ro.val_kwargs.temperature) == (0, 4, 0.6)
+    # without do_sample the evaluation is greedy: settings it would ignore are refused, each named
+    job["actor_rollout_ref"]["rollout"]["val_kwargs"]["do_sample"] = False
+    assert (f"{key}.temperature: the evaluation decodes greedily (one response per prompt) unless {key}.do_sample "
+            "is true; set do_sample: true or remove temperature, top_p, n") in problems_of(write_job(job))
+    # no val files, or an algorithm without a rollout
+    job["actor_rollout_ref"]["rollout"]["val_kwargs"]["do_sample"] = True
+    del job["data"]["val_files"]
+    assert (f"{key}: there is no evaluation without data.val_files; add data.val_files or remove the key"
+            in problems_of(write_job(job)))
+    sft = copy.deepcopy(small_job)
+    sft["actor_rollout_ref"] = {"rollout": {"val_kwargs": {"do_sample": True}}}
+    assert any(p.startswith(f"{key}: sft evaluates without generating") for p in problems_of(write_job(sft)))
+
+
 def test_missing_val_file_is_named(write_job, small_job, tmp_path):
     job = copy.deepcopy(small_job)
     job["data"]["val_files"] = [str(tmp_path / "nope.jsonl")]

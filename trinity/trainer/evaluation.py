@@ -9,7 +9,9 @@ The algorithm's spec (trinity.algorithms.registry) says which evaluation it has:
   that a training step over the same rows computes.
 - `reward` (every RL algorithm): one greedy response per val prompt (temperature 0,
   rollout.response_length), scored by the job's reward: `val/reward_mean` (pass@1 for a 0/1 reward), `val/reward_std`,
-  `val/response_length/mean`. With trainer.log_samples > 0 the responses go to
+  `val/response_length/mean`. With `actor_rollout_ref.rollout.val_kwargs.do_sample` (verl's val_kwargs): `n`
+  sampled responses per prompt at its temperature / top_p / top_k, the metrics over all of them; the draws come
+  from trainer.seed afresh at every evaluation, so evaluations differ only by the weights. With trainer.log_samples > 0 the responses go to
   <output_dir>/samples/val_step_N.jsonl.
 
 Each data-parallel rank takes every dp-th sample; the numbers are reduced over all ranks.
@@ -118,8 +120,12 @@ class Evaluator:
         if not prompts:
             raise UserError(f"data.val_files: no validation prompts in {', '.join(cfg.data.val_files)}")
         dp, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
-        self.prompts = prompts[dp::dp_size]
-        self.sampling = dataclasses.replace(recipe.sampling, temperature=0.0)
+        vk = cfg.actor_rollout_ref.rollout.val_kwargs
+        # val_kwargs.n responses per prompt (1 unless do_sample), each prompt's copies side by side
+        self.n = vk.n if vk.do_sample else 1
+        self.prompts = [p for p in prompts[dp::dp_size] for _ in range(self.n)]
+        self.sampling = (dataclasses.replace(recipe.sampling, temperature=vk.temperature, top_p=vk.top_p, top_k=vk.top_k)
+                         if vk.do_sample else dataclasses.replace(recipe.sampling, temperature=0.0))
         # as many sequences per generate call as a training step's rollout on this rank
         self.batch = max(1, cfg.data.train_batch_size * cfg.actor_rollout_ref.rollout.n // dp_size)
 

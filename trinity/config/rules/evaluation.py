@@ -35,6 +35,7 @@ def check_evaluation(cfg: JobConfig, problems: list[str], check_paths: bool) -> 
     if data.val_files and cfg.spec.evaluation is None:
         problems.append(f"data.val_files: evaluation during training is not available for {algo} jobs yet "
                         "(sft and the RL algorithms have it); remove data.val_files")
+    _check_val_kwargs(cfg, problems)
     for key in ("log_samples", "log_samples_interval"):
         if not cfg.is_rl and getattr(trainer, key) is not None:
             problems.append(f"trainer.{key}: {algo} generates no samples (it applies to the RL algorithms); remove the key")
@@ -53,6 +54,26 @@ def check_evaluation(cfg: JobConfig, problems: list[str], check_paths: bool) -> 
                 problems.append("trainer.logger: wandb has no API key here (WANDB_API_KEY unset, no `wandb login` in "
                                 "~/.netrc); run `wandb login`, set WANDB_API_KEY, or set WANDB_MODE=offline to keep the "
                                 "run in <output_dir>/wandb (`wandb sync` uploads it later)")
+
+
+def _check_val_kwargs(cfg: JobConfig, problems: list[str]) -> None:
+    """actor_rollout_ref.rollout.val_kwargs: sampling settings only where an RL evaluation samples."""
+    from trinity.config.schema.actor_rollout_ref import ValKwargs
+
+    vk = cfg.actor_rollout_ref.rollout.val_kwargs
+    if vk == ValKwargs():
+        return
+    key = "actor_rollout_ref.rollout.val_kwargs"
+    if not cfg.is_rl:
+        problems.append(f"{key}: {cfg.spec.name} evaluates without generating (it applies to the RL algorithms); remove the key")
+    elif not cfg.data.val_files:
+        problems.append(f"{key}: there is no evaluation without data.val_files; add data.val_files or remove the key")
+    elif not vk.do_sample:
+        # verl drops these silently without do_sample; here a setting that cannot take effect is refused
+        unused = [f for f in ("temperature", "top_p", "top_k", "n") if getattr(vk, f) != getattr(ValKwargs(), f)]
+        problems.append(f"{key}.{unused[0]}: the evaluation decodes greedily (one response per prompt) unless "
+                        f"{key}.do_sample is true; set do_sample: true or remove "
+                        + ", ".join(unused))
 
 
 def _wandb_can_log() -> bool:

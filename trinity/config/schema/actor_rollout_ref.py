@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from trinity.config.megatron import MegatronConfig, StrictModel
 from trinity.config.schema.algorithm import KLEstimator, LossAggMode
@@ -191,6 +191,29 @@ class PartialRolloutConfig(StrictModel):
     each token's policy loss (verl's `algorithm.rollout_is_threshold`, TIS)."""
 
 
+class ValKwargs(StrictModel):
+    """How the evaluation on data.val_files samples (verl's `rollout.val_kwargs`): greedy, one response per
+    prompt, unless `do_sample`."""
+
+    do_sample: bool = False
+    """Sample with the settings below; false: greedy decoding, one response per prompt (pass@1)."""
+    temperature: float = Field(default=0.0, ge=0)
+    """With do_sample: the sampling temperature."""
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    """With do_sample: the nucleus threshold."""
+    top_k: int = Field(default=0, ge=0)
+    """With do_sample: keep the k most likely tokens (0, or verl's -1 = off)."""
+    n: int = Field(default=1, ge=1)
+    """With do_sample: responses per val prompt; `val/reward_mean` is their mean (a sampled estimate of the
+    policy's reward, with no lag behind the trained weights)."""
+
+    @field_validator("top_k", mode="before")
+    @classmethod
+    def _top_k_off(cls, value: object) -> object:
+        """-1 (verl's and older vLLM's "off") is 0, this config's "off"."""
+        return 0 if value == -1 else value
+
+
 class RolloutConfig(StrictModel):
     """Generation with the actor's own megatron-core model."""
 
@@ -201,7 +224,7 @@ class RolloutConfig(StrictModel):
     top_p: float = Field(default=1.0, gt=0, le=1)
     """Nucleus sampling threshold."""
     top_k: int = Field(default=0, ge=0)
-    """Keep only the k most likely tokens (0 = off)."""
+    """Keep only the k most likely tokens (0, or verl's -1 = off)."""
     response_length: int = Field(default=128, ge=1)
     """Maximum new tokens per response."""
     max_num_seqs: int = Field(default=1024, ge=1)
@@ -216,6 +239,14 @@ class RolloutConfig(StrictModel):
     `gpu_memory_utilization`."""
     partial: PartialRolloutConfig = Field(default_factory=PartialRolloutConfig)
     """Partial rollouts: a step does not wait for its longest answer (off by default)."""
+    val_kwargs: ValKwargs = Field(default_factory=ValKwargs)
+    """Sampling of the evaluation on data.val_files (RL): greedy by default."""
+
+    @field_validator("top_k", mode="before")
+    @classmethod
+    def _top_k_off(cls, value: object) -> object:
+        """-1 (verl's and older vLLM's "off") is 0, this config's "off"."""
+        return 0 if value == -1 else value
 
 
 class ActorRolloutRefConfig(StrictModel):

@@ -92,7 +92,8 @@ class DataConfig(StrictModel):
     """Held-out files in the training files' format, evaluated before the first step
     (trainer.val_before_train), every trainer.val_interval steps and after the last step: SFT logs the
     loss over all their samples (`val/loss`), RL the mean reward of one greedy response per prompt
-    (`val/reward_mean`, pass@1). Empty: no evaluation."""
+    (`val/reward_mean`, pass@1; sampled responses with actor_rollout_ref.rollout.val_kwargs). Empty: no
+    evaluation."""
     chosen_key: str = "chosen"
     """dpo: field holding the preferred response (a string, or a list of chat messages ending with the
     assistant's answer)."""
