@@ -39,6 +39,23 @@ def tiny(tmp_path_factory) -> dict[str, Path]:
     }
 
 
+def grpo_job(tiny: dict[str, Path], out: Path, trainer: dict, *, lr: float) -> dict:
+    """GRPO on the tiny model: 4 prompts x 2 answers of 6 tokens a step, the val prompts evaluated."""
+    return {
+        "algorithm": {"name": "grpo"},
+        "model": {"path": str(tiny["model"])},
+        "data": {"train_files": [str(tiny["prompts"])], "val_files": [str(tiny["val_prompts"])],
+                 "max_prompt_length": 32, "train_batch_size": 4},
+        "cluster": {"device": "cpu", "nproc_per_node": 1},
+        "trainer": {"micro_batch_size": 4, "output_dir": str(out), "export_hf": False, **trainer},
+        "actor_rollout_ref": {
+            "actor": {"ppo_mini_batch_size": 4, "optim": {"lr": lr, "weight_decay": 0.0}},
+            "rollout": {"n": 2, "response_length": 6},
+        },
+        "reward": {"function": "trinity.rewards.arithmetic_reward:closeness"},
+    }
+
+
 def rows(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
@@ -75,20 +92,7 @@ def test_sft_val_loss_before_training_equals_step_1_loss(tiny, tmp_path):
 def test_grpo_val_reward_samples_and_trackers(tiny, tmp_path, monkeypatch):
     out = tmp_path / "run"
     loggers = ["console", "jsonl"] + (["wandb"] if HAVE_WANDB else []) + (["mlflow"] if HAVE_MLFLOW else [])
-    cfg = {
-        "algorithm": {"name": "grpo"},
-        "model": {"path": str(tiny["model"])},
-        "data": {"train_files": [str(tiny["prompts"])], "val_files": [str(tiny["val_prompts"])],
-                 "max_prompt_length": 32, "train_batch_size": 4},
-        "cluster": {"device": "cpu", "nproc_per_node": 1},
-        "trainer": {"total_steps": 3, "micro_batch_size": 4, "output_dir": str(out), "export_hf": False,
-                    "val_interval": 2, "log_samples": 2, "logger": loggers},
-        "actor_rollout_ref": {
-            "actor": {"ppo_mini_batch_size": 4, "optim": {"lr": 1e-3, "weight_decay": 0.0}},
-            "rollout": {"n": 2, "response_length": 6},
-        },
-        "reward": {"function": "trinity.rewards.arithmetic_reward:closeness"},
-    }
+    cfg = grpo_job(tiny, out, {"total_steps": 3, "val_interval": 2, "log_samples": 2, "logger": loggers}, lr=1e-3)
     proc = trinity_run(cfg, tmp_path / "job.yaml", timeout=240, reuse_conversion=True, env={"WANDB_MODE": "offline", "WANDB_SILENT": "true"})
     assert proc.returncode == 0, proc.stdout[-3000:]
     val = [r for r in rows(out) if "val/reward_mean" in r]
@@ -146,21 +150,8 @@ def test_grpo_val_kwargs_sample_n_responses_per_prompt_from_the_seed(tiny, tmp_p
     # from trainer.seed afresh, so with an update too small to move an fp32 weight (lr 1e-12: Adam's step is
     # far below an fp32 ulp of the weights) the evaluations before and after it are the same
     out = tmp_path / "grpo_val_sampled"
-    cfg = {
-        "algorithm": {"name": "grpo"},
-        "model": {"path": str(tiny["model"])},
-        "data": {"train_files": [str(tiny["prompts"])], "val_files": [str(tiny["val_prompts"])],
-                 "max_prompt_length": 32, "train_batch_size": 4},
-        "cluster": {"device": "cpu", "nproc_per_node": 1},
-        "trainer": {"total_steps": 1, "micro_batch_size": 4, "output_dir": str(out), "export_hf": False,
-                    "save_last": False, "log_samples": 1},
-        "actor_rollout_ref": {
-            "actor": {"ppo_mini_batch_size": 4, "optim": {"lr": 1e-12, "weight_decay": 0.0}},
-            "rollout": {"n": 2, "response_length": 6,
-                        "val_kwargs": {"do_sample": True, "temperature": 1.0, "n": 3, "top_k": -1}},
-        },
-        "reward": {"function": "trinity.rewards.arithmetic_reward:closeness"},
-    }
+    cfg = grpo_job(tiny, out, {"total_steps": 1, "save_last": False, "log_samples": 1}, lr=1e-12)
+    cfg["actor_rollout_ref"]["rollout"]["val_kwargs"] = {"do_sample": True, "temperature": 1.0, "n": 3, "top_k": -1}
     proc = trinity_run(cfg, tmp_path / "job.yaml", timeout=240, reuse_conversion=True)
     assert proc.returncode == 0, proc.stdout[-3000:]
     val = [r for r in rows(out) if "val/reward_mean" in r]
