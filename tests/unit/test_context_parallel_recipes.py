@@ -1,6 +1,7 @@
 """Context parallelism through the recipes' own forwards and losses (trinity.trainer.recipes): on gloo, a
-tiny Qwen2 built by `build_model` at CP=2 (ring attention, this rank's RoPE chunks) gives the values of the
-same weights at CP=1 in fp32, and its parameter gradients summed over the CP group (megatron's DDP sums
+tiny Qwen2 and a tiny DeepSeek-V3 (multi-latent attention, MoE) built by `build_model` at CP=2 (ring
+attention, this rank's RoPE chunks) give the values of the same weights at CP=1 in fp32, and their parameter
+gradients summed over the CP group (megatron's DDP sums
 over DP x CP) equal CP=1's:
 - SFT / PT: `TokenRows` + `SFTLoss` over packed and unpacked rows (each rank's token sum is its share);
 - RL: response log-probs and entropies of padded rollout rows (padded on the fly to 2·CP chunks) and of
@@ -147,12 +148,13 @@ def _worker(rank: int, port: int, model_dir: str, out: str) -> None:
 
 @pytest.mark.multiproc
 @pytest.mark.slow  # two spawned ranks building two models: ~25 s on 2 idle cores
-def test_cp2_recipes_equal_cp1(tmp_path, monkeypatch):
+@pytest.mark.parametrize("family", ["qwen2", "deepseek_v3"])  # deepseek_v3: MLA (its own RoPE on q/k) + MoE
+def test_cp2_recipes_equal_cp1(tmp_path, monkeypatch, family):
     from trinity.distributed import collectives
     from trinity.testing.tiny_models import make_tiny_hf_model
 
     monkeypatch.setenv(collectives.STRICT_ENV, "1")
-    model_dir = make_tiny_hf_model("qwen2", tmp_path / "model")
+    model_dir = make_tiny_hf_model(family, tmp_path / "model")
     run_ranks(2, _worker, str(model_dir), str(tmp_path))
     for rank in range(2):
         res = json.loads((tmp_path / f"rank{rank}.json").read_text())

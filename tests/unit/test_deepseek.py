@@ -185,6 +185,42 @@ def test_validate_v2_lite_config_and_refusals(tmp_path, write_job):
     job["actor_rollout_ref"]["actor"]["lora"]["target_modules"] = ["o_proj", "kv_a_proj_with_mqa", "kv_b_proj"]
     del job["actor_rollout_ref"]["actor"]["megatron"]["use_mbridge"]
     load_config(write_job(job), check_paths=False)
+    # MLA's up-projections recompute (megatron's mla_up_proj; test_mla_up_proj_recompute_... below)
+    job["actor_rollout_ref"]["actor"]["megatron"]["override_transformer_config"] = {
+        "recompute_granularity": "selective", "recompute_modules": ["mla_up_proj", "core_attn"]}
+    load_config(write_job(job), check_paths=False)
+
+
+@pytest.mark.slow  # two tiny DeepSeek-V3 builds: ~12 s on 2 cores
+def test_mla_up_proj_recompute_gives_the_same_loss_and_gradients(tmp_path):
+    from trinity.config.megatron import MegatronConfig
+    from trinity.distributed.layout import ParallelLayout
+    from trinity.distributed.parallel import destroy, init_parallel
+    from trinity.models.build import build_model
+
+    facts = ModelFacts.from_hf_dir(make_tiny_hf_model("deepseek_v3", tmp_path / "hf"))
+    tokens = torch.randint(0, facts.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    init_parallel(device="cpu", layout=ParallelLayout(), seed=3)
+    try:
+        got = {}
+        for name, over in (("plain", {}), ("recompute", {"recompute_granularity": "selective",
+                                                          "recompute_modules": ["mla_up_proj"]})):
+            (gpt,) = build_model(facts, MegatronConfig(override_transformer_config=over), device="cpu", dtype=torch.float32)
+            if name == "plain":
+                state = {n: p.detach().clone() for n, p in gpt.named_parameters()}
+            else:
+                assert all(layer.self_attention.recompute_up_proj for layer in gpt.decoder.layers)
+                with torch.no_grad():
+                    for n, p in gpt.named_parameters():
+                        p.copy_(state[n])
+            loss = gpt(tokens, torch.arange(16).expand(2, 16), None).float().square().mean()
+            loss.backward()
+            got[name] = (loss.item(), {n: p.grad.clone() for n, p in gpt.named_parameters() if p.grad is not None})
+    finally:
+        destroy()
+    (l0, g0), (l1, g1) = got["plain"], got["recompute"]
+    assert l0 == l1 and g0.keys() == g1.keys() and len(g0) > 10
+    assert all(torch.equal(g0[n], g1[n]) for n in g0)
 
 
 def test_mtp_tensors_are_left_unloaded_with_a_warning(tmp_path, caplog):

@@ -168,8 +168,9 @@ def _check_recompute(p: str, m: MegatronConfig, f: ModelFacts | None, problems: 
         if o.recompute_granularity != RecomputeGranularity.selective:
             problems.append(f"{q}.recompute_modules: only applies with recompute_granularity: selective")
         mods = set(o.recompute_modules)
-        if RecomputeModule.mla_up_proj in mods:
-            problems.append(f"{q}.recompute_modules: mla_up_proj needs multi-latent attention, which no supported model uses")
+        if f is not None and f.mla is None and RecomputeModule.mla_up_proj in mods:
+            problems.append(f"{q}.recompute_modules: mla_up_proj recomputes multi-latent attention's up-projections "
+                            f"(DeepSeek-V2/V3), which {f.architecture} does not have; remove it")
         if f is not None and not f.is_moe and mods & {RecomputeModule.moe, RecomputeModule.moe_act, RecomputeModule.shared_experts}:
             problems.append(f"{q}.recompute_modules: moe/moe_act/shared_experts need an MoE model")
         if RecomputeModule.moe_act in mods and not m.moe_grouped_gemm:
