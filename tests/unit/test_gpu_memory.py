@@ -53,19 +53,15 @@ def test_the_warning_starts_above_90_percent():
     assert "actor.ppo_max_token_len_per_gpu" in text and "recompute_granularity" in text
 
 
-def test_validate_warns_for_a_7b_grpo_job_on_small_gpus(nvidia_smi, capsys):
+def test_validate_warns_for_a_7b_grpo_job_on_small_gpus(nvidia_smi, capsys, monkeypatch):
     from trinity.cli.commands import validate
 
     overrides = ["model.path=tests/fixtures/hf_configs/qwen2_5_7b", "data.train_files=[tests/fixtures/data/prompts.jsonl]"]
-    cwd = os.getcwd()
-    os.chdir(REPO)
-    try:
-        nvidia_smi([(i, f"GPU-{i}", 81559) for i in range(8)])
-        assert validate(Path("configs/grpo_qwen2_5_7b_8gpu.yaml"), overrides) == 0
-        assert "warning: the estimated peak per GPU" not in capsys.readouterr().out  # 31.92 GiB on 80 GB GPUs
-        nvidia_smi([(i, f"GPU-{i}", 24576) for i in range(8)])
-        assert validate(Path("configs/grpo_qwen2_5_7b_8gpu.yaml"), overrides) == 0
-        out = capsys.readouterr().out
-    finally:
-        os.chdir(cwd)
+    monkeypatch.chdir(REPO)
+    nvidia_smi([(i, f"GPU-{i}", 81559) for i in range(8)])
+    assert validate(Path("configs/grpo_qwen2_5_7b_8gpu.yaml"), overrides) == 0
+    assert "warning: the estimated peak per GPU" not in capsys.readouterr().out  # 31.92 GiB on 80 GB GPUs
+    nvidia_smi([(i, f"GPU-{i}", 24576) for i in range(8)])
+    assert validate(Path("configs/grpo_qwen2_5_7b_8gpu.yaml"), overrides) == 0
+    out = capsys.readouterr().out
     assert "warning: the estimated peak per GPU, 31.92 GiB, is more than 90% of this machine's GPUs (24.00 GiB each" in out

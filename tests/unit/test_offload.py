@@ -77,23 +77,26 @@ def test_optimizer_states_are_on_the_device_only_for_each_optimizer_step(facts_p
     forward, step, after = [], [], []
 
     def watch(state, off):
-        state.chunks[0].register_forward_hook(lambda *_: forward.append(off.device_bytes()["optim"]) if torch.is_grad_enabled() else None)
-        inner = state._step
+        def optim_bytes(into: list[int]) -> None:
+            into.append(off.device_bytes()["optim"])
+
+        def on_forward(*_):
+            if torch.is_grad_enabled():  # the update's forwards, not the old log-prob passes
+                optim_bytes(forward)
+
+        state.chunks[0].register_forward_hook(on_forward)
+        inner_step, inner_train = state._step, state.train_batch
 
         def stepped(code):
-            step.append(off.device_bytes()["optim"])
-            result = inner(code)
-            return result
-
-        state._step = stepped
-        train = state.train_batch
+            optim_bytes(step)
+            return inner_step(code)
 
         def train_batch(*a, **k):
-            result = train(*a, **k)
-            after.append(off.device_bytes()["optim"])
+            result = inner_train(*a, **k)
+            optim_bytes(after)
             return result
 
-        state.train_batch = train_batch
+        state._step, state.train_batch = stepped, train_batch
 
     losses = _steps(facts, path, offload=True, watch=watch)
     assert len(step) == 6 and len(after) == 6 and forward  # 3 updates of 2 optimizer steps

@@ -122,8 +122,8 @@ class Evaluator:
         dp, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
         vk = cfg.actor_rollout_ref.rollout.val_kwargs
         # val_kwargs.n responses per prompt (1 unless do_sample), each prompt's copies side by side
-        self.n = vk.n if vk.do_sample else 1
-        self.prompts = [p for p in prompts[dp::dp_size] for _ in range(self.n)]
+        n = vk.n if vk.do_sample else 1
+        self.prompts = [p for p in prompts[dp::dp_size] for _ in range(n)]
         self.sampling = (dataclasses.replace(recipe.sampling, temperature=vk.temperature, top_p=vk.top_p, top_k=vk.top_k)
                          if vk.do_sample else dataclasses.replace(recipe.sampling, temperature=0.0))
         # as many sequences per generate call as a training step's rollout on this rank

@@ -4,9 +4,9 @@ profiler sub-blocks), ref and rollout.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import BeforeValidator, Field, model_validator
 
 from trinity.config.megatron import MegatronConfig, StrictModel
 from trinity.config.schema.algorithm import KLEstimator, LossAggMode
@@ -191,6 +191,10 @@ class PartialRolloutConfig(StrictModel):
     each token's policy loss (verl's `algorithm.rollout_is_threshold`, TIS)."""
 
 
+# top_k's "off" is 0; -1 (verl's and older vLLM's "off") is read as 0
+TopK = Annotated[int, BeforeValidator(lambda v: 0 if v == -1 else v), Field(ge=0)]
+
+
 class ValKwargs(StrictModel):
     """How the evaluation on data.val_files samples (verl's `rollout.val_kwargs`): greedy, one response per
     prompt, unless `do_sample`."""
@@ -201,17 +205,11 @@ class ValKwargs(StrictModel):
     """With do_sample: the sampling temperature."""
     top_p: float = Field(default=1.0, gt=0, le=1)
     """With do_sample: the nucleus threshold."""
-    top_k: int = Field(default=0, ge=0)
+    top_k: TopK = 0
     """With do_sample: keep the k most likely tokens (0, or verl's -1 = off)."""
     n: int = Field(default=1, ge=1)
     """With do_sample: responses per val prompt; `val/reward_mean` is their mean (a sampled estimate of the
     policy's reward, with no lag behind the trained weights)."""
-
-    @field_validator("top_k", mode="before")
-    @classmethod
-    def _top_k_off(cls, value: object) -> object:
-        """-1 (verl's and older vLLM's "off") is 0, this config's "off"."""
-        return 0 if value == -1 else value
 
 
 class RolloutConfig(StrictModel):
@@ -223,7 +221,7 @@ class RolloutConfig(StrictModel):
     """Sampling temperature (0 = greedy)."""
     top_p: float = Field(default=1.0, gt=0, le=1)
     """Nucleus sampling threshold."""
-    top_k: int = Field(default=0, ge=0)
+    top_k: TopK = 0
     """Keep only the k most likely tokens (0, or verl's -1 = off)."""
     response_length: int = Field(default=128, ge=1)
     """Maximum new tokens per response."""
@@ -241,12 +239,6 @@ class RolloutConfig(StrictModel):
     """Partial rollouts: a step does not wait for its longest answer (off by default)."""
     val_kwargs: ValKwargs = Field(default_factory=ValKwargs)
     """Sampling of the evaluation on data.val_files (RL): greedy by default."""
-
-    @field_validator("top_k", mode="before")
-    @classmethod
-    def _top_k_off(cls, value: object) -> object:
-        """-1 (verl's and older vLLM's "off") is 0, this config's "off"."""
-        return 0 if value == -1 else value
 
 
 class ActorRolloutRefConfig(StrictModel):
