@@ -264,7 +264,7 @@ def main() -> None:
                               flush=True)
                     print(f"{name}: step {med['step_time_s']:.2f} s, response length mean "
                           f"{med.get('response_length/mean', float('nan')):.0f} max {med.get('response_length/max', float('nan')):.0f}; "
-                          f"rollout: {med.get('rollout/decode_steps', 0):.0f} decode steps, "
+                          f"rollout: {med.get('rollout/decode_steps', 0):.0f} decode steps, {med.get('rollout/prefill_calls', 0):.0f} prefill forwards, "
                           f"{med.get('rollout/graph_captures', 0):.0f} graph captures in {med.get('rollout/graph_capture_s', 0):.3f} s",
                           flush=True)
                     phase_table(results[-1])  # per case, so a run cut short still reports what it measured

@@ -109,3 +109,24 @@ def test_with_max_staleness_no_group_outlives_it(model):
         running += sum(1 for g in out.carry for a in g.answers if a.tokens and not a.ended)
         carry = out.carry
     assert running  # answers were carried half-done
+
+
+def test_new_prompts_join_in_waves_not_one_prefill_per_group(model):
+    """With room for many groups in flight, a group that completes must not start the next one alone: each
+    admission is a prefill forward as long as a decode step over the batch. With answers of 2 to 60 tokens
+    the 32 groups in flight complete at different steps; the new ones start a wave (an eighth of the
+    groups in flight) at a time, so the call's prefill forwards are about one per wave."""
+    from trinity.rollout.types import RolloutStats
+
+    gpt, facts = model
+    stats = RolloutStats()
+    params = SamplingParams(temperature=1.0, max_new_tokens=64)
+    out = generate_partial(gpt, [], _stream(), params, n=N, need=32, inflight=32, version=0, longest_prompt=8,
+                           vocab_size=facts.vocab_size, pad_id=0, budget=KVBudget(max_num_seqs=512), seed=7,
+                           response_length=lambda sample: 2 + (sample * 37) % 59, stats=stats)
+    assert len(out.trained) == 32
+    later = len(out.trained) + len(out.carry) - 32  # groups started after the first 32
+    assert later > 16  # the call kept starting prompts while the first ones decoded
+    # one forward per group that started later would be about `later`; waves of 4 groups: later / 4 + 1
+    assert stats.prefill_calls <= later // 4 + 2, (stats.prefill_calls, later)
+    assert stats.graph_captures == 0 and stats.attention  # the end's stats are booked (no graphs on CPU)

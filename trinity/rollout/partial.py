@@ -206,8 +206,26 @@ def generate_partial(
             started = len(done_before) + len(live) + len(waiting)
             return unfinished() < inflight and (max_staleness is None or started < (max_staleness + 1) * need)
 
+        # new prompts join a wave at a time: a group admitted alone costs a prefill forward of its own
+        # (as long as a decode step over the whole batch at 0.5B), and with room for one group at each
+        # completion the rollout paid one such forward per group (the slot table's eighth, in groups)
+        wave = max(1, min(inflight, table.slots // n) // 8)
+
+        def openings() -> tuple[int, bool]:
+            """Groups that could start now (within `inflight`, the free slots and the staleness cap), and
+            whether the staleness cap bounds them (it does not grow within a call: no wave to wait for)."""
+            by_room = min(inflight - unfinished(), (len(table.free) - table.n_waiting) // n)
+            if max_staleness is None:
+                return by_room, False
+            by_age = (max_staleness + 1) * need - (len(done_before) + len(live) + len(waiting))
+            return min(by_room, by_age), by_age <= by_room
+
         def top_up() -> None:
-            """New prompts into the free slots while there is `room`."""
+            """New prompts into the free slots while there is `room`, once a wave of them can start (or
+            nothing is unfinished, or the staleness cap will allow no more)."""
+            k, capped = openings()
+            if unfinished() and k < wave and not capped:
+                return
             while room() and (len(table.free) >= table.n_waiting + n or unfinished() == 0):
                 g = waiting.pop(0) if waiting else fresh()
                 if not add(g):
@@ -228,6 +246,7 @@ def generate_partial(
                 if remaining[gi] == 0:
                     completed.append(gi)
             top_up()
+        sched.book_stats()
         used = len(row_of)
         out_len = sched.out_len[:used].cpu().tolist()
         stats.tokens = sum(out_len)

@@ -302,6 +302,18 @@ class ContinuousScheduler:
 
     def finish(self, prompts: Sequence[Sequence[int]]) -> Rollout:
         """The rollout of `prompts` (every row ended; row i's prompt is prompts[i]); the stats' timings."""
+        self.book_stats()
+        rows, device = self.rows, self.device
+        lengths = self.out_len[:rows]
+        width = int(lengths.max())
+        self.stats.tokens = int(lengths.sum())
+        tokens, prompt_mask = left_pad(prompts, self.pad_id, device)
+        logprobs = self.pipe.from_last(self.out_logp[:rows, :width].contiguous())
+        return assemble(tokens, prompt_mask, self.out_tokens[:rows, :width], lengths, logprobs)
+
+    def book_stats(self) -> None:
+        """The stats the rollout's end knows: graph captures, the attention path, the per-bucket step
+        times (`RolloutStats.time_buckets`)."""
         stats, device = self.stats, self.device
         stats.graph_captures = sum(d.captures for d in self.decs)
         stats.capture_s = sum(d.capture_s for d in self.decs)
@@ -316,10 +328,3 @@ class ContinuousScheduler:
                 bt.live_kv_tokens += live_ctx
                 bt.read_kv_tokens += shared_ctx
         stats.attention = self.dec.attention
-        rows = self.rows
-        lengths = self.out_len[:rows]
-        width = int(lengths.max())
-        stats.tokens = int(lengths.sum())
-        tokens, prompt_mask = left_pad(prompts, self.pad_id, device)
-        logprobs = self.pipe.from_last(self.out_logp[:rows, :width].contiguous())
-        return assemble(tokens, prompt_mask, self.out_tokens[:rows, :width], lengths, logprobs)

@@ -439,6 +439,7 @@ class RLRecipe(Recipe):
         """The engine's shape of its last rollout: slots (KV budget), decode steps, graph captures."""
         stats = self.rollout_engine.stats
         return {"rollout/slots": stats.slots, "rollout/decode_steps": stats.decode_steps,
+                "rollout/prefill_calls": stats.prefill_calls,
                 "rollout/graph_captures": stats.graph_captures, "rollout/graph_capture_s": stats.capture_s}
 
     def score(self, prompts: list[Prompt], ro: Rollout) -> Scored:
