@@ -1,0 +1,129 @@
+"""The decode work a rollout asks for, with and without partial rollouts: decode steps, live rows per step
+and decoded tokens per step of training, from the real engine (`generate_continuous`, `generate_partial`)
+on the tiny Qwen2 on the CPU. No GPU timing: what it shows is the schedule, which a GPU step's time
+follows (a decode step costs about a fixed part plus a part per live row).
+
+    python benchmarks/partial_schedule.py                       # 64 prompts x 8, up to 1024 tokens, lognormal
+    python benchmarks/partial_schedule.py --staleness 1,2,4 --over-sampling 64,128
+
+Cases: `lognormal` (one rollout of the batch to its longest answer), `fixed:N` (every answer N tokens, N
+the lognormal mean: the same real tokens), and `partial s=S o=O` (`max_staleness` S, O prompts in flight)
+with the lognormal lengths drawn per sample as benchmarks/eos_schedule.py draws them for rl_step.py.
+Means over the calls after the first (partial rollouts reach their steady state from the second).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from eos_schedule import draw_response_lengths, per_sample  # noqa: E402
+
+
+def tiny_model(root: Path):
+    from trinity.config.megatron import MegatronConfig
+    from trinity.convert.builtin import load_hf_weights
+    from trinity.distributed.layout import ParallelLayout
+    from trinity.distributed.parallel import init_parallel
+    from trinity.models.build import build_model
+    from trinity.models.facts import ModelFacts
+    from trinity.testing.tiny_models import make_tiny_hf_model
+
+    path = make_tiny_hf_model("qwen2", root)
+    facts = ModelFacts.from_hf_dir(path)
+    init_parallel(device="cpu", layout=ParallelLayout(), seed=3)
+    chunks = build_model(facts, MegatronConfig(), device="cpu", dtype=torch.float32)
+    load_hf_weights(chunks, path, facts)
+    return chunks[0], facts
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--prompts", type=int, default=64)
+    ap.add_argument("--n", type=int, default=8)
+    ap.add_argument("--response-length", type=int, default=1024)
+    ap.add_argument("--calls", type=int, default=7)
+    ap.add_argument("--baselines", choices=["yes", "no"], default="yes", help="also the lognormal and fixed-length cases")
+    ap.add_argument("--staleness", default="1,2,4", help="comma list of max_staleness, one partial case each")
+    ap.add_argument("--over-sampling", default="", help="comma list of prompts in flight (default: 2 x --prompts)")
+    args = ap.parse_args()
+
+    from trinity.rollout.continuous import KVBudget, generate_continuous
+    from trinity.rollout.partial import fresh_group, generate_partial
+    from trinity.rollout.types import RolloutStats, SamplingParams
+
+    torch.set_num_threads(2)
+    gpt, facts = tiny_model(Path(tempfile.mkdtemp()))
+    P, n, max_new = args.prompts, args.n, args.response_length
+    g = torch.Generator().manual_seed(0)
+    prompt_pool = [torch.randint(3, facts.vocab_size, (int(k),), generator=g).tolist()
+                   for k in torch.randint(20, 48, (512,), generator=g)]
+    params = SamplingParams(temperature=1.0, max_new_tokens=max_new)
+    budget = KVBudget(max_num_seqs=100_000)
+    rows: list[tuple[str, dict[str, float]]] = []
+
+    def add(name: str, calls: list[dict[str, float]]) -> None:
+        steady = calls[1:] or calls
+        # means, not medians: with partial rollouts the calls alternate (a step that waits for due groups,
+        # then one that finds most of its groups complete)
+        mean = {k: statistics.fmean(c[k] for c in steady) for k in steady[0]}
+        rows.append((name, mean))
+        for i, c in enumerate(calls, 1):
+            print(f"{name}, call {i}: " + ", ".join(f"{k} {v:.0f}" for k, v in c.items()), flush=True)
+
+    def one_rollout(kind: str) -> list[dict[str, float]]:
+        out = []
+        for call in range(args.calls):
+            prompts = [prompt_pool[(call * P + i) % len(prompt_pool)] for i in range(P) for _ in range(n)]
+            lengths = draw_response_lengths(kind, P * n, max_new, seed=1000 + call)
+            stats = RolloutStats()
+            generate_continuous(gpt, prompts, params, vocab_size=facts.vocab_size, pad_id=0, budget=budget,
+                                response_lengths=lengths, stats=stats, generator=torch.Generator().manual_seed(call))
+            out.append({"decode steps": stats.decode_steps, "rows per step": stats.slot_steps / max(1, stats.decode_steps),
+                        "decoded tokens": stats.tokens, "trained tokens": sum(lengths), "prefill forwards": stats.prefill_calls})
+        return out
+
+    mean = round(statistics.mean(draw_response_lengths("lognormal", 8192, max_new, seed=7)))
+    if args.baselines == "yes":
+        add("lognormal", one_rollout("lognormal"))
+        add(f"fixed:{mean}", one_rollout(f"fixed:{mean}"))
+
+    length = per_sample("lognormal", max_new)
+    for s, o in itertools.product((int(x) for x in args.staleness.split(",")),
+                                  (int(x) for x in (args.over_sampling or str(2 * P)).split(","))):
+        counter = itertools.count()
+
+        def fresh():
+            uid = next(counter)
+            return fresh_group(uid, uid, prompt_pool[uid % len(prompt_pool)], n)
+
+        carry, calls = [], []
+        for version in range(args.calls):
+            stats = RolloutStats()
+            res = generate_partial(gpt, carry, fresh, params, n=n, need=P, inflight=o, version=version, max_staleness=s,
+                                   longest_prompt=48, vocab_size=facts.vocab_size, pad_id=0, budget=budget, seed=11,
+                                   response_length=length, stats=stats)
+            carry = res.carry
+            trained = sum(len(a.tokens) for grp in res.trained for a in grp.answers)
+            calls.append({"decode steps": stats.decode_steps, "rows per step": stats.slot_steps / max(1, stats.decode_steps),
+                          "decoded tokens": stats.tokens, "trained tokens": trained, "prefill forwards": stats.prefill_calls})
+        add(f"partial s={s} o={o}", calls)
+
+    print()
+    print(f"{P} prompts x {n} answers, up to {max_new} tokens; means of calls 2-{args.calls}")
+    print("| case | decode steps | rows per step | decoded tokens | trained tokens | prefill forwards |")
+    print("|---|---|---|---|---|---|")
+    for name, m in rows:
+        print(f"| {name} | {m['decode steps']:.0f} | {m['rows per step']:.0f} | {m['decoded tokens']:.0f} | "
+              f"{m['trained tokens']:.0f} | {m['prefill forwards']:.0f} |")
+
+
+if __name__ == "__main__":
+    main()
