@@ -74,6 +74,9 @@ def main() -> None:
         # means, not medians: with partial rollouts the calls alternate (a step that waits for due groups,
         # then one that finds most of its groups complete)
         mean = {k: statistics.fmean(c[k] for c in steady) for k in steady[0]}
+        # rows per decode step over all the calls' steps (a call that found its groups complete has none)
+        steps = sum(c["decode steps"] for c in steady)
+        mean["rows per step"] = sum(c["rows per step"] * c["decode steps"] for c in steady) / max(1, steps)
         rows.append((name, mean))
         for i, c in enumerate(calls, 1):
             print(f"{name}, call {i}: " + ", ".join(f"{k} {v:.0f}" for k, v in c.items()), flush=True)
