@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from eos_schedule import draw_response_lengths, per_sample  # noqa: E402
+from eos_schedule import draw_response_lengths, per_sample
 
 
 def tiny_model(root: Path):
@@ -103,7 +103,7 @@ def main() -> None:
                                   (int(x) for x in (args.over_sampling or str(2 * P)).split(","))):
         counter = itertools.count()
 
-        def fresh():
+        def fresh(counter=counter):
             uid = next(counter)
             return fresh_group(uid, uid, prompt_pool[uid % len(prompt_pool)], n)
 
