@@ -1,5 +1,6 @@
-"""The decode work a rollout asks for, with and without partial rollouts: decode steps, live rows per step
-and decoded tokens per step of training, from the real engine (`generate_continuous`, `generate_partial`)
+"""The decode work a rollout asks for, with and without partial rollouts: decode steps, rows per decode
+step, the cached keys of the rows a decode step attends over (each row's own context, a prompt's keys
+counted per answer) and decoded tokens per step of training, from the real engine (`generate_continuous`, `generate_partial`)
 on the tiny Qwen2 on the CPU. No GPU timing: what it shows is the schedule, which a GPU step's time
 follows (a decode step costs about a fixed part plus a part per live row).
 
@@ -76,7 +77,8 @@ def main() -> None:
         mean = {k: statistics.fmean(c[k] for c in steady) for k in steady[0]}
         # rows per decode step over all the calls' steps (a call that found its groups complete has none)
         steps = sum(c["decode steps"] for c in steady)
-        mean["rows per step"] = sum(c["rows per step"] * c["decode steps"] for c in steady) / max(1, steps)
+        for k in ("rows per step", "keys per step"):
+            mean[k] = sum(c[k] * c["decode steps"] for c in steady) / max(1, steps)
         rows.append((name, mean))
         for i, c in enumerate(calls, 1):
             print(f"{name}, call {i}: " + ", ".join(f"{k} {v:.0f}" for k, v in c.items()), flush=True)
@@ -90,7 +92,7 @@ def main() -> None:
             generate_continuous(gpt, prompts, params, vocab_size=facts.vocab_size, pad_id=0, budget=budget,
                                 response_lengths=lengths, stats=stats, generator=torch.Generator().manual_seed(call))
             out.append({"decode steps": stats.decode_steps, "rows per step": stats.slot_steps / max(1, stats.decode_steps),
-                        "decoded tokens": stats.tokens, "trained tokens": sum(lengths), "prefill forwards": stats.prefill_calls})
+                        "keys per step": stats.live_kv_tokens / max(1, stats.decode_steps), "decoded tokens": stats.tokens, "trained tokens": sum(lengths), "prefill forwards": stats.prefill_calls})
         return out
 
     mean = round(statistics.mean(draw_response_lengths("lognormal", 8192, max_new, seed=7)))
@@ -116,16 +118,16 @@ def main() -> None:
             carry = res.carry
             trained = sum(len(a.tokens) for grp in res.trained for a in grp.answers)
             calls.append({"decode steps": stats.decode_steps, "rows per step": stats.slot_steps / max(1, stats.decode_steps),
-                          "decoded tokens": stats.tokens, "trained tokens": trained, "prefill forwards": stats.prefill_calls})
+                          "keys per step": stats.live_kv_tokens / max(1, stats.decode_steps), "decoded tokens": stats.tokens, "trained tokens": trained, "prefill forwards": stats.prefill_calls})
         add(f"partial s={s} o={o}", calls)
 
     print()
     print(f"{P} prompts x {n} answers, up to {max_new} tokens; means of calls 2-{args.calls}")
-    print("| case | decode steps | rows per step | decoded tokens | trained tokens | prefill forwards |")
-    print("|---|---|---|---|---|---|")
+    print("| case | decode steps | rows per step | keys per step | decoded tokens | trained tokens | prefill forwards |")
+    print("|---|---|---|---|---|---|---|")
     for name, m in rows:
-        print(f"| {name} | {m['decode steps']:.0f} | {m['rows per step']:.0f} | {m['decoded tokens']:.0f} | "
-              f"{m['trained tokens']:.0f} | {m['prefill forwards']:.0f} |")
+        print(f"| {name} | {m['decode steps']:.0f} | {m['rows per step']:.0f} | {m['keys per step']:.0f} | "
+              f"{m['decoded tokens']:.0f} | {m['trained tokens']:.0f} | {m['prefill forwards']:.0f} |")
 
 
 if __name__ == "__main__":
