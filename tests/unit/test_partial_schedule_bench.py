@@ -13,8 +13,8 @@ BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "partial_schedule.p
 
 
 def test_partial_schedule_table():
-    out = subprocess.run([sys.executable, str(BENCH), "--prompts", "4", "--n", "2", "--response-length", "32",
-                          "--calls", "3", "--staleness", "1"], capture_output=True, text=True, timeout=300,
+    out = subprocess.run([sys.executable, str(BENCH), "--prompts", "4", "--n", "2", "--response-length", "16",
+                          "--calls", "2", "--staleness", "1"], capture_output=True, text=True, timeout=300,
                          check=False)
     assert out.returncode == 0, out.stderr[-2000:]
     rows = {m[0].strip(): [float(x) for x in m[1:]] for m in re.findall(
@@ -23,6 +23,6 @@ def test_partial_schedule_table():
     assert set(rows) == {"lognormal", fixed, "partial s=1 o=8"}, out.stdout
     # one rollout of 8 answers: the longest one's steps (its first token comes from the prefill)
     assert rows[fixed][0] == int(fixed[6:]) - 1
-    assert 1 <= rows["lognormal"][0] <= 31
+    assert 1 <= rows["lognormal"][0] <= 15
     calls = re.findall(r"^partial s=1 o=8, call \d+: .*trained tokens (\d+)", out.stdout, re.MULTILINE)
-    assert len(calls) == 3 and all(int(t) > 0 for t in calls)
+    assert len(calls) == 2 and all(int(t) > 0 for t in calls)
