@@ -28,23 +28,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from eos_schedule import draw_response_lengths, per_sample
 
 
-def tiny_model(root: Path):
-    from trinity.config.megatron import MegatronConfig
-    from trinity.convert.builtin import load_hf_weights
-    from trinity.distributed.layout import ParallelLayout
-    from trinity.distributed.parallel import init_parallel
-    from trinity.models.build import build_model
-    from trinity.models.facts import ModelFacts
-    from trinity.testing.tiny_models import make_tiny_hf_model
-
-    path = make_tiny_hf_model("qwen2", root)
-    facts = ModelFacts.from_hf_dir(path)
-    init_parallel(device="cpu", layout=ParallelLayout(), seed=3)
-    chunks = build_model(facts, MegatronConfig(), device="cpu", dtype=torch.float32)
-    load_hf_weights(chunks, path, facts)
-    return chunks[0], facts
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--prompts", type=int, default=64)
@@ -61,7 +44,9 @@ def main() -> None:
     from trinity.rollout.types import RolloutStats, SamplingParams
 
     torch.set_num_threads(2)
-    gpt, facts = tiny_model(Path(tempfile.mkdtemp()))
+    from trinity.testing.tiny_models import tiny_chunk_cpu
+
+    gpt, facts, _ = tiny_chunk_cpu("qwen2", Path(tempfile.mkdtemp()))
     P, n, max_new = args.prompts, args.n, args.response_length
     g = torch.Generator().manual_seed(0)
     prompt_pool = [torch.randint(3, facts.vocab_size, (int(k),), generator=g).tolist()

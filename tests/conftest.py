@@ -192,20 +192,8 @@ def private_conversion_cache(folder: Path) -> dict[str, str]:
 def tiny_qwen2_cpu(tmp_path_factory):
     """(model chunk, ModelFacts, HF folder) of the tiny random Qwen2, fp32 on CPU at TP=PP=1, with
     megatron's parallel state up for the module (the rollout tests decode with it)."""
-    import torch
+    from trinity.distributed.parallel import destroy
+    from trinity.testing.tiny_models import tiny_chunk_cpu
 
-    from trinity.config.megatron import MegatronConfig
-    from trinity.convert.builtin import load_hf_weights
-    from trinity.distributed.layout import ParallelLayout
-    from trinity.distributed.parallel import destroy, init_parallel
-    from trinity.models.build import build_model
-    from trinity.models.facts import ModelFacts
-    from trinity.testing.tiny_models import make_tiny_hf_model
-
-    path = make_tiny_hf_model("qwen2", tmp_path_factory.mktemp("qwen2"))
-    facts = ModelFacts.from_hf_dir(path)
-    init_parallel(device="cpu", layout=ParallelLayout(), seed=3)
-    chunks = build_model(facts, MegatronConfig(), device="cpu", dtype=torch.float32)
-    load_hf_weights(chunks, path, facts)
-    yield chunks[0], facts, path
+    yield tiny_chunk_cpu("qwen2", tmp_path_factory.mktemp("qwen2"))
     destroy()

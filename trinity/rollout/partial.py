@@ -199,12 +199,18 @@ def generate_partial(
         def unfinished() -> int:
             return sum(1 for k in remaining if k > 0)
 
+        def age_cap() -> int | None:
+            """Groups that may still start under `max_staleness`: (max_staleness + 1) x need started and not
+            trained at most, so that every started group is among the oldest `need` of a step within
+            max_staleness steps (trained oldest first, none restarted); None without a cap."""
+            if max_staleness is None:
+                return None
+            return (max_staleness + 1) * need - (len(done_before) + len(live) + len(waiting))
+
         def room() -> bool:
-            """Another group may start: fewer than `inflight` unfinished, and (with `max_staleness`) fewer
-            than (max_staleness + 1) x need started and not trained, so that every started group is among
-            the oldest `need` of a step within max_staleness steps (trained oldest first, none restarted)."""
-            started = len(done_before) + len(live) + len(waiting)
-            return unfinished() < inflight and (max_staleness is None or started < (max_staleness + 1) * need)
+            """Another group may start: fewer than `inflight` unfinished, and room under the age cap."""
+            cap = age_cap()
+            return unfinished() < inflight and (cap is None or cap > 0)
 
         # new prompts join a wave at a time: a group admitted alone costs a prefill forward of its own
         # (as long as a decode step over the whole batch at 0.5B), and with room for one group at each
@@ -212,13 +218,11 @@ def generate_partial(
         wave = max(1, min(inflight, table.slots // n) // 8)
 
         def openings() -> tuple[int, bool]:
-            """Groups that could start now (within `inflight`, the free slots and the staleness cap), and
-            whether the staleness cap bounds them (it does not grow within a call: no wave to wait for)."""
+            """Groups that could start now (within `inflight`, the free slots and the age cap), and whether
+            the age cap bounds them (it does not grow within a call: no wave to wait for)."""
             by_room = min(inflight - unfinished(), (len(table.free) - table.n_waiting) // n)
-            if max_staleness is None:
-                return by_room, False
-            by_age = (max_staleness + 1) * need - (len(done_before) + len(live) + len(waiting))
-            return min(by_room, by_age), by_age <= by_room
+            cap = age_cap()
+            return (by_room, False) if cap is None else (min(by_room, cap), cap <= by_room)
 
         def top_up() -> None:
             """New prompts into the free slots while there is `room`, once a wave of them can start (or

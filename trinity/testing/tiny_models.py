@@ -140,3 +140,25 @@ def make_tiny_hf_model(
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     return out
+
+
+def tiny_chunk_cpu(family: str, root: Path) -> tuple[Any, Any, Path]:
+    """(model chunk, ModelFacts, HF folder) of the tiny random model of `family` made under `root`, fp32 on
+    the CPU at TP=PP=1, with megatron's parallel state brought up (gloo, one process) for it; the caller
+    tears it down (`trinity.distributed.parallel.destroy`) when done. What the rollout tests and the CPU
+    schedule benchmark decode with."""
+    import torch
+
+    from trinity.config.megatron import MegatronConfig
+    from trinity.convert.builtin import load_hf_weights
+    from trinity.distributed.layout import ParallelLayout
+    from trinity.distributed.parallel import init_parallel
+    from trinity.models.build import build_model
+    from trinity.models.facts import ModelFacts
+
+    path = make_tiny_hf_model(family, root)
+    facts = ModelFacts.from_hf_dir(path)
+    init_parallel(device="cpu", layout=ParallelLayout(), seed=3)
+    chunks = build_model(facts, MegatronConfig(), device="cpu", dtype=torch.float32)
+    load_hf_weights(chunks, path, facts)
+    return chunks[0], facts, path
