@@ -18,7 +18,7 @@ def test_partial_schedule_table():
                          check=False)
     assert out.returncode == 0, out.stderr[-2000:]
     rows = {m[0].strip(): [float(x) for x in m[1:]] for m in re.findall(
-        r"^\| ([^|]+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \|$", out.stdout, re.MULTILINE)}
+        r"^\| ([^|]+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \|$", out.stdout, re.MULTILINE)}
     fixed = next(k for k in rows if k.startswith("fixed:"))
     assert set(rows) == {"lognormal", fixed, "partial s=1 o=8"}, out.stdout
     # one rollout of 8 answers: the longest one's steps (its first token comes from the prefill)
