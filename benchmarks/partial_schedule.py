@@ -108,7 +108,7 @@ def main() -> None:
             mean[k] = sum(c[k] * c["decode steps"] for c in steady) / max(1, steps)
         rows.append((name, mean))
         for i, c in enumerate(calls, 1):
-            print(f"{name}, call {i}: " + ", ".join(f"{k} {v:.0f}" for k, v in c.items()), flush=True)
+            print(f"{name}, call {i}: " + ", ".join(f"{k} {v:.3f}" if k.endswith(" s") else f"{k} {v:.0f}" for k, v in c.items()), flush=True)
 
     def one_rollout(kind: str) -> list[dict[str, float]]:
         out = []

@@ -153,3 +153,57 @@ def test_prefill_chunks_bound_the_padded_tokens():
     # shortest first; a chunk's padded tokens (its width x its prompts) at most 16
     assert [[len(p.prompt) for p in c] for c in chunks] == [[3, 4, 5], [9]]
     assert prefill_chunks(items, tokens=4) == [[p] for p in sorted(items, key=lambda p: len(p.prompt))]
+
+
+def test_a_parked_slot_is_taken_again_by_its_next_turn_and_freed_the_longest_parked_first():
+    # rows 0-2, one conversation each (park keys 10, 11, 12); 4 slots
+    table = _table(4, [Group((1, 2), (0, 1, 2), (10, 11, 12))])
+    _admit(table, it=0)
+    assert table.retire(1, [True, False, True, False]) == [0, 2]
+    # ended rows keep their slots, parked under their keys, the oldest parked first; nothing is free
+    assert table.parked == {10: 0, 12: 2} and table.free == [3] and table.active == {1}
+    assert not table.finished
+    # the next turn of conversation 10 (its first 3 tokens cached) takes slot 0 back at once
+    table.add([Group((1, 2, 7, 8), (3,), (13,), (10, 3))])
+    assert table.wants_admission()
+    take = _admit(table, it=2)
+    assert take == [Placement((1, 2, 7, 8), ((3, 0),), cached=3)] and take[0].computed == 1
+    assert table.parked == {12: 2} and table.active == {0, 1} and table.slot_pos[0] == 4
+    # a reuse whose slot was freed meanwhile is prefilled whole into a free slot
+    table.release(12)
+    assert table.free == [2, 3]
+    table.add([Group((1, 2, 5), (4,), (14,), (12, 2))])
+    assert _admit(table, it=3) == [Placement((1, 2, 5), ((4, 2),))]
+    # new rows need more slots than are free: the longest-parked slots are freed for them
+    table.retire(4, [True, True, True, False])  # rows 3, 1, 4 end: parked under 13, 11, 14
+    assert list(table.parked) == [13, 11, 14] and table.free == [3]
+    table.add([Group((6,), (5, 6, 7))])
+    assert table.wants_admission()
+    assert _admit(table, it=5) == [Placement((6,), ((5, 0), (6, 1), (7, 3)))]
+    assert table.parked == {14: 2} and table.free == []
+    # no live row: finished, parked slots or not
+    table.retire(6, [True, True, False, True])
+    assert table.finished and table.parked == {14: 2} and table.free == [0, 1, 3]
+
+
+def test_prefill_chunks_keep_prompts_with_cached_tokens_apart_and_count_the_computed_ones():
+    cached = [Placement(tuple(range(100)), ((0, 0),), cached=98), Placement(tuple(range(50)), ((1, 1),), cached=10)]
+    whole = [Placement((1, 2, 3), ((2, 2),)), Placement((4,), ((3, 3),))]
+    chunks = prefill_chunks(cached + whole, tokens=80)
+    # whole prompts first, then the cached ones by tokens computed (2 and 40: 2 x 40 <= 80, one forward)
+    assert chunks == [[whole[1], whole[0]], [cached[0], cached[1]]]
+
+
+def test_compaction_leaves_parked_slots_and_moves_only_where_the_bucket_shrinks():
+    buckets = Buckets.plain(8)
+    table = _table(8, [Group((1,), tuple(range(8)), tuple(range(100, 108)))])
+    _admit(table, it=0)
+    table.retire(1, [True, True, False, True, True, True, True, False])  # rows 2 and 7 live
+    assert sorted(table.active) == [2, 7] and table.free == []
+    table.release(100)  # slot 0 free, the others parked
+    assert table.compaction(buckets) == Move((7,), (0,))  # bucket 8 -> 4 (slots 0 and 2)
+    table = _table(8, [Group((1,), tuple(range(8)), tuple(range(100, 108)))])
+    _admit(table, it=0)
+    table.retire(1, [True, True, True, False, True, True, True, False])  # rows 3 and 7 live
+    table.release(104)  # slot 4 free: moving 7 there leaves bucket 8
+    assert table.compaction(buckets) is None

@@ -91,6 +91,32 @@ def test_multi_turn_logprobs_equal_a_teacher_forced_forward(tiny, engine):
     assert episodes[0].turns[0].output_ids != episodes[1].turns[0].output_ids  # two samples, two draws
 
 
+def test_a_turn_prefills_only_past_its_conversation_so_far(tiny):
+    """Each later turn takes its conversation's parked KV slot and prefills only the tokens past the
+    previous turn's prompt and answer: the same conversations and log-probs (1e-5) as prefilling every
+    turn's prompt whole, with as many prompt tokens computed fewer as it reused."""
+    model, tokenizer = tiny
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=6)
+    runs = {}
+    for reuse in (True, False):
+        backend = _backend(model, tokenizer, seed=5)
+        backend.reuse = reuse
+        runs[reuse] = (run_workflow(_three_turns, [{}, {}, {}], backend, tokenizer, sampling=sampling), backend.stats)
+    (on, on_stats), (off, off_stats) = runs[True], runs[False]
+    for a, b in zip(on, off):
+        assert len(a.turns) == 3 and a.sequences[0].tokens == b.sequences[0].tokens
+        assert max(abs(x - y) for x, y in zip(a.sequences[0].logprobs, b.sequences[0].logprobs)) < 1e-5
+    # every later turn reused at least its previous prompt (the answer's last token is fed by the prefill)
+    assert on_stats.reused_tokens >= sum(len(t.prompt_ids) for ep in on for t in ep.turns[:-1])
+    assert off_stats.reused_tokens == 0
+    # the same prompt tokens in all, up to how many prefills the 3 identical first prompts took in each run
+    # (one per admission: the running batch's timing)
+    first = len(on[0].turns[0].prompt_ids)
+    extra = off_stats.prefilled_tokens - on_stats.prefilled_tokens - on_stats.reused_tokens
+    assert extra % first == 0 and abs(extra) <= 2 * first, (extra, first)
+    assert len({ep.sequences[0].tokens for ep in on}) == 3  # three conversations, three slots
+
+
 def test_guess_number_runs_out_of_turns_with_a_random_model(tiny):
     model, tokenizer = tiny
     (ep,) = run_workflow(guess_number_workflow, [{"secret": 37}], _backend(model, tokenizer), tokenizer,

@@ -182,28 +182,36 @@ class ContinuousScheduler:
 
     def prefill(self, chunk: Sequence[Placement]) -> None:
         """One prefill forward of `chunk`'s prompts (right-padded), their keys and values copied to each of
-        their rows' slots, and each row's first token sampled and booked."""
+        their rows' slots, and each row's first token sampled and booked. A chunk of prompts with cached
+        tokens (parked slots taken again; one row each) computes only the tokens past them, in the slots
+        (`SlotDecoder.extend`)."""
         device, pipe, dec = self.device, self.pipe, self.dec
-        u, width = len(chunk), max(len(c.prompt) for c in chunk)
+        u, width = len(chunk), max(c.computed for c in chunk)
         tok = torch.full((u, width), self.pad_id, dtype=torch.long)
         for j, item in enumerate(chunk):
-            tok[j, : len(item.prompt)] = torch.tensor(item.prompt, dtype=torch.long)
-        lengths = torch.tensor([len(c.prompt) for c in chunk], device=device)
+            tok[j, : item.computed] = torch.tensor(item.prompt[item.cached:], dtype=torch.long)
+        lengths = torch.tensor([c.computed for c in chunk], device=device)
         src_l = [j for j, item in enumerate(chunk) for _ in item.pairs]
         pairs = [pr for item in chunk for pr in item.pairs]
         src = torch.tensor(src_l, device=device)
         dst = torch.tensor([s for _, s in pairs], device=device)
         tok = tok.to(device)
+        cached = chunk[0].cached > 0  # `prefill_chunks` keeps the two kinds apart
+        offsets = torch.tensor([c.cached for c in chunk], device=device)
         for v, d in enumerate(self.decs):
-            out = d.prefill(tok, lengths, src, dst, pipe.recv(width, u, v))
+            hidden = pipe.recv(width, u, v)
+            out = d.extend(tok, lengths, offsets, dst, hidden) if cached else d.prefill(tok, lengths, src, dst, hidden)
             pipe.send(out, v)
         self.stats.prefill_calls += 1
         self.stats.prefilled_prompts += u
+        self.stats.prefilled_tokens += sum(c.computed for c in chunk)
+        self.stats.reused_tokens += sum(c.cached for c in chunk)
         self.row_of[dst] = torch.tensor([r for r, _ in pairs], device=device)
         self.count[dst] = 0
         self.done[dst] = False
-        dec.pos[dst] = lengths.index_select(0, src)  # the first sampled token goes at position len(prompt)
-        dec.plen[dst] = lengths.index_select(0, src)
+        full = torch.tensor([len(c.prompt) for c in chunk], device=device)
+        dec.pos[dst] = full.index_select(0, src)  # the first sampled token goes at position len(prompt)
+        dec.plen[dst] = full.index_select(0, src)
         nxt, logp = self.sample_broadcast(out.index_select(0, src) if pipe.last else None, dst)
         self.record(dst, nxt, logp, torch.ones_like(dst, dtype=torch.bool))
         self.table.placed(chunk, self.it)

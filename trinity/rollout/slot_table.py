@@ -8,6 +8,12 @@ ranks make the same decisions.
 
 Rows are the rollout's output rows; a group is the rows of one prompt (its n samples), prefilled once per
 admission. Slots are the KV-cache pool's rows, `free` kept sorted so that new rows take the lowest slots.
+
+Parked slots (multi-turn workflows, `trinity.workflows.stream.SchedulerStream`): a row added with a park
+key keeps its slot when it ends, its keys and values intact, under that key (the conversation); the next
+turn of that conversation names the key (`Group.reuse`) and, if the slot is still parked, takes it and is
+prefilled only past the tokens the slot already holds (`Placement.cached`). Parked slots are given back to
+the free ones, the longest parked first, when an admission needs them.
 """
 
 from __future__ import annotations
@@ -24,14 +30,26 @@ class Group:
 
     prompt: tuple[int, ...]
     rows: tuple[int, ...]
+    # per row, the key its slot is parked under when the row ends (empty: every slot is freed)
+    park: tuple[int, ...] = ()
+    # a one-row group: (key, cached): its prompt's first `cached` tokens are the keys and values of the
+    # slot parked under `key`, if it still is at admission
+    reuse: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
 class Placement:
-    """An admitted group (or the part of it that fit): its prompt and the (row, slot) pairs it takes."""
+    """An admitted group (or the part of it that fit): its prompt and the (row, slot) pairs it takes;
+    `cached`: the prompt's first tokens already in the slot (a parked slot taken again), prefilled past them."""
 
     prompt: tuple[int, ...]
     pairs: tuple[tuple[int, int], ...]
+    cached: int = 0
+
+    @property
+    def computed(self) -> int:
+        """The tokens its prefill forward computes."""
+        return len(self.prompt) - self.cached
 
 
 @dataclass(frozen=True)
@@ -51,12 +69,20 @@ def group_prompts(prompts: Sequence[Sequence[int]]) -> list[Group]:
 
 
 def prefill_chunks(placements: Sequence[Placement], tokens: int = PREFILL_TOKENS) -> list[list[Placement]]:
-    """The admitted prompts in prefill forwards of at most `tokens` padded tokens (shortest first; a prompt
-    longer than `tokens` is a chunk of its own)."""
+    """The admitted prompts in prefill forwards of at most `tokens` padded tokens computed (shortest first;
+    a prompt longer than `tokens` is a chunk of its own); prompts with cached tokens and without apart
+    (two kinds of forward)."""
+    chunks: list[list[Placement]] = []
+    for kind in (False, True):
+        chunks += _chunks([p for p in placements if bool(p.cached) == kind], tokens)
+    return chunks
+
+
+def _chunks(placements: Sequence[Placement], tokens: int) -> list[list[Placement]]:
     chunks: list[list[Placement]] = []
     chunk: list[Placement] = []
-    for item in sorted(placements, key=lambda t: len(t.prompt)):
-        width = max(len(item.prompt), *(len(c.prompt) for c in chunk)) if chunk else len(item.prompt)
+    for item in sorted(placements, key=lambda t: t.computed):
+        width = max(item.computed, *(c.computed for c in chunk)) if chunk else item.computed
         if chunk and width * (len(chunk) + 1) > tokens:
             chunks.append(chunk)
             chunk = []
@@ -83,6 +109,8 @@ class SlotTable:
     slot_pos: list[int] = field(init=False)  # upper bound of its next position (the host's estimate for L)
     slot_grp: list[int] = field(init=False)  # its prompt: an id per prompt and prefill
     slot_plen: list[int] = field(init=False)  # its prompt's length
+    slot_park: list[int | None] = field(init=False)  # the key it is parked under when its row ends
+    parked: dict[int, int] = field(default_factory=dict)  # key -> parked slot, the longest parked first
     next_grp: int = 0
     leads: list[int] = field(init=False)  # the host's copy of the decoder's `lead`
     leads_stale: bool = False  # which slot holds what changed since `new_leads` last ran
@@ -94,6 +122,7 @@ class SlotTable:
         self.slot_pos = [0] * self.slots
         self.slot_grp = [-1] * self.slots
         self.slot_plen = [0] * self.slots
+        self.slot_park = [None] * self.slots
         self.leads = list(range(self.slots))
 
     # ---- groups in and out ---------------------------------------------------------------------------
@@ -104,35 +133,70 @@ class SlotTable:
 
     @property
     def finished(self) -> bool:
-        """No row waits and no slot holds one."""
-        return not self.n_waiting and len(self.free) == self.slots
+        """No row waits and no slot holds one (parked slots hold none)."""
+        return not self.n_waiting and not self.active
+
+    def _hit(self, group: Group) -> bool:
+        """The group takes a parked slot again."""
+        return group.reuse is not None and group.reuse[0] in self.parked
 
     # ---- admission -----------------------------------------------------------------------------------
     def wants_admission(self) -> bool:
-        """Rows wait and enough slots are free: all of them, or the smaller of the rows waiting and the
-        first group's size or an eighth of the pool (a prefill for a few rows would cost a forward each)."""
-        if not (self.n_waiting and self.free):
+        """Rows wait and enough slots are free (or parked, to be freed): all of them, or the smaller of the
+        rows waiting and the first group's size or an eighth of the pool (a prefill for a few rows would
+        cost a forward each); or the first group takes its parked slot again."""
+        if not self.n_waiting:
+            return False
+        if self._hit(self.waiting[0]):
+            return True
+        room = len(self.free) + len(self.parked)
+        if not room:
             return False
         threshold = min(self.n_waiting, max(len(self.waiting[0].rows), self.slots // 8))
-        return len(self.free) >= threshold or len(self.free) == self.slots
+        return room >= threshold or not self.active
+
+    def _unpark(self, k: int) -> None:
+        """Free the k longest-parked slots (none for k <= 0)."""
+        for key in list(self.parked)[:max(k, 0)]:
+            self.free.append(self.parked.pop(key))
+        self.free.sort()
+
+    def release(self, key: int) -> None:
+        """Free the slot parked under `key` (if it is)."""
+        if key in self.parked:
+            self.free.append(self.parked.pop(key))
+            self.free.sort()
 
     def admit(self) -> list[Placement]:
-        """Take waiting groups, in order, into the lowest free slots while they fit; a first group larger
-        than the free slots is split (its rest waits and is prefilled again later). The rows stay waiting
-        until `placed`."""
+        """Take waiting groups, in order, into the lowest free slots while they fit (freeing parked slots,
+        the longest parked first, where the free ones are too few), or into their parked slot (`Group.reuse`);
+        a first group larger than the free slots is split (its rest waits and is prefilled again later). The
+        rows stay waiting until `placed`."""
         take: list[Placement] = []
-        while self.waiting and self.free:
+        while self.waiting and (self.free or self.parked or self._hit(self.waiting[0])):
             group = self.waiting[0]
+            if self._hit(group):
+                assert group.reuse is not None and len(group.rows) == 1
+                key, cached = group.reuse
+                slot = self.parked.pop(key)
+                self.waiting.pop(0)
+                self.active.add(slot)
+                self.slot_park[slot] = group.park[0] if group.park else None
+                take.append(Placement(group.prompt, ((group.rows[0], slot),), cached))
+                continue
+            self._unpark(len(group.rows) - len(self.free))
             if len(group.rows) <= len(self.free):
                 self.waiting.pop(0)
                 part = group.rows
             elif not take:
                 part = group.rows[: len(self.free)]
-                self.waiting[0] = Group(group.prompt, group.rows[len(self.free):])
+                self.waiting[0] = Group(group.prompt, group.rows[len(self.free):], group.park[len(self.free):])
             else:
                 break
             dst = [self.free.pop(0) for _ in part]
             self.active.update(dst)
+            for j, slot in enumerate(dst):
+                self.slot_park[slot] = group.park[group.rows.index(part[j])] if group.park else None
             take.append(Placement(group.prompt, tuple(zip(part, dst))))
         return take
 
@@ -157,7 +221,12 @@ class SlotTable:
                 rows.append(self.slot_row[s])
                 self.slot_row[s] = -1
                 self.active.discard(s)
-                self.free.append(s)
+                key, self.slot_park[s] = self.slot_park[s], None
+                if key is None:
+                    self.free.append(s)
+                else:
+                    self.release(key)  # a slot parked under the key before (not taken again): freed
+                    self.parked[key] = s
                 self.leads_stale = True
         self.free.sort()
         return rows
@@ -172,7 +241,13 @@ class SlotTable:
         if not live or bucket(live[-1] + 1) <= bucket(len(live)):
             return None
         src = [s for s in live if s >= len(live)]
-        dst = [s for s in self.free if s < len(live)][: len(src)]
+        dst = [s for s in self.free if s < len(live)][: len(src)]  # fewer where parked slots lie below
+        src = src[len(src) - len(dst):]  # the highest first
+        if not src:
+            return None
+        rest = set(live) - set(src) | set(dst)
+        if bucket(max(rest) + 1) >= bucket(live[-1] + 1):  # parked slots keep the bucket: no move
+            return None
         return Move(tuple(src), tuple(dst))
 
     def moved(self, move: Move, it: int) -> None:
@@ -180,6 +255,7 @@ class SlotTable:
         for s, d in zip(move.src, move.dst):
             self.slot_row[d], self.slot_admit[d], self.slot_pos[d] = self.slot_row[s], it, self.slot_pos[s]
             self.slot_grp[d], self.slot_plen[d] = self.slot_grp[s], self.slot_plen[s]
+            self.slot_park[d], self.slot_park[s] = self.slot_park[s], None
             self.slot_row[s] = -1
             self.active.discard(s)
             self.active.add(d)

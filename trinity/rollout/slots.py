@@ -128,6 +128,25 @@ class SlotDecoder(StageDecoder):
         self.keys[i][dst, :, :s] = k.index_select(0, src)
         self.values[i][dst, :, :s] = v.index_select(0, src)
 
+    def _attend_extend(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ext: dict) -> torch.Tensor:
+        """Prompts continued in their slots (`extend`): q [u, heads, s, d] and the new k/v [u, groups, s, d]
+        of tokens at positions offset.. of slots `ext["slots"]`; the new keys and values go into the slots
+        (the padding's nowhere), then each query attends over its slot's keys up to its own position (the
+        cached ones and the new), with layer i's sliding window and score cap."""
+        rows, t = ext["valid"]
+        self.keys[i][ext["slots"][rows], :, ext["qpos"][rows, t]] = k.permute(0, 2, 1, 3)[rows, t]
+        self.values[i][ext["slots"][rows], :, ext["qpos"][rows, t]] = v.permute(0, 2, 1, 3)[rows, t]
+        n = ext["keys"]
+        kk = self.keys[i].index_select(0, ext["slots"])[:, :, :n]
+        vv = self.values[i].index_select(0, ext["slots"])[:, :, :n]
+        kpos, qpos = self.kpos[:n].view(1, 1, 1, n), ext["qpos"].view(*ext["qpos"].shape, 1).unsqueeze(1)
+        allowed = kpos <= qpos  # [u, 1, s, n]
+        if self.windows[i] is not None:
+            allowed = allowed & (kpos >= qpos - self.windows[i])
+        from trinity.rollout.decode import attend
+
+        return attend(q, kk, vv, allowed, self.scale, self.softcaps[i])
+
     def _attend_decode(self, i: int, q: torch.Tensor, ctx: dict, rope: bool = False) -> torch.Tensor:
         """One query per row, a group's heads stacked: q [b, g, per, d] against the row's keys 0..pos.
         rope (split-KV only): q is the QKV projection [b, g, per + 2, d], and the kernel applies RoPE and
@@ -174,8 +193,10 @@ class SlotDecoder(StageDecoder):
             self.values[i][self.rows[:b], :, self.pos[:b]] = v[0]
             return self._attend_decode(i, q[0], ctx).reshape(b, g * per * d)  # q [b, g, per, d]
         kk, vv = k.squeeze(3).permute(1, 2, 0, 3), v.permute(1, 2, 0, 3)  # [b, g, s, d]
-        self._store_prefill(i, kk, vv, ctx["src"], ctx["dst"])
         qq = q.permute(1, 2, 3, 0, 4).reshape(b, g * per, s, d)
+        if "extend" in ctx:
+            return self._attend_extend(i, qq, kk, vv, ctx["extend"]).permute(2, 0, 1, 3).reshape(s * b, g * per * d)
+        self._store_prefill(i, kk, vv, ctx["src"], ctx["dst"])
         return self._attend_prefill(qq, kk, vv, i).permute(2, 0, 1, 3).reshape(s * b, g * per * d)
 
     def _swiglu(self, up: torch.Tensor) -> torch.Tensor:
@@ -194,6 +215,8 @@ class SlotDecoder(StageDecoder):
             out = self._attend_decode(i, q[0].reshape(b, self.groups, per, self.head_dim), ctx)
             return out.reshape(b, self.heads, 1, self.v_dim)
         kk, vv = k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3)
+        if "extend" in ctx:
+            return self._attend_extend(i, q.permute(1, 2, 0, 3), kk, vv, ctx["extend"])
         self._store_prefill(i, kk, vv, ctx["src"], ctx["dst"])
         return self._attend_prefill(q.permute(1, 2, 0, 3), kk, vv, i)
 
@@ -208,6 +231,25 @@ class SlotDecoder(StageDecoder):
         positions = torch.arange(s, device=self.device).view(s, 1).expand(s, u)
         x = self._embed(tokens, positions.t(), hidden)
         x = self._layers(x, positions, {"decode": False, "src": src, "dst": dst})
+        if not self.last:
+            return x
+        last = x[lengths - 1, torch.arange(u, device=self.device)].unsqueeze(0)  # [1, u, h]
+        return self._logits(last)
+
+    @torch.no_grad()
+    def extend(self, tokens: torch.Tensor, lengths: torch.Tensor, offsets: torch.Tensor, slots: torch.Tensor,
+               hidden: torch.Tensor | None) -> torch.Tensor:
+        """Prompts continued in their slots: row j's tokens [u, s] (right-padded, lengths[j] of them) sit at
+        positions offsets[j].. of slot slots[j], whose positions 0..offsets[j]-1 hold the keys and values of
+        the prompt's first offsets[j] tokens (a parked slot taken again: `SlotTable`). Returns each row's
+        last-token logits [u, vocab] (last stage) or the hidden states [s, u, h] to send on, as `prefill`."""
+        u, s = tokens.shape
+        qpos = offsets.view(u, 1) + torch.arange(s, device=self.device).view(1, s)  # [u, s]
+        valid = (torch.arange(s, device=self.device).view(1, s) < lengths.view(u, 1)).nonzero(as_tuple=True)
+        ext = {"slots": slots, "qpos": qpos, "valid": valid, "keys": int((offsets + lengths).max())}
+        positions = qpos.clamp(max=self.cache_len - 1).t()  # [s, u]; the padding's positions are never kept
+        x = self._embed(tokens, positions.t(), hidden)
+        x = self._layers(x, positions, {"decode": False, "extend": ext})
         if not self.last:
             return x
         last = x[lengths - 1, torch.arange(u, device=self.device)].unsqueeze(0)  # [1, u, h]

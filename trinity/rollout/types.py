@@ -67,6 +67,8 @@ class RolloutStats:
     kv_bytes_per_token: int = 0
     prefill_calls: int = 0
     prefilled_prompts: int = 0
+    prefilled_tokens: int = 0  # prompt tokens the prefill forwards computed (a prompt shared by samples once)
+    reused_tokens: int = 0  # prompt tokens whose keys and values a parked slot held (multi-turn workflows)
     decode_steps: int = 0
     live_kv_tokens: int = 0  # sum over decode steps of the live rows' context lengths (KV read floor)
     read_kv_tokens: int = 0  # the same with a prompt's keys counted once per step where its samples share them

@@ -20,7 +20,7 @@ from typing import Iterator, Literal, Sequence
 import torch
 
 from trinity.rollout.kv_budget import KVBudget
-from trinity.rollout.types import Rollout, SamplingParams
+from trinity.rollout.types import Rollout, RolloutStats, SamplingParams
 from trinity.workflows.stream import BatchStream, SchedulerStream, TurnStream
 from trinity.workflows.types import ChatTokenizer, TokenRequest, TokenResult
 
@@ -36,11 +36,22 @@ def _results(rollout: Rollout, eos: Sequence[int]) -> list[TokenResult]:
 
 
 @dataclass
+class PrefillTotals:
+    """Prompt tokens the prefill forwards computed, and those whose keys and values came from a parked slot."""
+
+    prefilled_tokens: int = 0
+    reused_tokens: int = 0
+
+
+@dataclass
 class RolloutBackend:
     """A megatron GPTModel (or the rank's model chunks) behind the sessions, on one rank (workflows run
     without model parallelism). `context_tokens`: the most tokens of a turn's prompt and response together
     (the sessions' `Limits.context_tokens`): the KV cache of a slot. `calls`: engines opened (continuous) or
-    engine calls made (reference)."""
+    engine calls made (reference). `reuse`: a turn takes its conversation's parked KV slot and prefills only
+    the tokens past what it holds (`trinity.workflows.stream.SchedulerStream`; off: every turn's prompt is
+    prefilled whole, for a comparison). `stats`: what the continuous engines opened so far did, summed
+    (prompt tokens prefilled and taken from parked slots)."""
 
     model: torch.nn.Module | list[torch.nn.Module]  # a GPTModel (or DDP wrapper), or the rank's VPP chunks
     vocab_size: int  # the tokenizer's: padded vocabulary columns are never sampled
@@ -51,6 +62,8 @@ class RolloutBackend:
     context_tokens: int = 4096
     calls: int = 0
     seed: int | None = None  # the keyed draws' seed, drawn from `generator` when the first engine opens
+    reuse: bool = True
+    stats: PrefillTotals = field(default_factory=PrefillTotals)
 
     def _chunks(self) -> list[torch.nn.Module]:
         return list(self.model) if isinstance(self.model, (list, tuple)) else [self.model]
@@ -78,10 +91,15 @@ class RolloutBackend:
         # token bound, each row limited to its own turn's max_new_tokens
         params = replace(sampling, max_new_tokens=self.context_tokens)
         self.calls += 1
-        with open_engine(self.model, params, rows=rows, longest_prompt=0, vocab_size=self.vocab_size,
-                         pad_id=self.pad_id, budget=self.budget, generator=self.generator, keyed=True,
-                         seed=self.seed) as sched:
-            yield SchedulerStream(sched, self.context_tokens, sampling.eos_token_ids)
+        stats = RolloutStats()
+        try:
+            with open_engine(self.model, params, rows=rows, longest_prompt=0, vocab_size=self.vocab_size,
+                             pad_id=self.pad_id, budget=self.budget, generator=self.generator, keyed=True,
+                             seed=self.seed, stats=stats) as sched:
+                yield SchedulerStream(sched, self.context_tokens, sampling.eos_token_ids, reuse=self.reuse)
+        finally:
+            self.stats.prefilled_tokens += stats.prefilled_tokens
+            self.stats.reused_tokens += stats.reused_tokens
 
     def generate(self, requests: Sequence[TokenRequest]) -> list[TokenResult]:
         """One call per distinct sampling setting, in the requests' order."""

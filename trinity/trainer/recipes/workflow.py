@@ -35,6 +35,7 @@ from trinity.trainer.samples import Sample
 if TYPE_CHECKING:
     from trinity.data.loader import RowSampler
     from trinity.trainer.recipes.rl import RLRecipe, Sampled
+    from trinity.workflows.backends import PrefillTotals
     from trinity.workflows.batcher import BatchStats
     from trinity.workflows.types import Episode, Task, TrainingSequence
 
@@ -183,10 +184,11 @@ class WorkflowSampling:
                                dp_rank=dp_rank, dp_size=dp_size, shuffle=cfg.data.shuffle)
         return cls(recipe, data)
 
-    def run_episodes(self, tasks: Sequence[Task], gen: torch.Generator) -> tuple[list[Episode], BatchStats]:
-        """(episodes, task-major, rollout.n per task; what the running batch did). The actor's model chunks
-        decode through one open continuous engine (workflow jobs run without model parallelism, so sequence
-        parallelism is off), its KV slots sized to the context limit."""
+    def run_episodes(self, tasks: Sequence[Task], gen: torch.Generator) -> tuple[list[Episode], BatchStats, PrefillTotals]:
+        """(episodes, task-major, rollout.n per task; what the running batch did; the prompt tokens prefilled
+        and taken from parked KV slots). The actor's model chunks decode through one open continuous engine
+        (workflow jobs run without model parallelism, so sequence parallelism is off), its KV slots sized to
+        the context limit."""
         from trinity.rollout.kv_budget import KVBudget
         from trinity.workflows.backends import RolloutBackend
         from trinity.workflows.batcher import RunningBatcher
@@ -212,7 +214,7 @@ class WorkflowSampling:
                 stats.append(batcher.stats)
 
         stats: list[BatchStats] = []
-        return asyncio.run(run_all()), stats[0]
+        return asyncio.run(run_all()), stats[0], backend.stats
 
     def sample(self, step: int, gen: torch.Generator) -> Sampled:
         from trinity.trainer.recipes.lora_ref import rollout_weights
@@ -224,14 +226,14 @@ class WorkflowSampling:
         n = recipe.cfg.actor_rollout_ref.rollout.n
         rows = self.data.next_batch()
 
-        def run() -> tuple[list[Episode], BatchStats]:
+        def run() -> tuple[list[Episode], BatchStats, PrefillTotals]:
             with rollout_weights(recipe.actor, keep=recipe.cfg.actor_rollout_ref.actor.lora.rollout_weights):
                 try:
                     return self.run_episodes([r.task for r in rows], gen)
                 except WorkflowError as e:
                     raise UserError(f"workflow.function: {e}") from e
 
-        episodes, batch = recipe.phases.run(
+        episodes, batch, prefill = recipe.phases.run(
             "rollout", {"actor": {"params": True}}, run,
             tokens=lambda r: sum(len(t.output_ids) for ep in r[0] for t in ep.turns))
         device = recipe.phases.device
@@ -243,9 +245,16 @@ class WorkflowSampling:
                                               group=dp_group).item())
             if most > built.rollout.tokens.shape[0]:
                 built = episode_rows(episodes, groups, recipe.pad_id, device, rows=most)
+        # the share of the turns' prompt tokens whose keys came from the conversation's parked KV slot
+        # instead of a prefill, over the DP ranks (a device tensor: NCCL reduces nothing on the host)
+        tokens = torch.tensor([float(prefill.reused_tokens), float(prefill.prefilled_tokens)], dtype=torch.float64,
+                              device=device)
+        if dp > 1:
+            tokens = collectives.all_reduce(tokens, group=dp_group)
         metrics: Metrics = {"workflow/live_rows_mean": batch.live_rows_mean,
                             "workflow/turns_joined": batch.joined / max(batch.turns, 1),
-                            "workflow/sequences": built.rollout.tokens.shape[0]}
+                            "workflow/sequences": built.rollout.tokens.shape[0],
+                            "workflow/prompt_tokens_reused": float(tokens[0] / tokens.sum().clamp(min=1))}
         metrics["workflow/turns_mean"], _ = _dp_stats(torch.tensor([float(len(e.turns)) for e in episodes], device=device))
         for reason in END_REASONS:
             metrics[f"workflow/end_{reason}"], _ = _dp_stats(
