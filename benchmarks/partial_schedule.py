@@ -2,9 +2,9 @@
 step, the cached keys of the rows a decode step attends over (each row's own context, a prompt's keys
 counted per answer) and decoded tokens per step of training, from the real engine (`generate_continuous`, `generate_partial`)
 on the tiny Qwen2 on the CPU, or on a random-weight model of a benchmarks/generate.py shape on the GPU
-(`--device cuda`). The last two columns time each call: its wall seconds and the part of them its decode
-steps took (`RolloutStats.time_buckets`: on CUDA the GPU time between events around each step); the rest
-is prefill, admission and the host's bookkeeping. On the CPU the times are the tiny model's and say
+(`--device cuda`). The last three columns time each call: its wall seconds, and the parts of them its decode
+steps and its prefill forwards took (`RolloutStats.time_buckets`: on CUDA the GPU time between events
+around each); the rest is the host's: admission, bookkeeping, kernels compiled for new shapes. On the CPU the times are the tiny model's and say
 little; what counts there is the schedule, which a GPU step's time follows.
 
     python benchmarks/partial_schedule.py                       # 64 prompts x 8, up to 1024 tokens, lognormal
@@ -14,7 +14,8 @@ little; what counts there is the schedule, which a GPU step's time follows.
 Cases: `lognormal` (one rollout of the batch to its longest answer), `fixed:N` (every answer N tokens, N
 the lognormal mean: the same real tokens), and `partial s=S o=O` (`max_staleness` S, O prompts in flight)
 with the lognormal lengths drawn per sample as benchmarks/eos_schedule.py draws them for rl_step.py.
-Means over the calls after the first (partial rollouts reach their steady state from the second).
+Means over the calls after the first `--warmup` (partial rollouts reach their steady state from the second;
+on the GPU the first calls also compile kernels for the batch buckets they reach first).
 """
 
 from __future__ import annotations
@@ -45,6 +46,9 @@ def main() -> None:
     ap.add_argument("--baselines", choices=["yes", "no"], default="yes", help="also the lognormal and fixed-length cases")
     ap.add_argument("--staleness", default="1,2,4", help="comma list of max_staleness, one partial case each")
     ap.add_argument("--over-sampling", default="", help="comma list of prompts in flight (default: 2 x --prompts)")
+    ap.add_argument("--warmup", type=int, default=1,
+                    help="calls left out of the means: partial rollouts reach their steady state from the second, and "
+                         "on the GPU a call's first batch buckets compile their kernels (leave out 4 or so there)")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--shape", default="0.5b", help="--device cuda: a shape of benchmarks/generate.py (random weights, bf16)")
     ap.add_argument("--max-num-seqs", type=int, default=None,
@@ -94,11 +98,12 @@ def main() -> None:
         if profiled and profile is not None:
             profile.disable()
         wall = time.perf_counter() - t0
-        return out, {"call s": wall, "decode s": sum(b.ms for b in stats.buckets.values()) / 1e3}
+        return out, {"call s": wall, "decode s": sum(b.ms for b in stats.buckets.values()) / 1e3,
+                     "prefill s": stats.prefill_ms / 1e3}
     rows: list[tuple[str, dict[str, float]]] = []
 
     def add(name: str, calls: list[dict[str, float]]) -> None:
-        steady = calls[1:] or calls
+        steady = calls[args.warmup:] or calls
         # means, not medians: with partial rollouts the calls alternate (a step that waits for due groups,
         # then one that finds most of its groups complete)
         mean = {k: statistics.fmean(c[k] for c in steady) for k in steady[0]}
@@ -156,14 +161,14 @@ def main() -> None:
         print(buf.getvalue())
     print()
     print(f"{P} prompts x {n} answers, up to {max_new} tokens; {args.device}"
-          f"{' ' + args.shape if args.device == 'cuda' else ''}; means of calls 2-{args.calls}")
+          f"{' ' + args.shape if args.device == 'cuda' else ''}; means of calls {args.warmup + 1}-{args.calls}")
     print("| case | decode steps | rows per step | keys per step | decoded tokens | trained tokens | prefill forwards "
-          "| s per call | decode steps' s |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| s per call | decode steps' s | prefill forwards' s |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for name, m in rows:
         print(f"| {name} | {m['decode steps']:.0f} | {m['rows per step']:.0f} | {m['keys per step']:.0f} | "
               f"{m['decoded tokens']:.0f} | {m['trained tokens']:.0f} | {m['prefill forwards']:.0f} | "
-              f"{m['call s']:.3f} | {m['decode s']:.3f} |")
+              f"{m['call s']:.3f} | {m['decode s']:.3f} | {m['prefill s']:.3f} |")
 
 
 if __name__ == "__main__":

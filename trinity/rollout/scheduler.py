@@ -112,6 +112,7 @@ class ContinuousScheduler:
         self.finished = False
         # time_buckets: (bucket, live rows, live KV, read KV, start, end) per decode step, read in `finish`
         self.step_events: list[tuple[int, int, int, int, Any, Any]] | None = [] if stats.time_buckets else None
+        self.prefill_events: list[tuple[Any, Any]] = []  # (start, end) of each prefill forward (time_buckets)
 
     def add(self, groups: Sequence[Group]) -> None:
         """Prompt groups that wait for slots (their rows below `rows`)."""
@@ -198,10 +199,13 @@ class ContinuousScheduler:
         tok = tok.to(device)
         cached = chunk[0].cached > 0  # `prefill_chunks` keeps the two kinds apart
         offsets = torch.tensor([c.cached for c in chunk], device=device)
+        ev0 = _clock(device) if self.step_events is not None else None
         for v, d in enumerate(self.decs):
             hidden = pipe.recv(width, u, v)
             out = d.extend(tok, lengths, offsets, dst, hidden) if cached else d.prefill(tok, lengths, src, dst, hidden)
             pipe.send(out, v)
+        if ev0 is not None:
+            self.prefill_events.append((ev0, _clock(device)))
         self.stats.prefill_calls += 1
         self.stats.prefilled_prompts += u
         self.stats.prefilled_tokens += sum(c.computed for c in chunk)
@@ -325,6 +329,11 @@ class ContinuousScheduler:
         stats, device = self.stats, self.device
         stats.graph_captures = sum(d.captures for d in self.decs)
         stats.capture_s = sum(d.capture_s for d in self.decs)
+        if self.prefill_events:
+            if device.type == "cuda":
+                self.prefill_events[-1][1].synchronize()
+            stats.prefill_ms = sum(a.elapsed_time(b) if device.type == "cuda" else (b - a) * 1e3
+                                   for a, b in self.prefill_events)
         if self.step_events:
             if device.type == "cuda":
                 self.step_events[-1][5].synchronize()

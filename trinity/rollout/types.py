@@ -83,6 +83,7 @@ class RolloutStats:
     waves: int = 0  # admissions
     time_buckets: bool = False  # set by the caller: time every decode step, per batch bucket (`BucketTime`)
     buckets: dict[int, "BucketTime"] = field(default_factory=dict)  # batch bucket -> its steps (time_buckets)
+    prefill_ms: float = 0.0  # the prefill forwards' time (time_buckets; on CUDA GPU time between events)
 
     def bucket_lines(self) -> list[str]:
         """The decode steps per batch bucket (`time_buckets`) as the lines of a table, for a profiled RL
