@@ -24,24 +24,14 @@ def tiny(tmp_path_factory):
     byte-level tokenizer (259 tokens, vocabulary padded to 320)."""
     from transformers import AutoTokenizer
 
-    from trinity.config.megatron import MegatronConfig
-    from trinity.convert.builtin import load_hf_weights
-    from trinity.distributed.layout import ParallelLayout
-    from trinity.distributed.parallel import destroy, init_parallel
-    from trinity.models.build import build_model
-    from trinity.models.facts import ModelFacts
+    from trinity.distributed.parallel import destroy
     from trinity.testing.tiny_assets import make_tiny_tokenizer
-    from trinity.testing.tiny_models import make_tiny_hf_model
+    from trinity.testing.tiny_models import tiny_chunk_cpu
 
     tokenizer = AutoTokenizer.from_pretrained(str(make_tiny_tokenizer(tmp_path_factory.mktemp("tok"))), trust_remote_code=False)
     tokenizer.chat_template = QWEN2_5
-    path = make_tiny_hf_model("qwen2", tmp_path_factory.mktemp("qwen2"), vocab_size=320,
-                              max_position_embeddings=4096)
-    facts = ModelFacts.from_hf_dir(path)
-    init_parallel(device="cpu", layout=ParallelLayout(), seed=3)
-    chunks = build_model(facts, MegatronConfig(), device="cpu", dtype=torch.float32)
-    load_hf_weights(chunks, path, facts)
-    yield chunks[0], tokenizer
+    model, _, _ = tiny_chunk_cpu("qwen2", tmp_path_factory.mktemp("qwen2"), vocab_size=320, max_position_embeddings=4096)
+    yield model, tokenizer
     destroy()
 
 

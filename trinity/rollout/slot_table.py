@@ -195,8 +195,8 @@ class SlotTable:
                 break
             dst = [self.free.pop(0) for _ in part]
             self.active.update(dst)
-            for j, slot in enumerate(dst):
-                self.slot_park[slot] = group.park[group.rows.index(part[j])] if group.park else None
+            for j, slot in enumerate(dst):  # `part` is the first rows of the group
+                self.slot_park[slot] = group.park[j] if group.park else None
             take.append(Placement(group.prompt, tuple(zip(part, dst))))
         return take
 

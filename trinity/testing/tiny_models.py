@@ -142,10 +142,11 @@ def make_tiny_hf_model(
     return out
 
 
-def tiny_chunk_cpu(family: str, root: Path) -> tuple[Any, Any, Path]:
-    """(model chunk, ModelFacts, HF folder) of the tiny random model of `family` made under `root`, fp32 on
-    the CPU at TP=PP=1, with megatron's parallel state brought up (gloo, one process) for it; the caller
-    tears it down (`trinity.distributed.parallel.destroy`) when done. What the rollout tests and the CPU
+def tiny_chunk_cpu(family: str, root: Path, **config_overrides: Any) -> tuple[Any, Any, Path]:
+    """(model chunk, ModelFacts, HF folder) of the tiny random model of `family` made under `root`
+    (`config_overrides`: as `make_tiny_hf_model`'s), fp32 on the CPU at TP=PP=1, with megatron's parallel
+    state brought up (gloo, one process) for it; the caller tears it down
+    (`trinity.distributed.parallel.destroy`) when done. What the rollout and workflow tests and the CPU
     schedule benchmark decode with."""
     import torch
 
@@ -156,7 +157,7 @@ def tiny_chunk_cpu(family: str, root: Path) -> tuple[Any, Any, Path]:
     from trinity.models.build import build_model
     from trinity.models.facts import ModelFacts
 
-    path = make_tiny_hf_model(family, root)
+    path = make_tiny_hf_model(family, root, **config_overrides)
     facts = ModelFacts.from_hf_dir(path)
     init_parallel(device="cpu", layout=ParallelLayout(), seed=3)
     chunks = build_model(facts, MegatronConfig(), device="cpu", dtype=torch.float32)
